@@ -1,0 +1,48 @@
+# The two commands a newcomer needs:
+#   make run   - a local control plane with the operator managing a SmolLM2 fleet
+#   make test  - everything the project checks, after whatever set-up is missing
+#
+# Heavy artefacts (Kubernetes binaries, the model, Python environments) are cached under
+# $(NPUFLEET_CACHE), keyed by version, never in the repository.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+NPUFLEET_CACHE ?= $(HOME)/.cache/npufleet
+export NPUFLEET_CACHE
+CARGO ?= cargo
+
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench clean-cache
+
+run: setup
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) run --release -p npufleet-tests --bin npufleet-local -- --target-dir target/release
+
+setup:
+	@tests/setup/control-plane.sh >/dev/null
+	@tests/setup/model.sh >/dev/null
+	@tests/setup/python-env.sh >/dev/null
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+build:
+	$(CARGO) build --workspace --bins
+
+unit-and-e2e: build
+	$(CARGO) test --workspace --no-fail-fast
+
+python-clients: build
+	NPUFLEET_WORKER_BIN=$(CURDIR)/target/debug/npufleet-worker \
+	  "$$(tests/setup/python-env.sh)" -m pytest -q tests/python
+
+test: setup lint unit-and-e2e python-clients
+
+# Regenerates the CRD YAML from the Rust types (a test fails when they drift).
+crds:
+	$(CARGO) run -p npufleet-crds --bin npufleet-crdgen
+
+# Engine benchmark side by side with llama.cpp on the same GGUF (slow; not part of test).
+bench:
+	$(CARGO) build --release -p npufleet-worker
+	target/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp

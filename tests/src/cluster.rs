@@ -1,0 +1,583 @@
+//! A throw-away Kubernetes control plane from the upstream binaries: etcd and
+//! kube-apiserver (RBAC on) on free loopback ports, optionally kube-controller-manager,
+//! kube-scheduler and KWOK with fake nodes.
+//!
+//! TLS is real: a CA, a serving certificate for 127.0.0.1 and a service-account signing key
+//! are made per cluster, and the admin authenticates with a bearer token in
+//! `system:masters`, so kubectl, helm and kube-rs all connect the way they would to a real
+//! cluster.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use kube::api::{Api, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+
+use crate::paths;
+use crate::process::{Process, ScratchDir, free_port};
+use crate::wait;
+
+/// The label KWOK selects the nodes it fakes by.
+pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
+
+/// A node KWOK keeps Ready; its capacity is what the scheduler places pods against.
+#[derive(Debug, Clone)]
+pub struct FakeNode {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub capacity: BTreeMap<String, String>,
+}
+
+impl FakeNode {
+    /// An Atlas 800-style server: 8 × Ascend 910 (910B3) as the MindCluster device plugin
+    /// advertises them.
+    pub fn ascend910(name: &str) -> Self {
+        Self::with_accelerator(
+            name,
+            "huawei.com/Ascend910",
+            "8",
+            &[
+                ("accelerator", "huawei-Ascend910"),
+                ("node.kubernetes.io/npu.chip.name", "910B3"),
+                ("accelerator-type", "module-910b-8"),
+            ],
+        )
+    }
+
+    /// A CCE node with the "CCE AI Suite (Ascend NPU)" add-on's resource name.
+    pub fn cce_ascend1980(name: &str) -> Self {
+        Self::with_accelerator(
+            name,
+            "huawei.com/ascend-1980",
+            "8",
+            &[
+                ("accelerator", "huawei-Ascend910"),
+                ("node.kubernetes.io/npu.chip.name", "910B3"),
+            ],
+        )
+    }
+
+    /// A plain CPU node.
+    pub fn cpu(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            labels: BTreeMap::new(),
+            capacity: base_capacity(),
+        }
+    }
+
+    fn with_accelerator(name: &str, resource: &str, count: &str, labels: &[(&str, &str)]) -> Self {
+        let mut capacity = base_capacity();
+        capacity.insert(resource.to_string(), count.to_string());
+        Self {
+            name: name.to_string(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            capacity,
+        }
+    }
+}
+
+fn base_capacity() -> BTreeMap<String, String> {
+    [("cpu", "64"), ("memory", "512Gi"), ("pods", "110")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Which components run beside etcd and kube-apiserver.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    pub controller_manager: bool,
+    pub scheduler: bool,
+    pub kwok: bool,
+    pub nodes: Vec<FakeNode>,
+    /// kube-controller-manager's HPA sync period (upstream default 15 s).
+    pub hpa_sync_period: Duration,
+    /// kube-controller-manager's HPA scale-down stabilisation (upstream default 5 min).
+    pub hpa_downscale_stabilization: Duration,
+    /// Extra kube-apiserver flags.
+    pub apiserver_args: Vec<String>,
+}
+
+impl ClusterOptions {
+    /// etcd and kube-apiserver only: API behaviour (validation, apply, watches).
+    pub fn api_only() -> Self {
+        Self {
+            controller_manager: false,
+            scheduler: false,
+            kwok: false,
+            nodes: Vec::new(),
+            hpa_sync_period: Duration::from_secs(15),
+            hpa_downscale_stabilization: Duration::from_secs(300),
+            apiserver_args: Vec::new(),
+        }
+    }
+
+    /// Every component, two fake Ascend 910 servers, a fake CCE 910B server and a CPU node.
+    /// HPA timings are shortened so HPA behaviour shows within a test's time.
+    pub fn full() -> Self {
+        Self {
+            controller_manager: true,
+            scheduler: true,
+            kwok: true,
+            nodes: vec![
+                FakeNode::ascend910("ascend-node-0"),
+                FakeNode::ascend910("ascend-node-1"),
+                FakeNode::cce_ascend1980("cce-node-0"),
+                FakeNode::cpu("cpu-node-0"),
+            ],
+            hpa_sync_period: Duration::from_secs(2),
+            hpa_downscale_stabilization: Duration::from_secs(10),
+            apiserver_args: Vec::new(),
+        }
+    }
+}
+
+/// A running control plane. Dropping it kills every process and removes its data.
+pub struct Cluster {
+    processes: Mutex<Vec<Process>>,
+    server: String,
+    kubeconfig: PathBuf,
+    bin: PathBuf,
+    started_in: Duration,
+    dir: ScratchDir,
+}
+
+/// The cluster shared by every test of one test binary, with all components
+/// ([`ClusterOptions::full`]). Tests isolate themselves with [`Cluster::namespace`].
+pub fn shared() -> &'static Cluster {
+    static SHARED: OnceLock<Cluster> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        // Built on its own thread and runtime so callers may be inside any async runtime.
+        std::thread::spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(Cluster::start(ClusterOptions::full()))
+        })
+        .join()
+        .expect("cluster start thread")
+        .unwrap_or_else(|e| panic!("starting the shared test cluster: {e:#}"))
+    })
+}
+
+struct Pki {
+    ca_pem: String,
+    ca_file: PathBuf,
+    cert_file: PathBuf,
+    key_file: PathBuf,
+    sa_key_file: PathBuf,
+    sa_pub_file: PathBuf,
+}
+
+fn make_pki(dir: &Path) -> Result<Pki> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "npufleet-test-ca");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+
+    let server_key = KeyPair::generate()?;
+    let mut server_params = CertificateParams::new(vec![
+        "127.0.0.1".to_string(),
+        "localhost".to_string(),
+        "kubernetes".to_string(),
+        "kubernetes.default.svc".to_string(),
+    ])?;
+    server_params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-apiserver");
+    let server_cert = server_params.signed_by(&server_key, &issuer)?;
+
+    let sa_key = KeyPair::generate()?;
+
+    let pki = Pki {
+        ca_pem: ca_cert.pem(),
+        ca_file: dir.join("ca.crt"),
+        cert_file: dir.join("apiserver.crt"),
+        key_file: dir.join("apiserver.key"),
+        sa_key_file: dir.join("sa.key"),
+        sa_pub_file: dir.join("sa.pub"),
+    };
+    std::fs::write(&pki.ca_file, &pki.ca_pem)?;
+    std::fs::write(&pki.cert_file, server_cert.pem())?;
+    std::fs::write(&pki.key_file, server_key.serialize_pem())?;
+    std::fs::write(&pki.sa_key_file, sa_key.serialize_pem())?;
+    std::fs::write(&pki.sa_pub_file, sa_key.public_key_pem())?;
+    Ok(pki)
+}
+
+fn kubeconfig_yaml(server: &str, ca_pem: &str, token: &str) -> String {
+    use std::fmt::Write;
+    use base64::Engine as _;
+    let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\ncurrent-context: local\n"
+    );
+    s
+}
+
+fn random_token() -> String {
+    rand::random::<[u8; 24]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+impl Cluster {
+    /// Starts the control plane and waits until the apiserver is ready and, when asked,
+    /// the fake nodes are Ready.
+    pub async fn start(opts: ClusterOptions) -> Result<Cluster> {
+        let started = Instant::now();
+        let bin = tokio::task::spawn_blocking(paths::control_plane_bin).await??;
+        let dir = ScratchDir::new("cluster")?;
+        let d = dir.path().to_path_buf();
+        let pki = make_pki(&d)?;
+        let token = random_token();
+        std::fs::write(
+            d.join("tokens.csv"),
+            format!("{token},admin,admin,\"system:masters\"\n"),
+        )?;
+
+        let etcd_port = free_port()?;
+        let etcd_peer_port = free_port()?;
+        let api_port = free_port()?;
+        let server = format!("https://127.0.0.1:{api_port}");
+        let kubeconfig = d.join("kubeconfig");
+        std::fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki.ca_pem, &token))?;
+
+        let cluster = Cluster {
+            processes: Mutex::new(Vec::new()),
+            server: server.clone(),
+            kubeconfig: kubeconfig.clone(),
+            bin: bin.clone(),
+            started_in: Duration::ZERO,
+            dir,
+        };
+
+        let mut etcd = Command::new(bin.join("etcd"));
+        etcd.args([
+            format!("--data-dir={}", d.join("etcd").display()),
+            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
+            format!("--advertise-client-urls=http://127.0.0.1:{etcd_port}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{etcd_peer_port}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}"),
+            format!("--initial-cluster=default=http://127.0.0.1:{etcd_peer_port}"),
+            "--unsafe-no-fsync=true".to_string(),
+            "--log-level=warn".to_string(),
+        ]);
+        cluster.spawn("etcd", etcd)?;
+
+        let mut apiserver = Command::new(bin.join("kube-apiserver"));
+        apiserver.args([
+            format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
+            "--bind-address=127.0.0.1".to_string(),
+            "--advertise-address=127.0.0.1".to_string(),
+            format!("--secure-port={api_port}"),
+            format!("--cert-dir={}", d.join("certs").display()),
+            format!("--tls-cert-file={}", pki.cert_file.display()),
+            format!("--tls-private-key-file={}", pki.key_file.display()),
+            format!("--client-ca-file={}", pki.ca_file.display()),
+            "--service-cluster-ip-range=10.0.0.0/24".to_string(),
+            "--allow-privileged=true".to_string(),
+            "--authorization-mode=Node,RBAC".to_string(),
+            format!("--token-auth-file={}", d.join("tokens.csv").display()),
+            format!("--service-account-issuer=https://127.0.0.1:{api_port}"),
+            format!("--service-account-key-file={}", pki.sa_pub_file.display()),
+            format!(
+                "--service-account-signing-key-file={}",
+                pki.sa_key_file.display()
+            ),
+            "--api-audiences=https://kubernetes.default.svc".to_string(),
+            "--endpoint-reconciler-type=none".to_string(),
+            // No kube-proxy here: the aggregator reaches extension servers at their endpoints.
+            "--enable-aggregator-routing=true".to_string(),
+            "--enable-priority-and-fairness=false".to_string(),
+            "--v=0".to_string(),
+        ]);
+        apiserver.args(&opts.apiserver_args);
+        cluster.spawn("kube-apiserver", apiserver)?;
+
+        let client = wait::until("kube-apiserver /readyz", Duration::from_secs(90), || async {
+            cluster.ensure_running().map_err(wait::fatal)?;
+            let client = cluster.client().await?;
+            let req = http::Request::get("/readyz").body(Vec::new())?;
+            client.request_text(req).await?;
+            Ok(Some(client))
+        })
+        .await?;
+
+        if opts.controller_manager {
+            let mut kcm = Command::new(bin.join("kube-controller-manager"));
+            kcm.args([
+                format!("--kubeconfig={}", kubeconfig.display()),
+                format!("--authentication-kubeconfig={}", kubeconfig.display()),
+                format!("--authorization-kubeconfig={}", kubeconfig.display()),
+                "--leader-elect=false".to_string(),
+                "--controllers=*".to_string(),
+                format!(
+                    "--service-account-private-key-file={}",
+                    pki.sa_key_file.display()
+                ),
+                format!("--root-ca-file={}", pki.ca_file.display()),
+                "--bind-address=127.0.0.1".to_string(),
+                format!("--secure-port={}", free_port()?),
+                format!(
+                    "--horizontal-pod-autoscaler-sync-period={}s",
+                    opts.hpa_sync_period.as_secs().max(1)
+                ),
+                format!(
+                    "--horizontal-pod-autoscaler-downscale-stabilization={}s",
+                    opts.hpa_downscale_stabilization.as_secs()
+                ),
+                format!("--cert-dir={}", d.join("kcm-certs").display()),
+            ]);
+            cluster.spawn("kube-controller-manager", kcm)?;
+        }
+        if opts.scheduler {
+            let mut sched = Command::new(bin.join("kube-scheduler"));
+            sched.args([
+                format!("--kubeconfig={}", kubeconfig.display()),
+                format!("--authentication-kubeconfig={}", kubeconfig.display()),
+                format!("--authorization-kubeconfig={}", kubeconfig.display()),
+                "--leader-elect=false".to_string(),
+                "--bind-address=127.0.0.1".to_string(),
+                format!("--secure-port={}", free_port()?),
+                format!("--cert-dir={}", d.join("scheduler-certs").display()),
+            ]);
+            cluster.spawn("kube-scheduler", sched)?;
+        }
+        if opts.kwok {
+            let stages = paths::kwok_stages()?;
+            let configs = [
+                "node/fast/node-initialize.yaml",
+                "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+                "pod/fast/pod-ready.yaml",
+                "pod/fast/pod-complete.yaml",
+                "pod/fast/pod-delete.yaml",
+            ]
+            .iter()
+            .map(|c| stages.join(c).display().to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+            let mut kwok = Command::new(bin.join("kwok"));
+            kwok.args([
+                format!("--kubeconfig={}", kubeconfig.display()),
+                "--manage-all-nodes=false".to_string(),
+                format!("--manage-nodes-with-label-selector={KWOK_NODE_LABEL}=true"),
+                format!("--server-address=127.0.0.1:{}", free_port()?),
+                "--node-lease-duration-seconds=40".to_string(),
+                format!("--config={configs}"),
+            ]);
+            cluster.spawn("kwok", kwok)?;
+            for node in &opts.nodes {
+                cluster.add_fake_node(&client, node).await?;
+            }
+        }
+        if opts.controller_manager {
+            // The service-account controller creating `default` proves the controllers run.
+            let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+                Api::namespaced(client.clone(), "default");
+            wait::until(
+                "the default ServiceAccount",
+                Duration::from_secs(60),
+                || async {
+                    cluster.ensure_running().map_err(wait::fatal)?;
+                    Ok(sa.get_opt("default").await?)
+                },
+            )
+            .await?;
+        }
+        Ok(Cluster {
+            started_in: started.elapsed(),
+            ..cluster
+        })
+    }
+
+    fn spawn(&self, name: &str, cmd: Command) -> Result<()> {
+        let log = self.dir.path().join(format!("{name}.log"));
+        let process = Process::start(name, cmd, &log)?;
+        self.processes.lock().expect("processes").push(process);
+        Ok(())
+    }
+
+    /// Fails with the log tail of any component that has exited.
+    pub fn ensure_running(&self) -> Result<()> {
+        for p in self.processes.lock().expect("processes").iter_mut() {
+            p.ensure_running()?;
+        }
+        Ok(())
+    }
+
+    /// How long [`Cluster::start`] took.
+    pub fn started_in(&self) -> Duration {
+        self.started_in
+    }
+
+    pub fn server_url(&self) -> &str {
+        &self.server
+    }
+
+    /// An admin kubeconfig (bearer token in `system:masters`, real CA).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// A directory for a test's own files, removed with the cluster.
+    pub fn scratch(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A fresh admin client. Create one per test: a client belongs to the async runtime
+    /// that created it.
+    pub async fn client(&self) -> Result<Client> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)?;
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// A client that authenticates with `token` (for example a ServiceAccount's) instead of
+    /// the admin's, against the same server and CA.
+    pub async fn client_with_token(&self, token: &str) -> Result<Client> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)?;
+        let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+        config.auth_info.token = Some(token.to_string().into());
+        Ok(Client::try_from(config)?)
+    }
+
+    /// A pinned control-plane binary (`kubectl`, `helm`, …).
+    pub fn tool(&self, name: &str) -> PathBuf {
+        self.bin.join(name)
+    }
+
+    /// `kubectl` against this cluster.
+    pub fn kubectl(&self) -> Command {
+        let mut cmd = Command::new(self.tool("kubectl"));
+        cmd.env("KUBECONFIG", &self.kubeconfig);
+        cmd
+    }
+
+    /// `helm` against this cluster, with its state kept in the cluster's scratch dir.
+    pub fn helm(&self) -> Command {
+        let mut cmd = Command::new(self.tool("helm"));
+        let home = self.dir.path().join("helm");
+        cmd.env("KUBECONFIG", &self.kubeconfig)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"));
+        cmd
+    }
+
+    /// Creates a namespace named after the test with a unique suffix.
+    pub async fn namespace(&self, client: &Client, test: &str) -> Result<String> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let base: String = test
+            .to_ascii_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(40)
+            .collect();
+        let name = format!(
+            "{}-{}-{}",
+            base.trim_matches('-'),
+            std::process::id() % 10_000,
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": { "name": name }
+        }))?;
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("creating namespace {name}"))?;
+        Ok(name)
+    }
+
+    /// Registers a node that KWOK keeps Ready, and waits for it to be Ready.
+    pub async fn add_fake_node(&self, client: &Client, node: &FakeNode) -> Result<()> {
+        let mut labels = node.labels.clone();
+        labels.insert(KWOK_NODE_LABEL.to_string(), "true".to_string());
+        labels.insert("kubernetes.io/hostname".to_string(), node.name.clone());
+        labels.insert("kubernetes.io/os".to_string(), "linux".to_string());
+        labels.insert("kubernetes.io/arch".to_string(), "amd64".to_string());
+        labels.insert("type".to_string(), "kwok".to_string());
+        let obj: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": node.name,
+                "labels": labels,
+                "annotations": { "node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake" }
+            },
+            "spec": {},
+            "status": {
+                "capacity": node.capacity,
+                "allocatable": node.capacity,
+                "nodeInfo": {
+                    "architecture": "amd64", "operatingSystem": "linux",
+                    "kubeletVersion": "fake", "kubeProxyVersion": "fake",
+                    "bootID": "", "containerRuntimeVersion": "", "kernelVersion": "",
+                    "machineID": "", "osImage": "", "systemUUID": ""
+                }
+            }
+        }))?;
+        let nodes: Api<Node> = Api::all(client.clone());
+        nodes
+            .create(&PostParams::default(), &obj)
+            .await
+            .with_context(|| format!("creating node {}", node.name))?;
+        wait::until(
+            &format!("node {} Ready", node.name),
+            Duration::from_secs(60),
+            || async {
+                self.ensure_running().map_err(wait::fatal)?;
+                let n = nodes.get(&node.name).await?;
+                let ready = n
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                Ok(ready.then_some(()))
+            },
+        )
+        .await
+    }
+
+    /// The log file of a component, for diagnosing a failed test.
+    pub fn component_log(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+
+    /// Fails unless `f` succeeds; on failure appends the components' log tails.
+    pub fn diagnose<T>(&self, result: Result<T>) -> Result<T> {
+        result.map_err(|e| {
+            let mut msg = format!("{e:#}");
+            for p in self.processes.lock().expect("processes").iter() {
+                msg.push_str(&format!("\n--- {} ---\n{}", p.name(), p.log_tail(15)));
+            }
+            anyhow::anyhow!(msg)
+        })
+    }
+}

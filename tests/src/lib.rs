@@ -1,0 +1,10 @@
+//! Test support for npufleet: throw-away local Kubernetes control planes built from the
+//! upstream binaries, and the paths of the project's own binaries, model and Python clients.
+//!
+//! A test binary shares one cluster ([`cluster::shared`]) and gives each test its own
+//! namespace, so the control plane starts once per binary.
+
+pub mod cluster;
+pub mod paths;
+pub mod process;
+pub mod wait;

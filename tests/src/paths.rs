@@ -1,0 +1,99 @@
+//! Where the repository, its set-up scripts, its binaries and the cached artefacts are.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use anyhow::{Context, Result, bail};
+
+/// The repository root (the workspace this crate belongs to).
+pub fn repo_root() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("tests crate sits inside the workspace")
+            .to_path_buf()
+    })
+}
+
+/// Runs one of `tests/setup/*.sh` and returns the path it prints on its last line.
+/// The scripts are idempotent and fast once their cache is filled.
+fn setup_output(script: &str, args: &[&str]) -> Result<PathBuf> {
+    let path = repo_root().join("tests/setup").join(script);
+    let out = Command::new("bash")
+        .arg(&path)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", path.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}):\n{}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8(out.stdout).context("set-up script printed non-UTF-8")?;
+    let last = stdout
+        .lines()
+        .last()
+        .with_context(|| format!("{script} printed nothing"))?;
+    Ok(PathBuf::from(last.trim()))
+}
+
+fn cached(cell: &'static OnceLock<PathBuf>, script: &str, args: &[&str]) -> Result<PathBuf> {
+    if let Some(p) = cell.get() {
+        return Ok(p.clone());
+    }
+    let p = setup_output(script, args)?;
+    Ok(cell.get_or_init(|| p).clone())
+}
+
+/// The directory holding kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+/// etcd, helm and kwok (built on first use).
+pub fn control_plane_bin() -> Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    cached(&BIN, "control-plane.sh", &[])
+}
+
+/// The KWOK stage definitions that ship with the pinned KWOK version.
+pub fn kwok_stages() -> Result<PathBuf> {
+    Ok(control_plane_bin()?
+        .parent()
+        .context("bin dir has a parent")?
+        .join("kwok-stages"))
+}
+
+/// SmolLM2-135M-Instruct (Q4_1 GGUF).
+pub fn smollm2_gguf() -> Result<PathBuf> {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    cached(&MODEL, "model.sh", &[])
+}
+
+/// The Python interpreter of the environment holding the real third-party clients.
+pub fn test_python() -> Result<PathBuf> {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    cached(&PY, "python-env.sh", &[])
+}
+
+/// The directory cargo puts this build's binaries in (`target/<profile>`).
+pub fn target_bin_dir() -> PathBuf {
+    // Integration tests live in target/<profile>/deps.
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+/// A binary of this workspace, built before the tests run (`cargo test --workspace` builds
+/// every member's binaries).
+pub fn workspace_bin(name: &str) -> Result<PathBuf> {
+    let path = target_bin_dir().join(name);
+    if !path.is_file() {
+        bail!(
+            "{} is missing; build the workspace binaries first (cargo build --workspace --bins)",
+            path.display()
+        );
+    }
+    Ok(path)
+}

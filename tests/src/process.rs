@@ -1,0 +1,266 @@
+//! Child processes that can never outlive the test binary.
+//!
+//! Every process is started in its own process group with `PR_SET_PDEATHSIG`, from one
+//! long-lived spawner thread (the signal follows the *thread* that forked, so a test's own
+//! thread would take its children down when the test ends). Processes and scratch
+//! directories are also registered for an `atexit` clean-up, because a shared cluster lives
+//! in a `static` whose destructor never runs.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+struct Registry {
+    pids: Vec<i32>,
+    dirs: Vec<PathBuf>,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    pids: Vec::new(),
+    dirs: Vec::new(),
+});
+
+extern "C" fn clean_up_at_exit() {
+    let Ok(mut reg) = REGISTRY.lock() else { return };
+    for pid in reg.pids.drain(..) {
+        // SAFETY: signalling a process group we created; a stale id only yields ESRCH.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+    for dir in reg.dirs.drain(..) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+fn register_at_exit() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        // SAFETY: registering a plain extern "C" function with no captured state.
+        unsafe { libc::atexit(clean_up_at_exit) };
+    });
+}
+
+/// A directory removed when the test binary exits (or by [`ScratchDir::drop`]).
+pub struct ScratchDir {
+    path: PathBuf,
+}
+
+impl ScratchDir {
+    pub fn new(prefix: &str) -> Result<Self> {
+        register_at_exit();
+        remove_stale_scratch_dirs();
+        let path = std::env::temp_dir().join(format!(
+            "npufleet-test-{}-{prefix}-{}",
+            std::process::id(),
+            unique_suffix()
+        ));
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        REGISTRY.lock().expect("registry").dirs.push(path.clone());
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+        if let Ok(mut reg) = REGISTRY.lock() {
+            reg.dirs.retain(|d| d != &self.path);
+        }
+    }
+}
+
+fn unique_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{:x}{:x}", nanos, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Directories left by a test binary that was SIGKILLed (no `atexit` ran).
+fn remove_stale_scratch_dirs() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("npufleet-test-") else {
+                continue;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+                continue;
+            };
+            // SAFETY: signal 0 only checks that the process exists.
+            let alive = unsafe { libc::kill(pid, 0) } == 0;
+            if !alive {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    });
+}
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+fn spawner() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
+    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("process-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+                // The thread must outlive every child; park it when the sender is gone.
+                loop {
+                    std::thread::park();
+                }
+            })
+            .expect("spawner thread");
+        Mutex::new(tx)
+    })
+}
+
+/// A running child process, killed with its whole process group on drop.
+pub struct Process {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    /// Starts `cmd` with stdout and stderr appended to `log`.
+    pub fn start(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
+        register_at_exit();
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        cmd.stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let (reply_tx, reply_rx) = mpsc::channel();
+        spawner()
+            .lock()
+            .expect("spawner")
+            .send((cmd, reply_tx))
+            .context("spawner thread is gone")?;
+        let child = reply_rx
+            .recv()
+            .context("spawner thread is gone")?
+            .with_context(|| format!("starting {name}"))?;
+        REGISTRY
+            .lock()
+            .expect("registry")
+            .pids
+            .push(child.id() as i32);
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last `lines` lines of the process's log, for failure messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// `Some(status)` once the process has exited.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Fails with the log's tail when the process has already exited.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.try_wait() {
+            anyhow::bail!(
+                "{} exited with {status}; last log lines:\n{}",
+                self.name,
+                self.log_tail(30)
+            );
+        }
+        Ok(())
+    }
+
+    /// Sends `signal` to the process group.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling the process group this struct owns.
+        unsafe { libc::kill(-(self.child.id() as i32), signal) };
+    }
+
+    /// SIGTERM, then SIGKILL if the process has not exited within `grace`.
+    pub fn terminate(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(status) = self.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        None
+    }
+
+    pub fn kill(&mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+        let pid = self.child.id() as i32;
+        if let Ok(mut reg) = REGISTRY.lock() {
+            reg.pids.retain(|p| *p != pid);
+        }
+    }
+}
+
+/// A TCP port nobody listens on right now, on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
+    Ok(listener.local_addr()?.port())
+}

@@ -1,0 +1,190 @@
+//! The contract between the serving surfaces (gRPC, HTTP) and the engine.
+//!
+//! The server layer only ever sees this module: it submits a [`GenerateRequest`], reads a
+//! stream of [`GenerationEvent`]s, and polls [`LoadSnapshot`] for metrics and the operator's
+//! load signal. Dropping the event receiver cancels the request inside the engine.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Plain text, tokenised by the engine (no chat template applied).
+    Text(String),
+    /// Already-tokenised input ids.
+    Tokens(Vec<u32>),
+}
+
+/// Sampling settings of one request. Validated by the engine on submit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Upper bound on generated tokens; `None` means "until the context is full".
+    pub max_tokens: Option<u32>,
+    /// 0 selects greedy decoding.
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// Fixes the random stream so the same request gives the same text.
+    pub seed: Option<u64>,
+    /// Generation stops before any of these strings; they are not returned.
+    pub stop: Vec<String>,
+    /// Extra token ids that end generation (the model's end-of-sequence ids always do).
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: Some(16),
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// Caller-chosen id, echoed in logs.
+    pub id: String,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+/// One chat message, for chat-template application.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string/token.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_openai(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prompt tokens served from the prefix cache instead of being computed.
+    pub cached_prompt_tokens: u32,
+}
+
+/// Where the time of one request went, measured by the engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestTimings {
+    /// From submit until the request entered the running batch.
+    pub queued: Duration,
+    /// From submit until the first generated token.
+    pub first_token: Duration,
+    /// From submit until the end.
+    pub total: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerationEvent {
+    /// New text. `text` may be empty when a token ends inside a multi-byte character;
+    /// the bytes follow with a later token, so concatenating every `text` gives valid UTF-8.
+    Token { token_id: u32, text: String },
+    /// The last event of a successful request.
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+        timings: RequestTimings,
+    },
+    /// The request failed after it was accepted (for example a lost tensor-parallel rank).
+    Failed { message: String },
+}
+
+pub type GenerationStream = mpsc::UnboundedReceiver<GenerationEvent>;
+
+/// Why a request was not accepted. Each maps to one protocol status.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    /// HTTP 400 / gRPC INVALID_ARGUMENT.
+    #[error("{0}")]
+    Invalid(String),
+    /// HTTP 429 / gRPC RESOURCE_EXHAUSTED.
+    #[error("the waiting queue is full ({limit} requests); retry later")]
+    QueueFull { limit: usize },
+    /// HTTP 503 / gRPC UNAVAILABLE.
+    #[error("the model is warming up ({done}/{total} iterations)")]
+    WarmingUp { done: u32, total: u32 },
+    /// HTTP 503 / gRPC UNAVAILABLE.
+    #[error("the worker is draining and accepts no new requests")]
+    Draining,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineState {
+    WarmingUp { done: u32, total: u32 },
+    Ready,
+    Draining,
+    /// Draining finished: nothing queued or running.
+    Drained,
+}
+
+/// A cheap, consistent view of the engine's load, read at sub-second cadence.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadSnapshot {
+    pub waiting: usize,
+    pub running: usize,
+    pub queue_limit: usize,
+    pub max_batch_size: usize,
+    /// Fraction of KV-cache blocks in use, 0..=1.
+    pub kv_cache_usage: f64,
+    pub kv_blocks_total: usize,
+    /// Counters since start.
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+    pub preemptions_total: u64,
+    pub steps_total: u64,
+    /// Batch size of the last engine step.
+    pub last_batch_size: usize,
+}
+
+/// What the served model is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub architecture: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub tensor_parallel: usize,
+    pub precision: String,
+}
+
+/// The engine as the server sees it. Implemented by the scheduler.
+pub trait Engine: Send + Sync + 'static {
+    fn model_info(&self) -> &ModelInfo;
+    /// Accepts or rejects at once; never blocks on a full queue.
+    fn submit(&self, request: GenerateRequest) -> Result<GenerationStream, SubmitError>;
+    fn state(&self) -> EngineState;
+    fn load(&self) -> LoadSnapshot;
+    /// Stop accepting; everything queued or running still completes.
+    fn begin_drain(&self);
+    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, SubmitError>;
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError>;
+}
