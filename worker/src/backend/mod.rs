@@ -1,0 +1,215 @@
+//! Compute kernels behind a small trait: the model layer hands the backend weight matrices
+//! and activation rows; the backend decides how to multiply them on this machine.
+//!
+//! [`cpu::CpuBackend`] is the portable implementation: f32 GEMM (the `gemm` crate) for the
+//! full-precision path, and block-quantised dot products (AVX2 when the CPU has it, scalar
+//! otherwise) for the quantised path.
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub mod cpu;
+pub mod quant;
+
+use half::f16;
+
+use quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+
+/// How a weight matrix is stored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Q4_0(Vec<BlockQ4_0>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
+}
+
+/// A row-major `rows × cols` weight matrix; `y = x · Wᵀ` maps `cols` inputs to `rows` outputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+impl Matrix {
+    pub fn f32(rows: usize, cols: usize, data: Vec<f32>) -> Matrix {
+        debug_assert_eq!(data.len(), rows * cols);
+        Matrix {
+            rows,
+            cols,
+            data: WeightData::F32(data),
+        }
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        matches!(
+            self.data,
+            WeightData::Q4_0(_) | WeightData::Q4_1(_) | WeightData::Q8_0(_)
+        )
+    }
+
+    pub fn type_name(&self) -> &'static str {
+        match self.data {
+            WeightData::F32(_) => "f32",
+            WeightData::F16(_) => "f16",
+            WeightData::Q4_0(_) => "q4_0",
+            WeightData::Q4_1(_) => "q4_1",
+            WeightData::Q8_0(_) => "q8_0",
+        }
+    }
+
+    /// Bytes the weights occupy in memory.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::F16(v) => v.len() * 2,
+            WeightData::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
+            WeightData::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
+            WeightData::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+        }
+    }
+
+    /// Writes row `r` as f32 into `out` (`cols` long).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        let nb = c / QK;
+        match &self.data {
+            WeightData::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
+            WeightData::F16(v) => {
+                for (o, h) in out.iter_mut().zip(&v[r * c..(r + 1) * c]) {
+                    *o = h.to_f32();
+                }
+            }
+            WeightData::Q4_0(v) => quant::dequantize_q4_0(&v[r * nb..(r + 1) * nb], out),
+            WeightData::Q4_1(v) => quant::dequantize_q4_1(&v[r * nb..(r + 1) * nb], out),
+            WeightData::Q8_0(v) => quant::dequantize_q8_0(&v[r * nb..(r + 1) * nb], out),
+        }
+    }
+
+    pub fn to_f32(&self) -> Vec<f32> {
+        if let WeightData::F32(v) = &self.data {
+            return v.clone();
+        }
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.row_to_f32(r, row);
+        }
+        out
+    }
+
+    /// The same matrix as f32.
+    pub fn to_f32_matrix(&self) -> Matrix {
+        Matrix::f32(self.rows, self.cols, self.to_f32())
+    }
+
+    /// The same matrix stored as f16.
+    pub fn to_f16_matrix(&self) -> Matrix {
+        let data = match &self.data {
+            WeightData::F16(v) => v.clone(),
+            _ => self.to_f32().into_iter().map(f16::from_f32).collect(),
+        };
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data: WeightData::F16(data),
+        }
+    }
+
+    /// Int8 per-group-of-32 symmetric quantisation; `None` when `cols` is not a multiple of 32.
+    pub fn to_q8_0(&self) -> Option<Matrix> {
+        if !self.cols.is_multiple_of(QK) {
+            return None;
+        }
+        Some(Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data: WeightData::Q8_0(quant::quantize_q8_0(&self.to_f32())),
+        })
+    }
+
+    /// Rows `range` (the column-parallel shard of a tensor-parallel split).
+    pub fn select_rows(&self, range: std::ops::Range<usize>) -> Matrix {
+        let (c, nb) = (self.cols, self.cols / QK);
+        let data = match &self.data {
+            WeightData::F32(v) => WeightData::F32(v[range.start * c..range.end * c].to_vec()),
+            WeightData::F16(v) => WeightData::F16(v[range.start * c..range.end * c].to_vec()),
+            WeightData::Q4_0(v) => WeightData::Q4_0(v[range.start * nb..range.end * nb].to_vec()),
+            WeightData::Q4_1(v) => WeightData::Q4_1(v[range.start * nb..range.end * nb].to_vec()),
+            WeightData::Q8_0(v) => WeightData::Q8_0(v[range.start * nb..range.end * nb].to_vec()),
+        };
+        Matrix {
+            rows: range.len(),
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Columns `range` (the row-parallel shard). Block formats keep their blocks when the
+    /// range is block aligned and fall back to f32 otherwise.
+    pub fn select_cols(&self, range: std::ops::Range<usize>) -> Matrix {
+        let aligned = range.start.is_multiple_of(QK) && range.end.is_multiple_of(QK);
+        let (c, nb) = (self.cols, self.cols / QK);
+        let (b0, b1) = (range.start / QK, range.end / QK);
+        fn pick<T: Copy>(v: &[T], rows: usize, stride: usize, a: usize, b: usize) -> Vec<T> {
+            (0..rows)
+                .flat_map(|r| v[r * stride + a..r * stride + b].iter().copied())
+                .collect()
+        }
+        let data = match &self.data {
+            WeightData::F16(v) => WeightData::F16(pick(v, self.rows, c, range.start, range.end)),
+            WeightData::Q4_0(v) if aligned => WeightData::Q4_0(pick(v, self.rows, nb, b0, b1)),
+            WeightData::Q4_1(v) if aligned => WeightData::Q4_1(pick(v, self.rows, nb, b0, b1)),
+            WeightData::Q8_0(v) if aligned => WeightData::Q8_0(pick(v, self.rows, nb, b0, b1)),
+            _ => WeightData::F32(pick(&self.to_f32(), self.rows, c, range.start, range.end)),
+        };
+        Matrix {
+            rows: self.rows,
+            cols: range.len(),
+            data,
+        }
+    }
+}
+
+/// One sequence's keys and values for one layer, stored in fixed-size blocks.
+/// Position `p` lives in block `block_table[p / block_size]`, slot `p % block_size`; a slot
+/// holds `n_kv_heads × head_dim` values.
+pub struct PagedKv<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub block_table: &'a [u32],
+    pub block_size: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl PagedKv<'_> {
+    /// Offset of position `pos`, kv head `h` in `k`/`v`.
+    #[inline]
+    pub fn offset(&self, pos: usize, h: usize) -> usize {
+        let block = self.block_table[pos / self.block_size] as usize;
+        ((block * self.block_size + pos % self.block_size) * self.n_kv_heads + h) * self.head_dim
+    }
+}
+
+/// The operations the forward pass needs from a device.
+pub trait Backend: Send + Sync {
+    /// Names the implementation and the kernels it picked, for logs.
+    fn name(&self) -> String;
+    fn threads(&self) -> usize;
+    /// Runs `work` on the backend's worker threads, so the kernels it calls share one pool.
+    fn run(&self, work: &mut (dyn FnMut() + Send));
+    /// `out[n × w.rows] = x[n × w.cols] · Wᵀ`.
+    fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]);
+    /// Causal attention of `q` (`t × n_heads × head_dim`, token `i` at position
+    /// `start_pos + i`) over positions `0..=start_pos + i` of `kv`; grouped-query heads share
+    /// kv head `h / (n_heads / n_kv_heads)`. Writes `out` in the shape of `q`.
+    fn attention(
+        &self,
+        q: &[f32],
+        kv: &PagedKv<'_>,
+        start_pos: usize,
+        n_heads: usize,
+        out: &mut [f32],
+    );
+}

@@ -1,0 +1,307 @@
+//! Block-quantised number formats and their scalar reference kernels.
+//!
+//! Weight blocks follow the GGUF layouts bit for bit, so a file's blocks are used as stored.
+//! Activations are quantised per token into [`BlockQ8Act`] (int8, one scale per 32 values)
+//! right before a quantised matrix multiply. Every SIMD kernel in the backend is tested
+//! against the scalar functions here.
+
+use half::f16;
+
+/// Values per quantisation block in every block format.
+pub const QK: usize = 32;
+
+/// GGUF `Q4_0`: value = (q − 8) · d, q in 0..16. Low nibbles hold elements 0..16, high 16..32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// GGUF `Q4_1`: value = q · d + m, q in 0..16. Nibble order as in [`BlockQ4_0`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// GGUF `Q8_0`: value = q · d, q in −127..=127. Also the int8 per-group symmetric format
+/// the backend quantises f32/f16 weights into.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+
+/// A quantised activation block: value = q · d; `s` = d · Σq, which the `Q4_1` dot product
+/// needs for the weight offsets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(8))]
+pub struct BlockQ8Act {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+impl Default for BlockQ8Act {
+    fn default() -> Self {
+        Self {
+            d: 0.0,
+            s: 0.0,
+            qs: [0; QK],
+        }
+    }
+}
+
+/// Byte size of one block of each GGUF block format.
+pub const Q4_0_BYTES: usize = 18;
+pub const Q4_1_BYTES: usize = 20;
+pub const Q8_0_BYTES: usize = 34;
+
+fn f16_at(b: &[u8], at: usize) -> f16 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Parses consecutive GGUF `Q4_0` blocks; `bytes.len()` must be a multiple of the block size.
+pub fn parse_q4_0(bytes: &[u8]) -> Vec<BlockQ4_0> {
+    bytes
+        .chunks_exact(Q4_0_BYTES)
+        .map(|b| {
+            let mut qs = [0u8; QK / 2];
+            qs.copy_from_slice(&b[2..18]);
+            BlockQ4_0 {
+                d: f16_at(b, 0),
+                qs,
+            }
+        })
+        .collect()
+}
+
+pub fn parse_q4_1(bytes: &[u8]) -> Vec<BlockQ4_1> {
+    bytes
+        .chunks_exact(Q4_1_BYTES)
+        .map(|b| {
+            let mut qs = [0u8; QK / 2];
+            qs.copy_from_slice(&b[4..20]);
+            BlockQ4_1 {
+                d: f16_at(b, 0),
+                m: f16_at(b, 2),
+                qs,
+            }
+        })
+        .collect()
+}
+
+pub fn parse_q8_0(bytes: &[u8]) -> Vec<BlockQ8_0> {
+    bytes
+        .chunks_exact(Q8_0_BYTES)
+        .map(|b| {
+            let mut qs = [0i8; QK];
+            for (q, &byte) in qs.iter_mut().zip(&b[2..34]) {
+                *q = byte as i8;
+            }
+            BlockQ8_0 {
+                d: f16_at(b, 0),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Serialises blocks back to their GGUF bytes (used when writing test models).
+pub fn q4_0_bytes(blocks: &[BlockQ4_0]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() * Q4_0_BYTES);
+    for b in blocks {
+        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.qs);
+    }
+    out
+}
+
+pub fn q4_1_bytes(blocks: &[BlockQ4_1]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() * Q4_1_BYTES);
+    for b in blocks {
+        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.m.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.qs);
+    }
+    out
+}
+
+pub fn q8_0_bytes(blocks: &[BlockQ8_0]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() * Q8_0_BYTES);
+    for b in blocks {
+        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
+        out.extend(b.qs.iter().map(|&q| q as u8));
+    }
+    out
+}
+
+pub fn dequantize_q4_0(blocks: &[BlockQ4_0], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for i in 0..QK / 2 {
+            o[i] = ((b.qs[i] & 0x0f) as i32 - 8) as f32 * d;
+            o[i + QK / 2] = ((b.qs[i] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+pub fn dequantize_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        let m = b.m.to_f32();
+        for i in 0..QK / 2 {
+            o[i] = (b.qs[i] & 0x0f) as f32 * d + m;
+            o[i + QK / 2] = (b.qs[i] >> 4) as f32 * d + m;
+        }
+    }
+}
+
+pub fn dequantize_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for (o, &q) in o.iter_mut().zip(&b.qs) {
+            *o = q as f32 * d;
+        }
+    }
+}
+
+/// Symmetric int8 per group of 32 (the `Q8_0` format). `x.len()` must be a multiple of 32.
+pub fn quantize_q8_0(x: &[f32]) -> Vec<BlockQ8_0> {
+    x.chunks_exact(QK)
+        .map(|c| {
+            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut qs = [0i8; QK];
+            for (q, &v) in qs.iter_mut().zip(c) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+            BlockQ8_0 {
+                d: f16::from_f32(d),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Asymmetric 4-bit per group of 32, as llama.cpp's reference quantiser.
+pub fn quantize_q4_1(x: &[f32]) -> Vec<BlockQ4_1> {
+    x.chunks_exact(QK)
+        .map(|c| {
+            let min = c.iter().copied().fold(f32::INFINITY, f32::min);
+            let max = c.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let d = (max - min) / 15.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let q = |v: f32| ((v - min) * inv).round().clamp(0.0, 15.0) as u8;
+            let mut qs = [0u8; QK / 2];
+            for i in 0..QK / 2 {
+                qs[i] = q(c[i]) | (q(c[i + QK / 2]) << 4);
+            }
+            BlockQ4_1 {
+                d: f16::from_f32(d),
+                m: f16::from_f32(min),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Symmetric 4-bit per group of 32, as llama.cpp's reference quantiser.
+pub fn quantize_q4_0(x: &[f32]) -> Vec<BlockQ4_0> {
+    x.chunks_exact(QK)
+        .map(|c| {
+            let max = c
+                .iter()
+                .copied()
+                .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+            let d = max / -8.0;
+            let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let q = |v: f32| (v * inv + 8.5).clamp(0.0, 15.0) as u8;
+            let mut qs = [0u8; QK / 2];
+            for i in 0..QK / 2 {
+                qs[i] = q(c[i]) | (q(c[i + QK / 2]) << 4);
+            }
+            BlockQ4_0 {
+                d: f16::from_f32(d),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Scalar reference: quantises one activation row (length a multiple of 32).
+pub fn quantize_act_scalar(x: &[f32], out: &mut [BlockQ8Act]) {
+    for (c, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in b.qs.iter_mut().zip(c) {
+            // Half away from zero, spelled so the SIMD kernel can match it bit for bit.
+            let scaled = v * inv;
+            *q = (scaled + 0.5f32.copysign(scaled)).trunc() as i8;
+            sum += *q as i32;
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}
+
+pub fn dot_q4_0_scalar(w: &[BlockQ4_0], x: &[BlockQ8Act]) -> f32 {
+    let mut acc = 0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut sum = 0i32;
+        for i in 0..QK / 2 {
+            sum += ((w.qs[i] & 0x0f) as i32 - 8) * x.qs[i] as i32;
+            sum += ((w.qs[i] >> 4) as i32 - 8) * x.qs[i + QK / 2] as i32;
+        }
+        acc += w.d.to_f32() * x.d * sum as f32;
+    }
+    acc
+}
+
+pub fn dot_q4_1_scalar(w: &[BlockQ4_1], x: &[BlockQ8Act]) -> f32 {
+    let mut acc = 0f32;
+    for (w, x) in w.iter().zip(x) {
+        let mut sum = 0i32;
+        for i in 0..QK / 2 {
+            sum += (w.qs[i] & 0x0f) as i32 * x.qs[i] as i32;
+            sum += (w.qs[i] >> 4) as i32 * x.qs[i + QK / 2] as i32;
+        }
+        acc += w.d.to_f32() * x.d * sum as f32 + w.m.to_f32() * x.s;
+    }
+    acc
+}
+
+pub fn dot_q8_0_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
+    let mut acc = 0f32;
+    for (w, x) in w.iter().zip(x) {
+        let sum: i32 =
+            w.qs.iter()
+                .zip(&x.qs)
+                .map(|(&a, &b)| a as i32 * b as i32)
+                .sum();
+        acc += w.d.to_f32() * x.d * sum as f32;
+    }
+    acc
+}
+
+pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+pub fn dot_f16_scalar(w: &[f16], x: &[f32]) -> f32 {
+    w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+}
+
+/// y += a · x
+pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}

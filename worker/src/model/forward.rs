@@ -1,0 +1,190 @@
+//! The Llama forward pass over a mixed batch: every chunk's tokens are stacked into one
+//! `n × dim` activation matrix, so each weight matrix is read once per step for all of them.
+
+use std::ops::Range;
+
+use super::weights::Linear;
+use super::{ForwardError, KvCache, Model, SequenceChunk, WeightPrecision};
+use crate::backend::Backend;
+
+pub(super) fn forward(
+    m: &Model,
+    kv: &mut KvCache,
+    batch: &[SequenceChunk<'_>],
+) -> Result<Vec<Vec<f32>>, ForwardError> {
+    let (cfg, w, be) = (&m.config, &m.weights, m.backend.as_ref());
+    let (dim, hd, eps) = (cfg.dim, cfg.head_dim, cfg.rms_eps);
+    let (nh, nkv) = (w.n_heads, w.n_kv_heads);
+    let rows = Rows::of(batch);
+    let n = rows.positions.len();
+    let ffn = w
+        .layers
+        .first()
+        .map_or(0, |l| l.w_gate.get(WeightPrecision::Full).rows);
+    let mut x = vec![0f32; n * dim];
+    for (row, &tok) in x
+        .chunks_exact_mut(dim)
+        .zip(batch.iter().flat_map(|c| c.tokens))
+    {
+        w.token_embd.row_to_f32(tok as usize, row);
+    }
+    let (mut xb, mut out) = (vec![0f32; n * dim], vec![0f32; n * dim]);
+    let (mut q, mut att) = (vec![0f32; n * nh * hd], vec![0f32; n * nh * hd]);
+    let (mut k, mut v) = (vec![0f32; n * nkv * hd], vec![0f32; n * nkv * hd]);
+    let (mut gate, mut up) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
+    for (l, lw) in w.layers.iter().enumerate() {
+        rms_norm(&x, &lw.attn_norm, eps, &mut xb);
+        linear(be, &lw.wq, &xb, &rows.segments, &mut q);
+        linear(be, &lw.wk, &xb, &rows.segments, &mut k);
+        linear(be, &lw.wv, &xb, &rows.segments, &mut v);
+        rope(&mut q, &rows.positions, hd, cfg.rope_theta);
+        rope(&mut k, &rows.positions, hd, cfg.rope_theta);
+        for (c, r) in batch.iter().zip(&rows.chunks) {
+            let kv_rows = r.start * nkv * hd..r.end * nkv * hd;
+            kv.store(
+                l,
+                c.block_table,
+                c.start_pos,
+                &k[kv_rows.clone()],
+                &v[kv_rows],
+            );
+        }
+        for (c, r) in batch.iter().zip(&rows.chunks) {
+            let q_rows = r.start * nh * hd..r.end * nh * hd;
+            be.attention(
+                &q[q_rows.clone()],
+                &kv.paged(l, c.block_table),
+                c.start_pos,
+                nh,
+                &mut att[q_rows],
+            );
+        }
+        linear(be, &lw.wo, &att, &rows.segments, &mut out);
+        m.all_reduce(&mut out)?;
+        add(&mut x, &out);
+        rms_norm(&x, &lw.ffn_norm, eps, &mut xb);
+        linear(be, &lw.w_gate, &xb, &rows.segments, &mut gate);
+        linear(be, &lw.w_up, &xb, &rows.segments, &mut up);
+        swiglu(&mut gate, &up);
+        linear(be, &lw.w_down, &gate, &rows.segments, &mut out);
+        m.all_reduce(&mut out)?;
+        add(&mut x, &out);
+    }
+    let wanted: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].want_logits).collect();
+    let mut last = vec![0f32; wanted.len() * dim];
+    for (dst, &i) in last.chunks_exact_mut(dim).zip(&wanted) {
+        let row = rows.chunks[i].end - 1;
+        rms_norm(&x[row * dim..(row + 1) * dim], &w.output_norm, eps, dst);
+    }
+    let head_segments = segments(wanted.iter().map(|&i| (1, batch[i].precision)));
+    let mut logits = vec![0f32; wanted.len() * cfg.vocab_size];
+    linear(be, &w.output, &last, &head_segments, &mut logits);
+    Ok(logits
+        .chunks_exact(cfg.vocab_size.max(1))
+        .map(<[f32]>::to_vec)
+        .collect())
+}
+
+/// Where each chunk's rows sit in the stacked activations.
+struct Rows {
+    chunks: Vec<Range<usize>>,
+    positions: Vec<usize>,
+    /// Runs of consecutive rows that share a weight precision.
+    segments: Vec<(Range<usize>, WeightPrecision)>,
+}
+
+impl Rows {
+    fn of(batch: &[SequenceChunk<'_>]) -> Rows {
+        let mut chunks = Vec::with_capacity(batch.len());
+        let mut positions = Vec::new();
+        for c in batch {
+            chunks.push(positions.len()..positions.len() + c.tokens.len());
+            positions.extend(c.start_pos..c.start_pos + c.tokens.len());
+        }
+        let segments = segments(batch.iter().map(|c| (c.tokens.len(), c.precision)));
+        Rows {
+            chunks,
+            positions,
+            segments,
+        }
+    }
+}
+
+fn segments(
+    lens: impl Iterator<Item = (usize, WeightPrecision)>,
+) -> Vec<(Range<usize>, WeightPrecision)> {
+    let mut out: Vec<(Range<usize>, WeightPrecision)> = Vec::new();
+    let mut at = 0;
+    for (len, p) in lens {
+        match out.last_mut() {
+            Some((r, last)) if *last == p => r.end += len,
+            _ => out.push((at..at + len, p)),
+        }
+        at += len;
+    }
+    out
+}
+
+/// `out = x · Wᵀ`, each run of rows with the weights of its precision.
+fn linear(
+    be: &dyn Backend,
+    w: &Linear,
+    x: &[f32],
+    segments: &[(Range<usize>, WeightPrecision)],
+    out: &mut [f32],
+) {
+    for (r, p) in segments {
+        let m = w.get(*p);
+        be.matmul(
+            m,
+            &x[r.start * m.cols..r.end * m.cols],
+            r.len(),
+            &mut out[r.start * m.rows..r.end * m.rows],
+        );
+    }
+}
+
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    for (x, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let scale = 1.0 / (ms + eps).sqrt();
+        for ((o, x), w) in o.iter_mut().zip(x).zip(weight) {
+            *o = x * scale * w;
+        }
+    }
+}
+
+/// Rotary embedding on adjacent pairs `(2i, 2i+1)` of every head, frequency θ^(−2i/head_dim).
+fn rope(x: &mut [f32], positions: &[usize], head_dim: usize, theta: f32) {
+    let row_len = x.len() / positions.len().max(1);
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
+        .map(|i| theta.powf(-((2 * i) as f32) / head_dim as f32))
+        .collect();
+    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
+        let rot: Vec<(f32, f32)> = inv_freq
+            .iter()
+            .map(|f| (pos as f32 * f).sin_cos())
+            .collect();
+        for head in row.chunks_exact_mut(head_dim) {
+            for (pair, &(sin, cos)) in head.chunks_exact_mut(2).zip(&rot) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * cos - b * sin;
+                pair[1] = a * sin + b * cos;
+            }
+        }
+    }
+}
+
+/// `gate = silu(gate) · up`
+fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (x, y) in x.iter_mut().zip(y) {
+        *x += y;
+    }
+}

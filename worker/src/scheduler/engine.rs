@@ -1,0 +1,620 @@
+//! The engine thread: warm-up, then one scheduling step after another.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use super::blocks::{BlockManager, SequenceBlocks};
+use super::stop::StopOutcome;
+use super::{EngineConfig, KvCacheSize, Sequence, Shared, SharedState, check_config};
+use crate::api::{FinishReason, GenerationEvent, LoadSnapshot, RequestTimings, Usage};
+use crate::model::{
+    KvCache, Model, PrecisionPolicy, SequenceChunk, StreamDecoder, Tokenizer, WeightPrecision,
+};
+
+/// Sizes derived from the model and the configuration before the engine starts.
+#[derive(Debug, Clone)]
+pub(super) struct Limits {
+    pub num_blocks: usize,
+    /// Longest sequence the context length and the KV cache allow.
+    pub max_sequence_tokens: usize,
+    /// Tokenised prefix templates.
+    templates: Vec<Vec<u32>>,
+}
+
+/// Prefix-cache namespace of a precision: K/V computed at one precision is not reused by a
+/// sequence running at another.
+pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
+    match precision {
+        WeightPrecision::Int8 => 0,
+        WeightPrecision::Full => 1,
+    }
+}
+
+/// Every precision the policy can pick for some prompt.
+fn precisions_of(policy: PrecisionPolicy) -> Vec<WeightPrecision> {
+    match policy {
+        PrecisionPolicy::Int8 => vec![WeightPrecision::Int8],
+        PrecisionPolicy::Fp32 | PrecisionPolicy::Fp16 => vec![WeightPrecision::Full],
+        PrecisionPolicy::Auto { .. } => vec![WeightPrecision::Int8, WeightPrecision::Full],
+    }
+}
+
+/// One sequence's share of an engine step: positions `start..start + len`.
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    order: u64,
+    start: usize,
+    len: usize,
+}
+
+pub(super) struct EngineCore {
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    limits: Limits,
+    shared: Arc<Shared>,
+    kv: KvCache,
+    blocks: BlockManager,
+    /// Admitted sequences by submission order (oldest first).
+    running: BTreeMap<u64, Sequence>,
+    /// Blocks of the prefix templates, referenced for the engine's lifetime.
+    pinned: Vec<SequenceBlocks>,
+    /// Counters published to [`SharedState::stats`] after each step.
+    counters: LoadSnapshot,
+}
+
+impl EngineCore {
+    pub(super) fn plan(model: &Model, cfg: &EngineConfig) -> anyhow::Result<Limits> {
+        check_config(cfg)?;
+        let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
+        let num_blocks = match cfg.kv_cache {
+            KvCacheSize::Blocks(blocks) => blocks,
+            KvCacheSize::Bytes(bytes) => bytes / block_bytes,
+        };
+        if num_blocks == 0 {
+            bail!(
+                "the KV cache has room for no block (one block of {} positions takes {block_bytes} bytes)",
+                cfg.block_size
+            );
+        }
+        let config = model.config();
+        let templates: Vec<Vec<u32>> = cfg
+            .prefix_templates
+            .iter()
+            .filter(|template| !template.is_empty())
+            .map(|template| {
+                let mut tokens = Vec::new();
+                if config.add_bos
+                    && let Some(bos) = config.bos_token_id
+                {
+                    tokens.push(bos);
+                }
+                tokens.extend(model.tokenizer().encode(template));
+                tokens
+            })
+            .collect();
+        let precisions = precisions_of(model.policy()).len();
+        let pinned_blocks: usize = templates
+            .iter()
+            .map(|tokens| tokens.len().div_ceil(cfg.block_size) * precisions)
+            .sum();
+        if pinned_blocks >= num_blocks {
+            bail!(
+                "the prefix templates need {pinned_blocks} KV-cache blocks but the cache has only {num_blocks}"
+            );
+        }
+        let max_sequence_tokens = config
+            .context_length
+            .min((num_blocks - pinned_blocks) * cfg.block_size);
+        if max_sequence_tokens < 2 {
+            bail!("the KV cache is too small to hold a prompt and one generated token");
+        }
+        Ok(Limits {
+            num_blocks,
+            max_sequence_tokens,
+            templates,
+        })
+    }
+
+    pub(super) fn new(
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        limits: Limits,
+        shared: &Arc<Shared>,
+    ) -> Self {
+        let kv = model.new_kv_cache(limits.num_blocks, cfg.block_size);
+        let blocks = BlockManager::new(limits.num_blocks, cfg.block_size);
+        Self {
+            model,
+            cfg,
+            limits,
+            shared: Arc::clone(shared),
+            kv,
+            blocks,
+            running: BTreeMap::new(),
+            pinned: Vec::new(),
+            counters: LoadSnapshot::default(),
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            if self.warm_up() {
+                self.serve();
+            }
+        }));
+        if let Err(panic) = outcome {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!(%message, "the engine stopped");
+            let failure = GenerationEvent::Failed {
+                message: format!("the engine stopped: {message}"),
+            };
+            let mut state = self.shared.lock();
+            state.warming_up = false;
+            state.draining = true;
+            state.drained = true;
+            for sequence in state
+                .waiting
+                .drain(..)
+                .chain(std::mem::take(&mut self.running).into_values())
+            {
+                let _ = sequence.events.send(failure.clone());
+            }
+        }
+    }
+
+    /// Runs the dummy iterations and computes the prefix templates. Returns false when the
+    /// engine was shut down meanwhile.
+    fn warm_up(&mut self) -> bool {
+        let total = self.cfg.warmup_iterations;
+        // Dummy rows stay inside one block and inside the context.
+        let span = self.cfg.block_size.min(self.model.config().context_length);
+        let vocab = self.model.config().vocab_size.max(1);
+        let width = self.cfg.max_batch_size.min(4).min(self.limits.num_blocks);
+        let precision = self.model.policy().for_prompt(1);
+        let dummy_tokens: Vec<Vec<u32>> = (0..width)
+            .map(|row| {
+                (0..span)
+                    .map(|pos| ((row * span + pos) * 7919 % vocab) as u32)
+                    .collect()
+            })
+            .collect();
+        let tables: Vec<[u32; 1]> = (0..width as u32).map(|block| [block]).collect();
+        for iteration in 0..total {
+            if self.shared.lock().shutdown {
+                return false;
+            }
+            // The first pass fills a whole block per row so later single-token passes
+            // attend only over written positions.
+            let (start, len) = if iteration == 0 {
+                (0, span)
+            } else {
+                (iteration as usize % span, 1)
+            };
+            let batch: Vec<SequenceChunk<'_>> = (0..width)
+                .map(|row| SequenceChunk {
+                    tokens: &dummy_tokens[row][start..start + len],
+                    start_pos: start,
+                    block_table: &tables[row],
+                    want_logits: true,
+                    precision,
+                })
+                .collect();
+            if let Err(err) = self.model.forward(&mut self.kv, &batch) {
+                tracing::warn!(error = %err, "warm-up forward pass failed");
+            }
+            self.shared.lock().warmup_done = iteration + 1;
+        }
+
+        let templates = std::mem::take(&mut self.limits.templates);
+        for tokens in &templates {
+            for precision in precisions_of(self.model.policy()) {
+                if self.shared.lock().shutdown {
+                    return false;
+                }
+                self.compute_template(tokens, precision);
+            }
+        }
+        let mut state = self.shared.lock();
+        state.warming_up = false;
+        self.publish(&mut state);
+        tracing::info!(
+            iterations = total,
+            templates = templates.len(),
+            "engine warmed up"
+        );
+        true
+    }
+
+    fn compute_template(&mut self, tokens: &[u32], precision: WeightPrecision) {
+        let mut blocks = SequenceBlocks::in_namespace(precision_namespace(precision));
+        let mut computed = self.blocks.match_prefix(tokens, &mut blocks);
+        if !self.blocks.grow(&mut blocks, tokens.len()) {
+            tracing::warn!("no KV-cache room for a prefix template");
+            self.blocks.free(&mut blocks);
+            return;
+        }
+        while computed < tokens.len() {
+            let len = (tokens.len() - computed).min(self.cfg.max_num_batched_tokens);
+            let chunk = SequenceChunk {
+                tokens: &tokens[computed..computed + len],
+                start_pos: computed,
+                block_table: &blocks.table,
+                want_logits: false,
+                precision,
+            };
+            if let Err(err) = self.model.forward(&mut self.kv, &[chunk]) {
+                tracing::warn!(error = %err, "computing a prefix template failed");
+                self.blocks.free(&mut blocks);
+                return;
+            }
+            computed += len;
+        }
+        self.blocks
+            .register_full_blocks(&mut blocks, tokens, tokens.len());
+        self.pinned.push(blocks);
+    }
+
+    fn serve(&mut self) {
+        let shared = Arc::clone(&self.shared);
+        loop {
+            let mut state = shared.lock();
+            loop {
+                if state.shutdown {
+                    return;
+                }
+                self.drop_cancelled(&mut state);
+                if !self.running.is_empty() || !state.waiting.is_empty() {
+                    break;
+                }
+                if state.draining && !state.drained {
+                    state.drained = true;
+                    tracing::info!("drained: nothing queued or running");
+                }
+                self.publish(&mut state);
+                state = shared
+                    .wake
+                    .wait(state)
+                    .unwrap_or_else(|poison| poison.into_inner());
+            }
+            let plan = self.schedule(&mut state);
+            if plan.is_empty() {
+                // Nothing fits this step; wait for a cancellation or a finish elsewhere
+                // rather than spinning.
+                self.publish(&mut state);
+                drop(
+                    shared
+                        .wake
+                        .wait_timeout(state, Duration::from_millis(5))
+                        .unwrap_or_else(|poison| poison.into_inner()),
+                );
+                continue;
+            }
+            drop(state);
+            self.step(&plan);
+            let mut state = shared.lock();
+            self.counters.steps_total += 1;
+            self.counters.last_batch_size = plan.len();
+            self.publish(&mut state);
+        }
+    }
+
+    fn publish(&self, state: &mut SharedState) {
+        let total = self.blocks.num_blocks();
+        state.stats = LoadSnapshot {
+            waiting: state.waiting.len(),
+            running: self.running.len(),
+            queue_limit: self.cfg.queue_limit,
+            max_batch_size: self.cfg.max_batch_size,
+            kv_cache_usage: self.blocks.num_in_use() as f64 / total as f64,
+            kv_blocks_total: total,
+            ..self.counters
+        };
+    }
+
+    /// Forgets requests whose caller dropped the event stream, freeing their blocks.
+    fn drop_cancelled(&mut self, state: &mut SharedState) {
+        let cancelled: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|(_, sequence)| sequence.events.is_closed())
+            .map(|(&order, _)| order)
+            .collect();
+        for order in cancelled {
+            if let Some(mut sequence) = self.running.remove(&order) {
+                tracing::debug!(request = %sequence.request_id, "request cancelled while running");
+                self.blocks.free(&mut sequence.blocks);
+            }
+        }
+        state
+            .waiting
+            .retain(|sequence| !sequence.events.is_closed());
+    }
+
+    /// Picks this step's work: decodes first so they keep flowing, then prompt chunks of
+    /// running sequences, then newly admitted sequences, all within the token budget.
+    fn schedule(&mut self, state: &mut SharedState) -> Vec<Scheduled> {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan: Vec<Scheduled> = Vec::new();
+        let mut preempted = false;
+        let orders: Vec<u64> = self.running.keys().copied().collect();
+        for decodes in [true, false] {
+            for &order in &orders {
+                if budget == 0 {
+                    break;
+                }
+                let Some(sequence) = self.running.get(&order) else {
+                    continue;
+                };
+                let remaining = sequence.tokens.len() - sequence.num_computed;
+                if (remaining == 1) != decodes {
+                    continue;
+                }
+                let len = remaining.min(budget);
+                if self.reserve(order, len, &mut plan, &mut budget, state) {
+                    let start = self.running[&order].num_computed;
+                    plan.push(Scheduled { order, start, len });
+                    budget -= len;
+                } else {
+                    preempted = true;
+                }
+            }
+        }
+        preempted |= self.running.len() < orders.len();
+        if preempted {
+            // Freshly preempted sequences are at the queue's front; admitting now would
+            // only thrash.
+            return plan;
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_batch_size {
+            let Some(sequence) = state.waiting.front_mut() else {
+                break;
+            };
+            let cached = self
+                .blocks
+                .match_prefix(&sequence.tokens, &mut sequence.blocks);
+            let len = (sequence.tokens.len() - cached).min(budget);
+            if !self.blocks.grow(&mut sequence.blocks, cached + len) {
+                self.blocks.free(&mut sequence.blocks);
+                break;
+            }
+            let Some(mut sequence) = state.waiting.pop_front() else {
+                break;
+            };
+            sequence.num_computed = cached;
+            if sequence.cached_prompt_tokens.is_none() {
+                let cached_prompt = cached.min(sequence.prompt_len);
+                sequence.cached_prompt_tokens = Some(cached_prompt);
+                sequence.admitted = Some(Instant::now());
+                self.counters.prompt_tokens_total += sequence.prompt_len as u64;
+                // Counted in tokens, as vLLM's prefix-cache queries and hits are.
+                self.counters.prefix_cache_queries_total += sequence.prompt_len as u64;
+                self.counters.prefix_cache_hits_total += cached_prompt as u64;
+            }
+            plan.push(Scheduled {
+                order: sequence.order,
+                start: cached,
+                len,
+            });
+            budget -= len;
+            self.running.insert(sequence.order, sequence);
+        }
+        plan
+    }
+
+    /// Makes sure the running sequence `order` has blocks for `len` more positions,
+    /// preempting the youngest running sequences until it does. Returns false when the
+    /// sequence itself had to be preempted.
+    fn reserve(
+        &mut self,
+        order: u64,
+        len: usize,
+        plan: &mut Vec<Scheduled>,
+        budget: &mut usize,
+        state: &mut SharedState,
+    ) -> bool {
+        loop {
+            let sequence = self
+                .running
+                .get_mut(&order)
+                .expect("reserve is called for running sequences");
+            let needed = sequence.num_computed + len;
+            if self.blocks.grow(&mut sequence.blocks, needed) {
+                return true;
+            }
+            let (&youngest, _) = self
+                .running
+                .last_key_value()
+                .expect("the map holds at least this sequence");
+            self.preempt(youngest, plan, budget, state);
+            if youngest == order {
+                return false;
+            }
+        }
+    }
+
+    /// Frees a running sequence's blocks and requeues it to be recomputed.
+    fn preempt(
+        &mut self,
+        order: u64,
+        plan: &mut Vec<Scheduled>,
+        budget: &mut usize,
+        state: &mut SharedState,
+    ) {
+        let Some(mut sequence) = self.running.remove(&order) else {
+            return;
+        };
+        if let Some(at) = plan.iter().position(|item| item.order == order) {
+            *budget += plan.remove(at).len;
+        }
+        self.blocks.free(&mut sequence.blocks);
+        sequence.num_computed = 0;
+        self.counters.preemptions_total += 1;
+        tracing::debug!(
+            request = %sequence.request_id,
+            tokens = sequence.tokens.len(),
+            "preempted for lack of KV-cache blocks"
+        );
+        state.waiting.push_front(sequence);
+    }
+
+    /// Runs one forward pass over the plan and advances every sequence in it.
+    fn step(&mut self, plan: &[Scheduled]) {
+        let batch: Vec<SequenceChunk<'_>> = plan
+            .iter()
+            .map(|item| {
+                let sequence = &self.running[&item.order];
+                SequenceChunk {
+                    tokens: &sequence.tokens[item.start..item.start + item.len],
+                    start_pos: item.start,
+                    block_table: &sequence.blocks.table,
+                    want_logits: item.start + item.len == sequence.tokens.len(),
+                    precision: sequence.precision,
+                }
+            })
+            .collect();
+        let result = self.model.forward(&mut self.kv, &batch);
+        drop(batch);
+        let mut logits = match result {
+            Ok(logits) => logits.into_iter(),
+            Err(err) => {
+                let message = format!("the forward pass failed: {err}");
+                tracing::error!(%message);
+                for item in plan {
+                    self.finish_with(
+                        item.order,
+                        GenerationEvent::Failed {
+                            message: message.clone(),
+                        },
+                    );
+                }
+                return;
+            }
+        };
+        let tokenizer = self.model.tokenizer();
+        let mut finished = Vec::new();
+        for item in plan {
+            let Some(sequence) = self.running.get_mut(&item.order) else {
+                continue;
+            };
+            sequence.num_computed += item.len;
+            self.blocks.register_full_blocks(
+                &mut sequence.blocks,
+                &sequence.tokens,
+                sequence.num_computed,
+            );
+            if sequence.num_computed < sequence.tokens.len() {
+                continue;
+            }
+            let Some(row) = logits.next() else {
+                finished.push((item.order, None));
+                continue;
+            };
+            let token = sequence.sampler.sample(&row);
+            self.counters.generation_tokens_total += 1;
+            if let Some(reason) = accept_token(sequence, token, tokenizer) {
+                finished.push((item.order, Some(reason)));
+            }
+        }
+        for (order, reason) in finished {
+            let event = match reason {
+                Some(reason) => {
+                    let Some(sequence) = self.running.get(&order) else {
+                        continue;
+                    };
+                    GenerationEvent::Finished {
+                        reason,
+                        usage: usage_of(sequence),
+                        timings: timings_of(sequence),
+                    }
+                }
+                None => GenerationEvent::Failed {
+                    message: "the model returned fewer logits than requested".into(),
+                },
+            };
+            self.finish_with(order, event);
+        }
+    }
+
+    /// Sends the final event and forgets the sequence.
+    fn finish_with(&mut self, order: u64, event: GenerationEvent) {
+        if let Some(mut sequence) = self.running.remove(&order) {
+            self.blocks.free(&mut sequence.blocks);
+            let _ = sequence.events.send(event);
+        }
+    }
+}
+
+/// Appends a sampled token, streams its text, and says whether generation ends here.
+fn accept_token(
+    sequence: &mut Sequence,
+    token: u32,
+    tokenizer: &Tokenizer,
+) -> Option<FinishReason> {
+    sequence.first_token.get_or_insert_with(Instant::now);
+    sequence.tokens.push(token);
+    let (text, finish) = if sequence.stop_ids.binary_search(&token).is_ok() {
+        // The stop token's own text is not part of the output.
+        let (text, _) = release_remaining(sequence);
+        (text, Some(FinishReason::Stop))
+    } else {
+        let piece = sequence.decoder.push(tokenizer, token);
+        match sequence.stop.push(&piece) {
+            StopOutcome::Stopped(text) => (text, Some(FinishReason::Stop)),
+            StopOutcome::Release(mut text) if sequence.tokens.len() >= sequence.max_len => {
+                let (rest, stopped) = release_remaining(sequence);
+                text.push_str(&rest);
+                let reason = if stopped {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                };
+                (text, Some(reason))
+            }
+            StopOutcome::Release(text) => (text, None),
+        }
+    };
+    let _ = sequence.events.send(GenerationEvent::Token {
+        token_id: token,
+        text,
+    });
+    finish
+}
+
+/// Ends the text stream: the decoder's pending bytes, then everything held back for stop
+/// strings. Says whether a stop string turned up in the pending bytes.
+fn release_remaining(sequence: &mut Sequence) -> (String, bool) {
+    let tail = std::mem::replace(&mut sequence.decoder, StreamDecoder::new()).finish();
+    match sequence.stop.push(&tail) {
+        StopOutcome::Stopped(text) => (text, true),
+        StopOutcome::Release(mut text) => {
+            text.push_str(&sequence.stop.flush());
+            (text, false)
+        }
+    }
+}
+
+fn usage_of(sequence: &Sequence) -> Usage {
+    Usage {
+        prompt_tokens: sequence.prompt_len as u32,
+        completion_tokens: (sequence.tokens.len() - sequence.prompt_len) as u32,
+        cached_prompt_tokens: sequence.cached_prompt_tokens.unwrap_or(0) as u32,
+    }
+}
+
+fn timings_of(sequence: &Sequence) -> RequestTimings {
+    let since_submit =
+        |at: Option<Instant>| at.map_or(Duration::ZERO, |at| at.duration_since(sequence.submitted));
+    RequestTimings {
+        queued: since_submit(sequence.admitted),
+        first_token: since_submit(sequence.first_token),
+        total: sequence.submitted.elapsed(),
+    }
+}

@@ -1,0 +1,456 @@
+//! The continuous-batching engine behind [`crate::api::Engine`].
+//!
+//! One dedicated thread owns the model's KV cache and runs engine steps. Each step it drops
+//! cancelled requests, gives every running sequence its next token (a decode) or its next
+//! prompt chunk (chunked prefill) within a per-step token budget, admits waiting requests
+//! while the batch and the budget have room, runs one batched forward pass, and samples.
+//! When the KV cache runs out of blocks the youngest running sequence is preempted: its
+//! blocks are freed and it is requeued to be recomputed later.
+//!
+//! Requests wait in a bounded queue whose depth is the autoscaling signal; a submit on a
+//! full queue is rejected at once.
+
+mod blocks;
+mod engine;
+pub mod sampler;
+mod stop;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use tokio::sync::mpsc;
+
+use crate::api::{
+    ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
+    Prompt, SubmitError,
+};
+use crate::model::{Model, PrecisionPolicy, StreamDecoder, WeightPrecision};
+
+use self::blocks::SequenceBlocks;
+use self::sampler::Sampler;
+use self::stop::StopMatcher;
+
+/// How much memory the paged KV cache gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCacheSize {
+    /// Exactly this many blocks.
+    Blocks(usize),
+    /// As many blocks as fit in this many bytes.
+    Bytes(usize),
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Reported in [`ModelInfo`].
+    pub model_name: String,
+    /// Sequences in one engine step.
+    pub max_batch_size: usize,
+    /// Requests that may wait for a batch slot before submits are refused.
+    pub queue_limit: usize,
+    /// Tokens (prompt chunks plus decodes) in one engine step.
+    pub max_num_batched_tokens: usize,
+    /// Positions per KV-cache block.
+    pub block_size: usize,
+    pub kv_cache: KvCacheSize,
+    /// Dummy forward passes before the engine reports ready.
+    pub warmup_iterations: u32,
+    /// Prompt prefixes (for example rendered system prompts) computed during warm-up and
+    /// kept in the prefix cache for the engine's lifetime.
+    pub prefix_templates: Vec<String>,
+    /// Keep generating past the model's end-of-sequence ids (for benchmarks that need a
+    /// fixed number of tokens). Requested stop ids and strings still apply.
+    pub ignore_eos: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "model".into(),
+            max_batch_size: 128,
+            queue_limit: 256,
+            max_num_batched_tokens: 512,
+            block_size: 16,
+            kv_cache: KvCacheSize::Bytes(1 << 30),
+            warmup_iterations: 100,
+            prefix_templates: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// The precision names accepted by [`PrecisionPolicy::parse`].
+pub fn precision_name(policy: PrecisionPolicy) -> &'static str {
+    match policy {
+        PrecisionPolicy::Int8 => "int8",
+        PrecisionPolicy::Fp32 => "fp32",
+        PrecisionPolicy::Fp16 => "fp16",
+        PrecisionPolicy::Auto { .. } => "auto",
+    }
+}
+
+/// Starts the engine thread. The engine warms up in the background; [`Engine::state`]
+/// reports progress until it is ready.
+pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle>> {
+    let model = Arc::new(model);
+    let limits = engine::EngineCore::plan(&model, &cfg)?;
+    let shared = Arc::new(Shared {
+        state: Mutex::new(SharedState {
+            waiting: VecDeque::new(),
+            warmup_done: 0,
+            warming_up: true,
+            draining: false,
+            drained: false,
+            shutdown: false,
+            next_order: 0,
+            stats: LoadSnapshot {
+                queue_limit: cfg.queue_limit,
+                max_batch_size: cfg.max_batch_size,
+                kv_blocks_total: limits.num_blocks,
+                ..LoadSnapshot::default()
+            },
+        }),
+        wake: Condvar::new(),
+    });
+    let config = model.config();
+    let info = ModelInfo {
+        name: cfg.model_name.clone(),
+        architecture: config.architecture.clone(),
+        context_length: config.context_length,
+        vocab_size: config.vocab_size,
+        tensor_parallel: model.shard().world,
+        precision: precision_name(model.policy()).to_owned(),
+    };
+    let mut stop_ids = if cfg.ignore_eos {
+        Vec::new()
+    } else {
+        config.eos_token_ids.clone()
+    };
+    stop_ids.sort_unstable();
+    let max_sequence_tokens = limits.max_sequence_tokens;
+    let policy = model.policy();
+    let core = engine::EngineCore::new(Arc::clone(&model), cfg.clone(), limits, &shared);
+    let thread = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || core.run())
+        .context("starting the engine thread")?;
+    Ok(Arc::new(EngineHandle {
+        model,
+        info,
+        shared,
+        precision: policy,
+        warmup_iterations: cfg.warmup_iterations,
+        queue_limit: cfg.queue_limit,
+        max_sequence_tokens,
+        model_stop_ids: stop_ids,
+        thread: Mutex::new(Some(thread)),
+    }))
+}
+
+/// The engine as the server uses it. Dropping the last handle stops the engine thread.
+pub struct EngineHandle {
+    model: Arc<Model>,
+    info: ModelInfo,
+    shared: Arc<Shared>,
+    precision: PrecisionPolicy,
+    warmup_iterations: u32,
+    queue_limit: usize,
+    /// Longest sequence (prompt plus completion) the context and the KV cache allow.
+    max_sequence_tokens: usize,
+    /// End-of-sequence ids of the model that end every request.
+    model_stop_ids: Vec<u32>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Shared {
+    state: Mutex<SharedState>,
+    /// Signalled when work arrives or the engine must stop.
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, SharedState> {
+        // The state stays consistent even if a holder panicked: every update is a plain
+        // field write.
+        self.state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+struct SharedState {
+    /// Accepted requests not yet in the running batch, oldest first; preempted sequences
+    /// go back to the front.
+    waiting: VecDeque<Sequence>,
+    warmup_done: u32,
+    warming_up: bool,
+    draining: bool,
+    drained: bool,
+    shutdown: bool,
+    next_order: u64,
+    /// Published by the engine thread after every step (`waiting` is filled in on read).
+    stats: LoadSnapshot,
+}
+
+/// One request inside the engine.
+struct Sequence {
+    /// Submission order: a larger value is a younger request.
+    order: u64,
+    request_id: String,
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Length at which generation stops with [`crate::api::FinishReason::Length`].
+    max_len: usize,
+    /// Leading tokens whose K/V are in the cache.
+    num_computed: usize,
+    blocks: SequenceBlocks,
+    precision: WeightPrecision,
+    sampler: Sampler,
+    /// Sorted token ids that end generation.
+    stop_ids: Vec<u32>,
+    stop: StopMatcher,
+    decoder: StreamDecoder,
+    events: mpsc::UnboundedSender<crate::api::GenerationEvent>,
+    /// Prompt tokens found in the prefix cache on first admission.
+    cached_prompt_tokens: Option<usize>,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl EngineHandle {
+    /// Turns a request into a sequence, or says what is wrong with it.
+    fn validate(
+        &self,
+        request: GenerateRequest,
+        events: mpsc::UnboundedSender<crate::api::GenerationEvent>,
+    ) -> Result<Sequence, SubmitError> {
+        let params = &request.params;
+        if !params.temperature.is_finite() || params.temperature < 0.0 {
+            return Err(SubmitError::Invalid(format!(
+                "temperature must be a finite number ≥ 0, got {}",
+                params.temperature
+            )));
+        }
+        if !(params.top_p > 0.0 && params.top_p <= 1.0) {
+            return Err(SubmitError::Invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                params.top_p
+            )));
+        }
+        // A request for zero tokens is a mistake rather than a no-op.
+        if params.max_tokens == Some(0) {
+            return Err(SubmitError::Invalid(
+                "max_tokens must be at least 1, got 0".into(),
+            ));
+        }
+        if params.stop.iter().any(String::is_empty) {
+            return Err(SubmitError::Invalid(
+                "stop strings must not be empty".into(),
+            ));
+        }
+        let config = self.model.config();
+        let vocab = config.vocab_size;
+        if let Some(&bad) = params
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab)
+        {
+            return Err(SubmitError::Invalid(format!(
+                "stop token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let tokens = match &request.prompt {
+            Prompt::Text(text) => {
+                if text.is_empty() {
+                    return Err(SubmitError::Invalid("the prompt is empty".into()));
+                }
+                let mut tokens = Vec::new();
+                if config.add_bos
+                    && let Some(bos) = config.bos_token_id
+                {
+                    tokens.push(bos);
+                }
+                tokens.extend(self.model.tokenizer().encode(text));
+                tokens
+            }
+            Prompt::Tokens(tokens) => {
+                if tokens.is_empty() {
+                    return Err(SubmitError::Invalid("the prompt is empty".into()));
+                }
+                if let Some((at, &bad)) = tokens
+                    .iter()
+                    .enumerate()
+                    .find(|(_, id)| **id as usize >= vocab)
+                {
+                    return Err(SubmitError::Invalid(format!(
+                        "prompt token id {bad} at position {at} is outside the vocabulary (size {vocab})"
+                    )));
+                }
+                tokens.clone()
+            }
+        };
+        let prompt_len = tokens.len();
+        if prompt_len >= self.max_sequence_tokens {
+            let limit = if self.max_sequence_tokens < config.context_length {
+                format!(
+                    "the KV cache holds at most {} tokens per sequence",
+                    self.max_sequence_tokens
+                )
+            } else {
+                format!("the context length is {}", config.context_length)
+            };
+            return Err(SubmitError::Invalid(format!(
+                "the prompt has {prompt_len} tokens but {limit}; it must be shorter to leave room for at least one generated token"
+            )));
+        }
+        let room = self.max_sequence_tokens - prompt_len;
+        let max_new = params
+            .max_tokens
+            .map_or(room, |max| (max as usize).min(room));
+        let precision = self.precision.for_prompt(prompt_len);
+        let mut stop_ids = self.model_stop_ids.clone();
+        stop_ids.extend(&params.stop_token_ids);
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        Ok(Sequence {
+            order: 0,
+            request_id: request.id,
+            prompt_len,
+            max_len: prompt_len + max_new,
+            tokens,
+            num_computed: 0,
+            blocks: SequenceBlocks::in_namespace(engine::precision_namespace(precision)),
+            precision,
+            sampler: Sampler::new(params),
+            stop_ids,
+            stop: StopMatcher::new(params.stop.clone()),
+            decoder: StreamDecoder::new(),
+            events,
+            cached_prompt_tokens: None,
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+        })
+    }
+
+    fn refuse_if_not_accepting(&self, state: &SharedState) -> Result<(), SubmitError> {
+        if state.draining {
+            return Err(SubmitError::Draining);
+        }
+        if state.warming_up {
+            return Err(SubmitError::WarmingUp {
+                done: state.warmup_done,
+                total: self.warmup_iterations,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Engine for EngineHandle {
+    fn model_info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<GenerationStream, SubmitError> {
+        self.refuse_if_not_accepting(&self.shared.lock())?;
+        let (events, stream) = mpsc::unbounded_channel();
+        let mut sequence = self.validate(request, events)?;
+        let mut state = self.shared.lock();
+        self.refuse_if_not_accepting(&state)?;
+        if state.waiting.len() >= self.queue_limit {
+            return Err(SubmitError::QueueFull {
+                limit: self.queue_limit,
+            });
+        }
+        sequence.order = state.next_order;
+        state.next_order += 1;
+        tracing::debug!(
+            request = %sequence.request_id,
+            prompt_tokens = sequence.prompt_len,
+            "request queued"
+        );
+        state.waiting.push_back(sequence);
+        drop(state);
+        self.shared.wake.notify_all();
+        Ok(stream)
+    }
+
+    fn state(&self) -> EngineState {
+        let state = self.shared.lock();
+        if state.drained {
+            EngineState::Drained
+        } else if state.draining {
+            EngineState::Draining
+        } else if state.warming_up {
+            EngineState::WarmingUp {
+                done: state.warmup_done,
+                total: self.warmup_iterations,
+            }
+        } else {
+            EngineState::Ready
+        }
+    }
+
+    fn load(&self) -> LoadSnapshot {
+        let state = self.shared.lock();
+        LoadSnapshot {
+            waiting: state.waiting.len(),
+            ..state.stats
+        }
+    }
+
+    fn begin_drain(&self) {
+        self.shared.lock().draining = true;
+        self.shared.wake.notify_all();
+    }
+
+    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, SubmitError> {
+        self.model
+            .tokenizer()
+            .apply_chat_template(messages, true)
+            .map_err(|err| SubmitError::Invalid(format!("cannot apply the chat template: {err:#}")))
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError> {
+        Ok(self.model.tokenizer().encode(text))
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.wake.notify_all();
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .take();
+        if let Some(thread) = thread
+            && thread.join().is_err()
+        {
+            tracing::error!("the engine thread panicked");
+        }
+    }
+}
+
+/// Rejects configurations the engine cannot run with.
+fn check_config(cfg: &EngineConfig) -> anyhow::Result<()> {
+    if cfg.max_batch_size == 0 {
+        bail!("max_batch_size must be at least 1");
+    }
+    if cfg.max_num_batched_tokens == 0 {
+        bail!("max_num_batched_tokens must be at least 1");
+    }
+    if cfg.block_size == 0 {
+        bail!("block_size must be at least 1");
+    }
+    if cfg.queue_limit == 0 {
+        bail!("queue_limit must be at least 1");
+    }
+    Ok(())
+}

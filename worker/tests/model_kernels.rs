@@ -1,0 +1,310 @@
+//! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
+//! quantisation round trips.
+
+use npufleet_worker::backend::cpu::{CpuBackend, Kernels};
+use npufleet_worker::backend::quant::{self, BlockQ8Act, QK};
+use npufleet_worker::backend::{Backend, Matrix, PagedKv, WeightData};
+
+/// A fixed generator so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn f32(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * scale).collect()
+    }
+}
+
+fn close(a: f32, b: f32, rel: f32) -> bool {
+    (a - b).abs() <= rel * (1.0 + a.abs().max(b.abs()))
+}
+
+fn kernel_sets() -> (Kernels, Kernels) {
+    let fast = Kernels::detect();
+    eprintln!("testing {} kernels against scalar", fast.name);
+    (Kernels::scalar(), fast)
+}
+
+fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
+    let mut out = vec![BlockQ8Act::default(); x.len() / QK];
+    (k.quantize_act)(x, &mut out);
+    out
+}
+
+#[test]
+fn activation_quantisation_matches_scalar_exactly() {
+    let (scalar, fast) = kernel_sets();
+    let mut rng = Rng(7);
+    for blocks in [1, 3, 18, 49] {
+        let mut x = rng.vec(blocks * QK, 3.0);
+        x[5] = 0.0;
+        let zeros = [0f32; QK];
+        for input in [&x[..], &zeros[..]] {
+            assert_eq!(
+                quantize(&scalar, input),
+                quantize(&fast, input),
+                "{blocks} blocks"
+            );
+        }
+    }
+}
+
+#[test]
+fn quantised_dot_products_match_scalar() {
+    let (scalar, fast) = kernel_sets();
+    let mut rng = Rng(11);
+    for blocks in [1, 2, 7, 18, 48] {
+        let w = rng.vec(blocks * QK, 0.5);
+        let x = rng.vec(blocks * QK, 2.0);
+        let xq = quantize(&scalar, &x);
+        let q40 = quant::quantize_q4_0(&w);
+        let q41 = quant::quantize_q4_1(&w);
+        let q80 = quant::quantize_q8_0(&w);
+        let mut deq = vec![0f32; w.len()];
+        for (name, s, f) in [
+            (
+                "q4_0",
+                (scalar.dot_q4_0)(&q40, &xq),
+                (fast.dot_q4_0)(&q40, &xq),
+            ),
+            (
+                "q4_1",
+                (scalar.dot_q4_1)(&q41, &xq),
+                (fast.dot_q4_1)(&q41, &xq),
+            ),
+            (
+                "q8_0",
+                (scalar.dot_q8_0)(&q80, &xq),
+                (fast.dot_q8_0)(&q80, &xq),
+            ),
+        ] {
+            assert!(
+                close(s, f, 1e-5),
+                "{name} {blocks} blocks: scalar {s} vs simd {f}"
+            );
+            match name {
+                "q4_0" => quant::dequantize_q4_0(&q40, &mut deq),
+                "q4_1" => quant::dequantize_q4_1(&q41, &mut deq),
+                _ => quant::dequantize_q8_0(&q80, &mut deq),
+            }
+            // Against the exact product with the same weights, only activation rounding
+            // (at most half a step per element) remains.
+            let exact = quant::dot_f32_scalar(&deq, &x);
+            let bound: f32 = deq
+                .chunks(QK)
+                .zip(&xq)
+                .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
+                .sum();
+            assert!(
+                (s - exact).abs() <= bound * 1.01 + 1e-4,
+                "{name}: {s} vs exact {exact} (bound {bound})"
+            );
+        }
+        let rows = [&q41[..], &q41[..], &q41[..], &q41[..]];
+        let x2 = rng.vec(blocks * QK, 1.0);
+        let xq2 = quantize(&scalar, &x2);
+        let pair_fast = (fast.dot_q4_1_4x2)(rows, [&xq, &xq2]);
+        let pair_scalar = (scalar.dot_q4_1_4x2)(rows, [&xq, &xq2]);
+        for (f, s) in pair_fast.iter().flatten().zip(pair_scalar.iter().flatten()) {
+            assert!(close(*f, *s, 1e-5), "q4_1 4x2: simd {f} vs scalar {s}");
+        }
+        assert!(close(
+            pair_scalar[1][2],
+            (scalar.dot_q4_1)(&q41, &xq2),
+            1e-6
+        ));
+        let x4 = (fast.dot_q4_1_x4)(rows, &xq);
+        for v in x4 {
+            assert!(close(v, (scalar.dot_q4_1)(&q41, &xq), 1e-5));
+        }
+    }
+}
+
+#[test]
+fn float_kernels_match_scalar() {
+    let (scalar, fast) = kernel_sets();
+    let mut rng = Rng(3);
+    for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
+        let a = rng.vec(n, 1.0);
+        let b = rng.vec(n, 1.0);
+        assert!(
+            close((scalar.dot_f32)(&a, &b), (fast.dot_f32)(&a, &b), 1e-5),
+            "dot_f32 n={n}"
+        );
+        let h: Vec<half::f16> = a.iter().map(|&v| half::f16::from_f32(v)).collect();
+        assert!(
+            close((scalar.dot_f16)(&h, &b), (fast.dot_f16)(&h, &b), 1e-5),
+            "dot_f16 n={n}"
+        );
+        let (mut y1, mut y2) = (b.clone(), b.clone());
+        (scalar.axpy)(0.37, &a, &mut y1);
+        (fast.axpy)(0.37, &a, &mut y2);
+        for (p, q) in y1.iter().zip(&y2) {
+            assert!(close(*p, *q, 1e-6), "axpy n={n}");
+        }
+    }
+}
+
+#[test]
+fn block_formats_round_trip() {
+    let mut rng = Rng(5);
+    let x = rng.vec(5 * QK, 1.0);
+    let mut out = vec![0f32; x.len()];
+    let q8 = quant::quantize_q8_0(&x);
+    quant::dequantize_q8_0(&q8, &mut out);
+    assert!(
+        x.iter()
+            .zip(&out)
+            .all(|(a, b)| (a - b).abs() <= 1.0 / 127.0 + 1e-3)
+    );
+    let q41 = quant::quantize_q4_1(&x);
+    quant::dequantize_q4_1(&q41, &mut out);
+    assert!(
+        x.iter()
+            .zip(&out)
+            .all(|(a, b)| (a - b).abs() <= 2.0 / 15.0 * 0.5 + 2e-3)
+    );
+    let q40 = quant::quantize_q4_0(&x);
+    quant::dequantize_q4_0(&q40, &mut out);
+    assert!(
+        x.iter()
+            .zip(&out)
+            .all(|(a, b)| (a - b).abs() <= 1.0 / 8.0 + 2e-3)
+    );
+    // The GGUF byte encodings parse back to the same blocks.
+    assert_eq!(quant::parse_q8_0(&quant::q8_0_bytes(&q8)), q8);
+    assert_eq!(quant::parse_q4_1(&quant::q4_1_bytes(&q41)), q41);
+    assert_eq!(quant::parse_q4_0(&quant::q4_0_bytes(&q40)), q40);
+}
+
+fn reference_matmul(w: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
+    let wf = w.to_f32();
+    let mut out = vec![0f32; n * w.rows];
+    for j in 0..n {
+        for r in 0..w.rows {
+            out[j * w.rows + r] = quant::dot_f32_scalar(
+                &wf[r * w.cols..(r + 1) * w.cols],
+                &x[j * w.cols..(j + 1) * w.cols],
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_every_storage_and_batch_size() {
+    let mut rng = Rng(9);
+    let (rows, cols) = (37, 96);
+    let base = Matrix::f32(rows, cols, rng.vec(rows * cols, 0.3));
+    let storages = [
+        base.clone(),
+        base.to_f16_matrix(),
+        base.to_q8_0().unwrap(),
+        Matrix {
+            rows,
+            cols,
+            data: WeightData::Q4_0(quant::quantize_q4_0(&base.to_f32())),
+        },
+        Matrix {
+            rows,
+            cols,
+            data: WeightData::Q4_1(quant::quantize_q4_1(&base.to_f32())),
+        },
+    ];
+    let backends = [
+        CpuBackend::with_kernels(2, Kernels::scalar()).unwrap(),
+        CpuBackend::with_kernels(2, Kernels::detect()).unwrap(),
+    ];
+    for n in [1, 2, 3, 5, 33] {
+        let x = rng.vec(n * cols, 1.0);
+        for w in &storages {
+            let want = reference_matmul(w, &x, n);
+            let quantised = w.is_quantized();
+            let mut results = Vec::new();
+            for be in &backends {
+                let mut out = vec![0f32; n * rows];
+                be.matmul(w, &x, n, &mut out);
+                let tol = if quantised { 0.05 } else { 1e-3 };
+                for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{} n={n} [{i}]: {a} vs {b} ({})",
+                        w.type_name(),
+                        be.name()
+                    );
+                }
+                results.push(out);
+            }
+            for (a, b) in results[0].iter().zip(&results[1]) {
+                assert!(
+                    close(*a, *b, 1e-5),
+                    "{} n={n}: scalar and simd backends differ",
+                    w.type_name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_contiguous_reference() {
+    let mut rng = Rng(13);
+    let (n_heads, n_kv, hd, bs) = (4, 2, 16, 4);
+    // Decode-sized chunks take the dot-product path, longer ones the GEMM path.
+    for (start, t) in [(5usize, 3usize), (0, 9), (3, 70)] {
+        let blocks = (start + t).div_ceil(bs);
+        // Pages deliberately out of order, with one unused page in between.
+        let table: Vec<u32> = (0..blocks as u32)
+            .map(|b| (b * 7 + 3) % (blocks as u32 + 1))
+            .collect();
+        let slot = n_kv * hd;
+        let (k, v) = (
+            rng.vec((blocks + 1) * bs * slot, 1.0),
+            rng.vec((blocks + 1) * bs * slot, 1.0),
+        );
+        let q = rng.vec(t * n_heads * hd, 1.0);
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            block_table: &table,
+            block_size: bs,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+        };
+        for kernels in [Kernels::scalar(), Kernels::detect()] {
+            let be = CpuBackend::with_kernels(2, kernels).unwrap();
+            let mut out = vec![0f32; q.len()];
+            be.attention(&q, &kv, start, n_heads, &mut out);
+            for i in 0..t {
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv);
+                    let qv = &q[(i * n_heads + h) * hd..][..hd];
+                    let len = start + i + 1;
+                    let at = |p: usize| ((table[p / bs] as usize * bs + p % bs) * n_kv + kvh) * hd;
+                    let s: Vec<f32> = (0..len)
+                        .map(|p| {
+                            quant::dot_f32_scalar(qv, &k[at(p)..at(p) + hd]) / (hd as f32).sqrt()
+                        })
+                        .collect();
+                    let m = s.iter().copied().fold(f32::MIN, f32::max);
+                    let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                    let z: f32 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f32 = (0..len).map(|p| e[p] / z * v[at(p) + d]).sum();
+                        let got = out[(i * n_heads + h) * hd + d];
+                        assert!(
+                            (want - got).abs() < 1e-5,
+                            "start {start} t {t}: token {i} head {h} dim {d}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,644 @@
+//! The continuous-batching engine on the real SmolLM2-135M-Instruct file: batching does not
+//! change results, the prefix cache is reused, the queue bound, cancellation, preemption,
+//! stop conditions, drain and input validation behave as the `Engine` contract says.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use npufleet_worker::api::{
+    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
+    RequestTimings, SamplingParams, SubmitError, Usage,
+};
+use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
+use npufleet_worker::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
+
+const DEADLINE: Duration = Duration::from_secs(180);
+
+/// SmolLM2-135M-Instruct (Q4_1 GGUF), fetched into the cache by the set-up script.
+fn model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/setup/model.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("running tests/setup/model.sh");
+        assert!(
+            out.status.success(),
+            "model.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).expect("model.sh prints a path");
+        PathBuf::from(
+            stdout
+                .lines()
+                .last()
+                .expect("model.sh prints a path")
+                .trim(),
+        )
+    })
+    .clone()
+}
+
+fn start(cfg: EngineConfig) -> Arc<EngineHandle> {
+    let model = Model::load(
+        &model_path(),
+        LoadOptions {
+            policy: PrecisionPolicy::Int8,
+            threads: 0,
+            collective: None,
+        },
+    )
+    .expect("loading SmolLM2");
+    let engine = scheduler::start(model, cfg).expect("starting the engine");
+    wait_for(&engine, |e| e.state() == EngineState::Ready, "engine ready");
+    engine
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        warmup_iterations: 2,
+        ..EngineConfig::default()
+    }
+}
+
+fn wait_for(engine: &EngineHandle, done: impl Fn(&EngineHandle) -> bool, what: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    while !done(engine) {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    reason: FinishReason,
+    usage: Usage,
+    timings: RequestTimings,
+}
+
+/// Reads a stream to its end; panics on a failure event or a stream that ends early.
+fn collect(stream: GenerationStream) -> Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let mut stream = stream;
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        loop {
+            let event = tokio::time::timeout(DEADLINE, stream.recv())
+                .await
+                .expect("timed out waiting for an event")
+                .expect("the stream ended without a final event");
+            match event {
+                GenerationEvent::Token {
+                    token_id,
+                    text: piece,
+                } => {
+                    tokens.push(token_id);
+                    text.push_str(&piece);
+                }
+                GenerationEvent::Finished {
+                    reason,
+                    usage,
+                    timings,
+                } => {
+                    return Outcome {
+                        tokens,
+                        text,
+                        reason,
+                        usage,
+                        timings,
+                    };
+                }
+                GenerationEvent::Failed { message } => panic!("request failed: {message}"),
+            }
+        }
+    })
+}
+
+fn request(id: &str, prompt: &str, params: SamplingParams) -> GenerateRequest {
+    GenerateRequest {
+        id: id.into(),
+        prompt: Prompt::Text(prompt.into()),
+        params,
+    }
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(max_tokens),
+        ..SamplingParams::default()
+    }
+}
+
+fn sampled(max_tokens: u32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(max_tokens),
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    }
+}
+
+fn run_alone(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
+    requests
+        .iter()
+        .map(|r| collect(engine.submit(r.clone()).expect("submit")))
+        .collect()
+}
+
+fn run_together(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).expect("submit"))
+        .collect();
+    streams.into_iter().map(collect).collect()
+}
+
+const SYSTEM: &str = "<|im_start|>system\nYou are a concise assistant who answers questions about \
+    geography, history and science in one or two short sentences, without lists.<|im_end|>\n";
+
+fn chat(question: &str) -> String {
+    format!("{SYSTEM}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+fn mixed_requests() -> Vec<GenerateRequest> {
+    vec![
+        request("a", &chat("What is the capital of France?"), greedy(12)),
+        request("b", "Once upon a time", sampled(16, 7)),
+        request(
+            "c",
+            &chat("Explain in simple words why the sky is blue during the day and red at sunset."),
+            sampled(10, 42),
+        ),
+        request("d", "1, 2, 3, 4,", greedy(20)),
+        request("e", "The quick brown fox", sampled(8, 7)),
+    ]
+}
+
+fn tokens_of(outcomes: &[Outcome]) -> Vec<Vec<u32>> {
+    outcomes.iter().map(|o| o.tokens.clone()).collect()
+}
+
+#[test]
+fn batched_results_equal_unbatched_results() {
+    let requests = mixed_requests();
+    // A small step budget forces the long prompts through several chunked-prefill steps
+    // mixed with the other requests' decodes.
+    let batched_engine = start(EngineConfig {
+        max_num_batched_tokens: 24,
+        ..config()
+    });
+    let together = run_together(&batched_engine, &requests);
+    drop(batched_engine);
+    let alone = run_alone(&start(config()), &requests);
+
+    assert_eq!(tokens_of(&together), tokens_of(&alone));
+    for (outcome, request) in together.iter().zip(&requests) {
+        assert_eq!(
+            outcome.usage.completion_tokens as usize,
+            outcome.tokens.len(),
+            "{}",
+            request.id
+        );
+        assert!(!outcome.tokens.is_empty(), "{}", request.id);
+    }
+    // Seeds matter: "b" and "e" share a seed but not a prompt; the same seed and prompt
+    // with another seed gives another continuation.
+    let reseeded = collect(
+        start(config())
+            .submit(request("b", "Once upon a time", sampled(16, 8)))
+            .expect("submit"),
+    );
+    assert_ne!(reseeded.tokens, alone[1].tokens);
+    assert!(
+        alone[0].text.contains("Paris"),
+        "greedy answer: {:?}",
+        alone[0].text
+    );
+}
+
+#[test]
+fn prefix_cache_serves_a_repeated_system_prompt() {
+    let engine = start(config());
+    let prompt = chat("Name a large desert.");
+    let first = collect(
+        engine
+            .submit(request("1", &prompt, greedy(8)))
+            .expect("submit"),
+    );
+    let second = collect(
+        engine
+            .submit(request("2", &prompt, greedy(8)))
+            .expect("submit"),
+    );
+    let other = collect(
+        engine
+            .submit(request("3", &chat("Name a long river."), greedy(8)))
+            .expect("submit"),
+    );
+
+    assert_eq!(first.usage.cached_prompt_tokens, 0);
+    let prompt_tokens = first.usage.prompt_tokens;
+    // Everything but the last partial block (and at least the last token) is reused.
+    assert!(
+        second.usage.cached_prompt_tokens >= prompt_tokens - 16
+            && second.usage.cached_prompt_tokens < prompt_tokens,
+        "{:?}",
+        second.usage
+    );
+    assert_eq!(second.usage.cached_prompt_tokens % 16, 0);
+    assert_eq!(second.tokens, first.tokens);
+    assert_eq!(second.text, first.text);
+    // A different question after the same system prompt reuses the system prompt's blocks.
+    assert!(other.usage.cached_prompt_tokens >= 32, "{:?}", other.usage);
+
+    let load = engine.load();
+    assert_eq!(
+        load.prefix_cache_hits_total,
+        u64::from(second.usage.cached_prompt_tokens + other.usage.cached_prompt_tokens)
+    );
+    assert_eq!(
+        load.prefix_cache_queries_total,
+        u64::from(
+            first.usage.prompt_tokens + second.usage.prompt_tokens + other.usage.prompt_tokens
+        )
+    );
+}
+
+#[test]
+fn prefix_templates_are_computed_during_warm_up() {
+    let engine = start(EngineConfig {
+        prefix_templates: vec![SYSTEM.to_owned()],
+        ..config()
+    });
+    // The template's blocks stay referenced while idle.
+    assert!(engine.load().kv_cache_usage > 0.0);
+    let template_tokens = engine.tokenize(SYSTEM).expect("tokenize").len();
+    assert!(template_tokens >= 16, "{template_tokens}");
+    let outcome = collect(
+        engine
+            .submit(request("t", &chat("Name a tall mountain."), greedy(4)))
+            .expect("submit"),
+    );
+    // Every full block of the template is served from the cache on the first request.
+    assert_eq!(
+        outcome.usage.cached_prompt_tokens as usize,
+        template_tokens / 16 * 16,
+        "{:?}",
+        outcome.usage
+    );
+}
+
+#[test]
+fn a_full_queue_refuses_at_once() {
+    let engine = start(EngineConfig {
+        max_batch_size: 1,
+        queue_limit: 2,
+        ignore_eos: true,
+        ..config()
+    });
+    let long = || request("long", "Count to one thousand:", greedy(2000));
+    let running = engine.submit(long()).expect("first request");
+    wait_for(
+        &engine,
+        |e| e.load().running == 1,
+        "the first request to run",
+    );
+    let waiting: Vec<_> = (0..2)
+        .map(|_| engine.submit(long()).expect("fits in the queue"))
+        .collect();
+    assert_eq!(engine.load().waiting, 2);
+
+    let asked = Instant::now();
+    let refused = engine.submit(long());
+    assert!(asked.elapsed() < Duration::from_millis(100));
+    assert_eq!(refused.err(), Some(SubmitError::QueueFull { limit: 2 }));
+
+    // Dropping the streams cancels everything, queued or running.
+    drop(running);
+    drop(waiting);
+    wait_for(
+        &engine,
+        |e| {
+            let load = e.load();
+            load.running == 0 && load.waiting == 0
+        },
+        "cancelled requests to leave",
+    );
+}
+
+#[test]
+fn cancelling_a_running_request_frees_its_blocks() {
+    let engine = start(EngineConfig {
+        ignore_eos: true,
+        ..config()
+    });
+    let mut stream = engine
+        .submit(request("c", &chat("Write a long story."), greedy(2000)))
+        .expect("submit");
+    let first = stream.blocking_recv().expect("a first event");
+    assert!(matches!(first, GenerationEvent::Token { .. }));
+    wait_for(
+        &engine,
+        |e| e.load().kv_cache_usage > 0.0,
+        "the running request's blocks to show",
+    );
+    drop(stream);
+    wait_for(
+        &engine,
+        |e| {
+            let load = e.load();
+            load.running == 0 && load.kv_cache_usage == 0.0
+        },
+        "the cancelled request's blocks to be freed",
+    );
+    let generated = engine.load().generation_tokens_total;
+    assert!(generated < 2000, "generation went on after cancelling");
+}
+
+#[test]
+fn preemption_under_a_tiny_kv_cache_still_completes_every_request() {
+    let requests: Vec<_> = (0..4)
+        .map(|i| {
+            request(
+                &i.to_string(),
+                &format!("Item {i}: the weather today is"),
+                greedy(24),
+            )
+        })
+        .collect();
+    let roomy = start(EngineConfig {
+        block_size: 4,
+        ignore_eos: true,
+        ..config()
+    });
+    let expected = run_alone(&roomy, &requests);
+    drop(roomy);
+
+    // 24 blocks of 4 positions: each request needs about 9 blocks, all four need 36.
+    let tight = start(EngineConfig {
+        block_size: 4,
+        kv_cache: KvCacheSize::Blocks(24),
+        ignore_eos: true,
+        ..config()
+    });
+    let outcomes = run_together(&tight, &requests);
+    assert_eq!(tokens_of(&outcomes), tokens_of(&expected));
+    assert!(outcomes.iter().all(|o| o.reason == FinishReason::Length));
+    assert!(tight.load().preemptions_total > 0, "{:?}", tight.load());
+    wait_for(
+        &tight,
+        |e| e.load().kv_cache_usage == 0.0,
+        "every block to be released",
+    );
+}
+
+#[test]
+fn stop_strings_and_stop_tokens_end_generation() {
+    let engine = start(config());
+    let prompt = "Here is a list of fruits: apple, banana,";
+    let free = collect(
+        engine
+            .submit(request("free", prompt, greedy(24)))
+            .expect("submit"),
+    );
+    assert!(free.text.len() > 12, "{:?}", free.text);
+
+    // A stop string taken from the middle of the free-running text.
+    let chars: Vec<char> = free.text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let cut = &free.text[..free.text.find(&stop).expect("stop string occurs")];
+    let stopped = collect(
+        engine
+            .submit(request(
+                "stop",
+                prompt,
+                SamplingParams {
+                    stop: vec![stop.clone(), "\u{1F600}never".into()],
+                    ..greedy(24)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert_eq!(stopped.reason, FinishReason::Stop);
+    assert_eq!(stopped.text, cut, "stop string {stop:?}");
+    assert!(!stopped.text.contains(&stop));
+
+    // A stop token id: generation ends on it and its text is not returned.
+    let stop_id = free.tokens[3];
+    let by_token = collect(
+        engine
+            .submit(request(
+                "stop-id",
+                prompt,
+                SamplingParams {
+                    stop_token_ids: vec![stop_id],
+                    ..greedy(24)
+                },
+            ))
+            .expect("submit"),
+    );
+    let first_at = free
+        .tokens
+        .iter()
+        .position(|&t| t == stop_id)
+        .expect("present");
+    assert_eq!(by_token.reason, FinishReason::Stop);
+    assert_eq!(by_token.tokens, free.tokens[..=first_at]);
+    assert_eq!(by_token.usage.completion_tokens as usize, first_at + 1);
+    assert!(free.text.starts_with(&by_token.text));
+    assert!(by_token.text.len() < free.text.len());
+
+    // The model's end-of-sequence token ends a chat answer.
+    let answer = collect(
+        engine
+            .submit(request("eos", &chat("Say hello."), greedy(200)))
+            .expect("submit"),
+    );
+    assert_eq!(answer.reason, FinishReason::Stop);
+    assert!(!answer.text.contains("<|im_end|>"), "{:?}", answer.text);
+}
+
+#[test]
+fn max_tokens_is_clamped_to_the_room_left_in_the_context() {
+    // 8 blocks of 4 positions: sequences hold at most 32 tokens.
+    let engine = start(EngineConfig {
+        block_size: 4,
+        kv_cache: KvCacheSize::Blocks(8),
+        ignore_eos: true,
+        ..config()
+    });
+    let prompt: Vec<u32> = (100..110).collect();
+    let outcome = collect(
+        engine
+            .submit(GenerateRequest {
+                id: "clamp".into(),
+                prompt: Prompt::Tokens(prompt.clone()),
+                params: SamplingParams {
+                    max_tokens: Some(u32::MAX),
+                    ..SamplingParams::default()
+                },
+            })
+            .expect("submit"),
+    );
+    assert_eq!(outcome.reason, FinishReason::Length);
+    assert_eq!(outcome.usage.prompt_tokens, 10);
+    assert_eq!(outcome.usage.completion_tokens, 22);
+    assert!(outcome.timings.first_token <= outcome.timings.total);
+    assert!(outcome.timings.queued <= outcome.timings.first_token);
+
+    let too_long = engine.submit(GenerateRequest {
+        id: "long".into(),
+        prompt: Prompt::Tokens((0..32).collect()),
+        params: SamplingParams::default(),
+    });
+    let Err(SubmitError::Invalid(message)) = too_long else {
+        panic!("expected Invalid, got {too_long:?}");
+    };
+    assert!(
+        message.contains("32") && message.contains("KV cache"),
+        "{message}"
+    );
+}
+
+#[test]
+fn drain_finishes_accepted_work_and_refuses_new_work() {
+    let engine = start(config());
+    let streams: Vec<_> = mixed_requests()
+        .into_iter()
+        .take(3)
+        .map(|r| engine.submit(r).expect("submit"))
+        .collect();
+    engine.begin_drain();
+    assert_eq!(engine.state(), EngineState::Draining);
+    assert_eq!(
+        engine.submit(request("late", "Hello", greedy(4))).err(),
+        Some(SubmitError::Draining)
+    );
+    for stream in streams {
+        let outcome = collect(stream);
+        assert!(!outcome.tokens.is_empty());
+    }
+    wait_for(&engine, |e| e.state() == EngineState::Drained, "drained");
+}
+
+#[test]
+fn submits_during_warm_up_are_refused() {
+    let model = Model::load(
+        &model_path(),
+        LoadOptions {
+            policy: PrecisionPolicy::Int8,
+            threads: 1,
+            collective: None,
+        },
+    )
+    .expect("loading SmolLM2");
+    let engine = scheduler::start(
+        model,
+        EngineConfig {
+            warmup_iterations: 1_000_000,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("start");
+    let refused = engine.submit(request("early", "Hello", greedy(4)));
+    match refused {
+        Err(SubmitError::WarmingUp { done, total }) => {
+            assert_eq!(total, 1_000_000);
+            assert!(done < total);
+        }
+        other => panic!("expected WarmingUp, got {other:?}"),
+    }
+    assert!(matches!(engine.state(), EngineState::WarmingUp { .. }));
+    // Dropping the handle stops the warm-up.
+}
+
+#[test]
+fn bad_requests_are_rejected_with_the_problem_named() {
+    let engine = start(config());
+    let vocab = engine.model_info().vocab_size;
+    let context = engine.model_info().context_length;
+    let invalid = |params: SamplingParams, prompt: Prompt| -> String {
+        match engine.submit(GenerateRequest {
+            id: "bad".into(),
+            prompt,
+            params,
+        }) {
+            Err(SubmitError::Invalid(message)) => message,
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    };
+    let text = || Prompt::Text("Hello".into());
+
+    let m = invalid(
+        SamplingParams {
+            temperature: -0.5,
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(m.contains("temperature"), "{m}");
+    let m = invalid(
+        SamplingParams {
+            temperature: f32::NAN,
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(m.contains("temperature"), "{m}");
+    for top_p in [0.0, 1.5, f32::NAN] {
+        let m = invalid(SamplingParams { top_p, ..greedy(4) }, text());
+        assert!(m.contains("top_p"), "{m}");
+    }
+    let m = invalid(greedy(0), text());
+    assert!(m.contains("max_tokens"), "{m}");
+    let m = invalid(greedy(4), Prompt::Text(String::new()));
+    assert!(m.contains("empty"), "{m}");
+    let m = invalid(greedy(4), Prompt::Tokens(Vec::new()));
+    assert!(m.contains("empty"), "{m}");
+    let m = invalid(greedy(4), Prompt::Tokens(vec![1, 2, vocab as u32]));
+    assert!(
+        m.contains(&vocab.to_string()) && m.contains("position 2"),
+        "{m}"
+    );
+    let m = invalid(greedy(4), Prompt::Tokens(vec![1; context + 5]));
+    assert!(
+        m.contains(&(context + 5).to_string()) && m.contains(&context.to_string()),
+        "{m}"
+    );
+    let m = invalid(
+        SamplingParams {
+            stop: vec![String::new()],
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(m.contains("stop"), "{m}");
+    let m = invalid(
+        SamplingParams {
+            stop_token_ids: vec![u32::MAX],
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(m.contains("stop token"), "{m}");
+
+    // Nothing was queued, and a good request still works.
+    assert_eq!(engine.load().waiting, 0);
+    let ok = collect(
+        engine
+            .submit(request("ok", "Hello", greedy(2)))
+            .expect("submit"),
+    );
+    assert_eq!(ok.tokens.len(), 2);
+}
