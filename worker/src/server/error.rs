@@ -1,0 +1,166 @@
+//! One error type for every surface, mapped to each protocol's status.
+
+use crate::api::SubmitError;
+
+/// Why a request was not served.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ServeError {
+    /// HTTP 400 / gRPC INVALID_ARGUMENT. `param` names the offending field when there is one.
+    #[error("{message}")]
+    BadRequest {
+        message: String,
+        param: Option<String>,
+    },
+    /// HTTP 404 / gRPC NOT_FOUND.
+    #[error("model '{requested}' is not served here; this worker serves '{served}'")]
+    ModelNotFound { requested: String, served: String },
+    /// HTTP 429 / gRPC RESOURCE_EXHAUSTED.
+    #[error("the waiting queue is full ({limit} requests); retry later")]
+    QueueFull { limit: usize },
+    /// HTTP 503 / gRPC UNAVAILABLE.
+    #[error("{0}")]
+    Unavailable(String),
+    /// HTTP 500 / gRPC INTERNAL: the request was accepted but failed inside the engine.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ServeError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ServeError::BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+        ServeError::BadRequest {
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+
+    pub fn http_status(&self) -> http::StatusCode {
+        use http::StatusCode;
+        match self {
+            ServeError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ServeError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            ServeError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The OpenAI error `type` string.
+    pub fn openai_type(&self) -> &'static str {
+        match self {
+            ServeError::BadRequest { .. } => "invalid_request_error",
+            ServeError::ModelNotFound { .. } => "invalid_request_error",
+            ServeError::QueueFull { .. } => "rate_limit_error",
+            ServeError::Unavailable(_) => "service_unavailable",
+            ServeError::Internal(_) => "server_error",
+        }
+    }
+
+    /// The OpenAI error `code` string.
+    pub fn openai_code(&self) -> &'static str {
+        match self {
+            ServeError::BadRequest { .. } => "invalid_request",
+            ServeError::ModelNotFound { .. } => "model_not_found",
+            ServeError::QueueFull { .. } => "queue_full",
+            ServeError::Unavailable(_) => "unavailable",
+            ServeError::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ServeError::BadRequest { param, .. } => param.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// A short name of the error kind, used as a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServeError::BadRequest { .. } => "invalid_argument",
+            ServeError::ModelNotFound { .. } => "not_found",
+            ServeError::QueueFull { .. } => "queue_full",
+            ServeError::Unavailable(_) => "unavailable",
+            ServeError::Internal(_) => "internal",
+        }
+    }
+}
+
+impl From<SubmitError> for ServeError {
+    fn from(err: SubmitError) -> Self {
+        match err {
+            SubmitError::Invalid(message) => ServeError::bad_request(message),
+            SubmitError::QueueFull { limit } => ServeError::QueueFull { limit },
+            SubmitError::WarmingUp { .. } | SubmitError::Draining => {
+                ServeError::Unavailable(err.to_string())
+            }
+        }
+    }
+}
+
+impl From<ServeError> for tonic::Status {
+    fn from(err: ServeError) -> Self {
+        let message = err.to_string();
+        match err {
+            ServeError::BadRequest { .. } => tonic::Status::invalid_argument(message),
+            ServeError::ModelNotFound { .. } => tonic::Status::not_found(message),
+            ServeError::QueueFull { .. } => tonic::Status::resource_exhausted(message),
+            ServeError::Unavailable(_) => tonic::Status::unavailable(message),
+            ServeError::Internal(_) => tonic::Status::internal(message),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn submit_errors_map_to_protocol_statuses() {
+        let cases = [
+            (
+                SubmitError::Invalid("bad".into()),
+                http::StatusCode::BAD_REQUEST,
+                tonic::Code::InvalidArgument,
+            ),
+            (
+                SubmitError::QueueFull { limit: 4 },
+                http::StatusCode::TOO_MANY_REQUESTS,
+                tonic::Code::ResourceExhausted,
+            ),
+            (
+                SubmitError::WarmingUp { done: 1, total: 3 },
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                tonic::Code::Unavailable,
+            ),
+            (
+                SubmitError::Draining,
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                tonic::Code::Unavailable,
+            ),
+        ];
+        for (submit, http_status, grpc_code) in cases {
+            let err = ServeError::from(submit);
+            assert_eq!(err.http_status(), http_status);
+            assert_eq!(tonic::Status::from(err).code(), grpc_code);
+        }
+    }
+
+    #[test]
+    fn unknown_model_names_both_models() {
+        let err = ServeError::ModelNotFound {
+            requested: "gpt-4".into(),
+            served: "smollm2".into(),
+        };
+        let status = tonic::Status::from(err.clone());
+        assert_eq!(status.code(), tonic::Code::NotFound);
+        assert!(status.message().contains("gpt-4") && status.message().contains("smollm2"));
+        assert_eq!(err.http_status(), http::StatusCode::NOT_FOUND);
+    }
+}

@@ -1,0 +1,406 @@
+//! The gRPC surfaces: the Open Inference Protocol service and npufleet's load service.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::api::{EngineState, GenerateRequest, GenerationEvent};
+use crate::server::error::ServeError;
+use crate::server::oip::{self, InferRequest};
+use crate::server::proto::inference::grpc_inference_service_server::GrpcInferenceService;
+use crate::server::proto::inference::model_metadata_response::TensorMetadata;
+use crate::server::proto::inference::*;
+use crate::server::proto::npufleet::v1::worker_load_server::WorkerLoad;
+use crate::server::proto::npufleet::v1::{
+    GetLoadRequest, LoadReport, WatchLoadRequest, WorkerState,
+};
+use crate::server::shared::{Shared, TrackedStream};
+
+pub const SERVER_NAME: &str = "npufleet-worker";
+
+pub struct InferenceService {
+    shared: Arc<Shared>,
+}
+
+impl InferenceService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        InferenceService { shared }
+    }
+}
+
+/// The tensors a text-generation model takes and returns, as metadata.
+pub fn model_metadata(shared: &Shared) -> ModelMetadataResponse {
+    let tensor = |name: &str, datatype: &str, shape: i64| TensorMetadata {
+        name: name.to_string(),
+        datatype: datatype.to_string(),
+        shape: vec![shape],
+    };
+    ModelMetadataResponse {
+        name: shared.model_name.clone(),
+        versions: vec![oip::MODEL_VERSION.to_string()],
+        platform: format!("npufleet/{}", shared.engine.model_info().architecture),
+        inputs: vec![
+            tensor(oip::TEXT_INPUT, "BYTES", 1),
+            tensor(oip::INPUT_IDS, "INT64", -1),
+        ],
+        outputs: vec![
+            tensor(oip::TEXT_OUTPUT, "BYTES", 1),
+            tensor(oip::OUTPUT_IDS, "INT64", -1),
+        ],
+    }
+}
+
+/// Checks, decodes and submits one inference request.
+pub fn start_infer(
+    shared: &Arc<Shared>,
+    request: &ModelInferRequest,
+) -> Result<(InferRequest, TrackedStream), ServeError> {
+    oip::check_model(
+        &request.model_name,
+        &request.model_version,
+        &shared.model_name,
+    )?;
+    let mut decoded = oip::decode_infer_request(request).inspect_err(|err| {
+        shared.metrics.count_rejected(err.kind());
+    })?;
+    if decoded.id.is_empty() {
+        decoded.id = shared.next_request_id("infer");
+    }
+    let events = shared.submit(GenerateRequest {
+        id: decoded.id.clone(),
+        prompt: decoded.prompt.clone(),
+        params: decoded.params.clone(),
+    })?;
+    Ok((decoded, events))
+}
+
+/// Runs one request to completion and builds its single response.
+pub async fn infer_unary(
+    shared: &Arc<Shared>,
+    request: &ModelInferRequest,
+) -> Result<ModelInferResponse, ServeError> {
+    let (decoded, events) = start_infer(shared, request)?;
+    let collected = events.collect_all().await?;
+    let mut parameters = usage_parameters(&collected.usage);
+    if let Some(reason) = collected.reason {
+        parameters.insert(
+            "finish_reason".into(),
+            oip::string_param(reason.as_openai()),
+        );
+    }
+    Ok(oip::build_response(
+        &shared.model_name,
+        &decoded,
+        &collected.text,
+        &collected.token_ids,
+        parameters,
+    ))
+}
+
+fn usage_parameters(usage: &crate::api::Usage) -> HashMap<String, InferParameter> {
+    HashMap::from([
+        (
+            "prompt_tokens".into(),
+            oip::int_param(usage.prompt_tokens.into()),
+        ),
+        (
+            "completion_tokens".into(),
+            oip::int_param(usage.completion_tokens.into()),
+        ),
+        (
+            "cached_prompt_tokens".into(),
+            oip::int_param(usage.cached_prompt_tokens.into()),
+        ),
+    ])
+}
+
+type StreamSender = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
+
+fn stream_error(request_id: &str, model_name: &str, err: &ServeError) -> ModelStreamInferResponse {
+    ModelStreamInferResponse {
+        error_message: format!("{}: {err}", grpc_code_name(err)),
+        infer_response: Some(ModelInferResponse {
+            model_name: model_name.to_string(),
+            id: request_id.to_string(),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The canonical gRPC code name, prefixed to in-stream error messages so clients can tell a
+/// full queue from a bad request without a status code.
+pub fn grpc_code_name(err: &ServeError) -> &'static str {
+    match err {
+        ServeError::BadRequest { .. } => "INVALID_ARGUMENT",
+        ServeError::ModelNotFound { .. } => "NOT_FOUND",
+        ServeError::QueueFull { .. } => "RESOURCE_EXHAUSTED",
+        ServeError::Unavailable(_) => "UNAVAILABLE",
+        ServeError::Internal(_) => "INTERNAL",
+    }
+}
+
+/// Streams one request: a response per generated chunk, then a last response flagged
+/// `triton_final_response` that carries the finish reason and token usage.
+async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: StreamSender) {
+    let (decoded, mut events) = match start_infer(&shared, &request) {
+        Ok(started) => started,
+        Err(err) => {
+            let _ = out
+                .send(Ok(stream_error(&request.id, &shared.model_name, &err)))
+                .await;
+            return;
+        }
+    };
+    let mut pending_ids = Vec::new();
+    while let Some(event) = events.next().await {
+        let response = match event {
+            GenerationEvent::Token { token_id, text } => {
+                pending_ids.push(token_id);
+                if text.is_empty() {
+                    continue;
+                }
+                let parameters =
+                    HashMap::from([("triton_final_response".into(), oip::bool_param(false))]);
+                let response = oip::build_response(
+                    &shared.model_name,
+                    &decoded,
+                    &text,
+                    &pending_ids,
+                    parameters,
+                );
+                pending_ids.clear();
+                response
+            }
+            GenerationEvent::Finished { reason, usage, .. } => {
+                let mut parameters = usage_parameters(&usage);
+                parameters.insert("triton_final_response".into(), oip::bool_param(true));
+                parameters.insert(
+                    "finish_reason".into(),
+                    oip::string_param(reason.as_openai()),
+                );
+                let response =
+                    oip::build_response(&shared.model_name, &decoded, "", &pending_ids, parameters);
+                let _ = out
+                    .send(Ok(ModelStreamInferResponse {
+                        error_message: String::new(),
+                        infer_response: Some(response),
+                    }))
+                    .await;
+                return;
+            }
+            GenerationEvent::Failed { message } => {
+                let err = ServeError::Internal(message);
+                let _ = out
+                    .send(Ok(stream_error(&decoded.id, &shared.model_name, &err)))
+                    .await;
+                return;
+            }
+        };
+        let sent = out
+            .send(Ok(ModelStreamInferResponse {
+                error_message: String::new(),
+                infer_response: Some(response),
+            }))
+            .await;
+        if sent.is_err() {
+            // The caller hung up; dropping the events cancels the request in the engine.
+            return;
+        }
+    }
+    let err = ServeError::Internal("the engine ended the request without a result".into());
+    let _ = out
+        .send(Ok(stream_error(&decoded.id, &shared.model_name, &err)))
+        .await;
+}
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl GrpcInferenceService for InferenceService {
+    async fn server_live(
+        &self,
+        _request: Request<ServerLiveRequest>,
+    ) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _request: Request<ServerReadyRequest>,
+    ) -> Result<Response<ServerReadyResponse>, Status> {
+        Ok(Response::new(ServerReadyResponse {
+            ready: self.shared.ready(),
+        }))
+    }
+
+    async fn model_ready(
+        &self,
+        request: Request<ModelReadyRequest>,
+    ) -> Result<Response<ModelReadyResponse>, Status> {
+        let request = request.into_inner();
+        oip::check_model(&request.name, &request.version, &self.shared.model_name)?;
+        Ok(Response::new(ModelReadyResponse {
+            ready: self.shared.ready(),
+        }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _request: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: SERVER_NAME.to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            extensions: Vec::new(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let request = request.into_inner();
+        oip::check_model(&request.name, &request.version, &self.shared.model_name)?;
+        Ok(Response::new(model_metadata(&self.shared)))
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<ModelInferRequest>,
+    ) -> Result<Response<ModelInferResponse>, Status> {
+        let response = infer_unary(&self.shared, request.get_ref()).await?;
+        Ok(Response::new(response))
+    }
+
+    type ModelStreamInferStream = ResponseStream<ModelStreamInferResponse>;
+
+    async fn model_stream_infer(
+        &self,
+        request: Request<Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let mut incoming = request.into_inner();
+        let (out, responses) = mpsc::channel(64);
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            loop {
+                match incoming.message().await {
+                    Ok(Some(request)) => {
+                        tokio::spawn(stream_one(shared.clone(), request, out.clone()));
+                    }
+                    Ok(None) => break,
+                    Err(status) => {
+                        let _ = out.send(Err(status)).await;
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(responses))))
+    }
+}
+
+pub struct LoadService {
+    shared: Arc<Shared>,
+}
+
+impl LoadService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        LoadService { shared }
+    }
+}
+
+/// The load report of this moment.
+pub fn load_report(shared: &Shared) -> LoadReport {
+    let load = shared.engine.load();
+    let (state, warmup_done, warmup_total) = match shared.state() {
+        EngineState::WarmingUp { done, total } => (WorkerState::WarmingUp, done, total),
+        EngineState::Ready => (
+            WorkerState::Ready,
+            shared.warmup_iterations,
+            shared.warmup_iterations,
+        ),
+        EngineState::Draining => (
+            WorkerState::Draining,
+            shared.warmup_iterations,
+            shared.warmup_iterations,
+        ),
+        EngineState::Drained => (
+            WorkerState::Drained,
+            shared.warmup_iterations,
+            shared.warmup_iterations,
+        ),
+    };
+    let saturate = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    LoadReport {
+        model_name: shared.model_name.clone(),
+        state: state.into(),
+        waiting: saturate(load.waiting),
+        running: saturate(load.running),
+        queue_limit: saturate(load.queue_limit),
+        max_batch_size: saturate(load.max_batch_size),
+        kv_cache_usage: load.kv_cache_usage,
+        warmup_done,
+        warmup_total,
+        prompt_tokens_total: load.prompt_tokens_total,
+        generation_tokens_total: load.generation_tokens_total,
+        preemptions_total: load.preemptions_total,
+        prefix_cache_queries_total: load.prefix_cache_queries_total,
+        prefix_cache_hits_total: load.prefix_cache_hits_total,
+        last_batch_size: saturate(load.last_batch_size),
+        timestamp_unix_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default(),
+    }
+}
+
+/// The interval a watcher asked for, within the documented bounds.
+fn watch_interval(interval_ms: u32) -> Duration {
+    match interval_ms {
+        0 => Duration::from_secs(1),
+        ms => Duration::from_millis(ms.clamp(100, 60_000).into()),
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerLoad for LoadService {
+    async fn get_load(
+        &self,
+        _request: Request<GetLoadRequest>,
+    ) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(load_report(&self.shared)))
+    }
+
+    type WatchLoadStream = ResponseStream<LoadReport>;
+
+    async fn watch_load(
+        &self,
+        request: Request<WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let interval = watch_interval(request.get_ref().interval_ms);
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let shared = self.shared.clone();
+        let reports = IntervalStream::new(ticks).map(move |_| Ok(load_report(&shared)));
+        Ok(Response::new(Box::pin(reports)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_interval_is_clamped() {
+        assert_eq!(watch_interval(0), Duration::from_secs(1));
+        assert_eq!(watch_interval(5), Duration::from_millis(100));
+        assert_eq!(watch_interval(250), Duration::from_millis(250));
+        assert_eq!(watch_interval(u32::MAX), Duration::from_secs(60));
+    }
+}

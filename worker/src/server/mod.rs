@@ -1,0 +1,430 @@
+//! `npufleet-worker serve`: the Open Inference Protocol over gRPC, the OpenAI API and the
+//! protocol's REST form over HTTP, Prometheus metrics, and npufleet's load service, all in
+//! front of one engine.
+//!
+//! Shutdown: on SIGTERM (or SIGINT) readiness turns false, new requests are refused with
+//! 503 / UNAVAILABLE, the engine drains, and once every accepted request has been answered
+//! (or `--drain-timeout` passes) both listeners close and the process exits 0.
+
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
+pub mod oip;
+pub mod openai;
+pub mod proto;
+pub mod rest;
+pub mod shared;
+pub mod telemetry;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::ServingStatus;
+
+use crate::api::{Engine, EngineState};
+use crate::ascend::{AcceleratorKind, Selected};
+use crate::model::{LoadOptions, Model, PrecisionPolicy};
+use crate::scheduler::{EngineConfig, KvCacheSize};
+use crate::server::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
+use crate::server::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
+use crate::server::shared::Shared;
+
+/// The precision policy a worker runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    Int8,
+    Fp32,
+    Fp16,
+    /// int8 for prompts up to `--auto-int8-max-prompt-tokens`, full precision above.
+    Auto,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// How the engine runs the model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Most sequences in one engine step.
+    #[arg(long, env = "NPUFLEET_MAX_BATCH_SIZE", default_value_t = 128)]
+    pub max_batch_size: usize,
+    /// Most requests waiting to run; beyond it requests are refused with 429 /
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "NPUFLEET_QUEUE_LIMIT", default_value_t = 1024)]
+    pub queue_limit: usize,
+    /// Forward passes run before the worker reports ready.
+    #[arg(long, env = "NPUFLEET_WARMUP_ITERATIONS", default_value_t = 100)]
+    pub warmup_iterations: u32,
+    #[arg(long, env = "NPUFLEET_PRECISION", value_enum, default_value_t = Precision::Auto)]
+    pub precision: Precision,
+    /// With `--precision auto`: the longest prompt served at int8.
+    #[arg(
+        long,
+        env = "NPUFLEET_AUTO_INT8_MAX_PROMPT_TOKENS",
+        default_value_t = 512
+    )]
+    pub auto_int8_max_prompt_tokens: usize,
+    /// Compute threads; 0 uses every core.
+    #[arg(long, env = "NPUFLEET_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Prompt prefixes (system prompts) to keep in the prefix cache: a JSON array of strings,
+    /// or the path of a file holding one.
+    #[arg(long, env = "NPUFLEET_PREFIX_TEMPLATES")]
+    pub prefix_templates: Option<String>,
+    /// Where the kernels run: `auto` uses Ascend NPUs when CANN is installed, else the CPU.
+    #[arg(long, env = "NPUFLEET_ACCELERATOR", value_enum, default_value_t = AcceleratorKind::Auto)]
+    pub accelerator: AcceleratorKind,
+    /// Most tokens (prompt chunks plus decodes) in one engine step.
+    #[arg(long, env = "NPUFLEET_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// Positions per KV-cache block.
+    #[arg(long, env = "NPUFLEET_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Memory for the KV cache, in bytes.
+    #[arg(long, env = "NPUFLEET_KV_CACHE_BYTES", default_value_t = 1 << 30)]
+    pub kv_cache_bytes: usize,
+    /// KV-cache size in blocks; overrides `--kv-cache-bytes`.
+    #[arg(long, env = "NPUFLEET_KV_CACHE_BLOCKS")]
+    pub kv_cache_blocks: Option<usize>,
+    /// Generate past the model's end-of-sequence tokens, so every request runs to its
+    /// `max_tokens`: for benchmarks and load tests, not for serving users.
+    #[arg(long, env = "NPUFLEET_IGNORE_EOS")]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// The model: a GGUF file or a Hugging Face model directory.
+    #[arg(long, env = "NPUFLEET_MODEL")]
+    pub model: PathBuf,
+    /// The name clients address the model by; defaults to the model file's stem.
+    #[arg(long, env = "NPUFLEET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Address of the gRPC listener (Open Inference Protocol, load, health, reflection).
+    #[arg(long, env = "NPUFLEET_GRPC_ADDR", default_value = "0.0.0.0:8001")]
+    pub grpc_addr: SocketAddr,
+    /// Address of the HTTP listener (OpenAI API, REST protocol, /metrics).
+    #[arg(long, env = "NPUFLEET_HTTP_ADDR", default_value = "0.0.0.0:8000")]
+    pub http_addr: SocketAddr,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Longest wait, in seconds, for accepted requests to finish after SIGTERM.
+    #[arg(long, env = "NPUFLEET_DRAIN_TIMEOUT", default_value_t = 30.0, value_parser = parse_seconds)]
+    pub drain_timeout: f64,
+    /// Largest accepted HTTP request body, in bytes.
+    #[arg(long, env = "NPUFLEET_MAX_BODY_BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+fn parse_seconds(value: &str) -> Result<f64, String> {
+    let seconds: f64 = value
+        .trim_end_matches('s')
+        .parse()
+        .map_err(|_| format!("'{value}' is not a number of seconds"))?;
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(seconds)
+    } else {
+        Err(format!("'{value}' is not a non-negative number of seconds"))
+    }
+}
+
+impl EngineArgs {
+    /// The prefix templates, read from `--prefix-templates`.
+    pub fn prefix_templates(&self) -> anyhow::Result<Vec<String>> {
+        let Some(value) = self.prefix_templates.as_deref() else {
+            return Ok(Vec::new());
+        };
+        let (json, source) = if value.trim_start().starts_with('[') {
+            (value.to_string(), "the value".to_string())
+        } else {
+            let text = std::fs::read_to_string(value)
+                .with_context(|| format!("cannot read the prefix templates file '{value}'"))?;
+            (text, format!("file '{value}'"))
+        };
+        serde_json::from_str(&json).with_context(|| {
+            format!("--prefix-templates: {source} must be a JSON array of strings")
+        })
+    }
+}
+
+impl ServeArgs {
+    /// The served name: `--served-model-name`, else the model's file or directory stem.
+    pub fn model_name(&self) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| {
+            self.model
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".to_string())
+        })
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+fn check_model_readable(path: &Path) -> anyhow::Result<()> {
+    let metadata = std::fs::metadata(path)
+        .with_context(|| format!("cannot read the model at '{}'", path.display()))?;
+    if metadata.is_file() {
+        std::fs::File::open(path)
+            .with_context(|| format!("cannot open the model file '{}'", path.display()))?;
+    }
+    Ok(())
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    check_model_readable(&args.model)?;
+    let model_name = args.model_name();
+    if model_name.is_empty() {
+        anyhow::bail!("--served-model-name must not be empty");
+    }
+    let engine = start_engine(&args, &model_name)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args, engine, model_name))
+}
+
+/// Builds the engine: loads the model and starts warm-up in the background.
+fn start_engine(args: &ServeArgs, model_name: &str) -> anyhow::Result<Arc<dyn Engine>> {
+    let engine_args = &args.engine;
+    let prefix_templates = engine_args.prefix_templates()?;
+    match crate::ascend::select_backend(engine_args.accelerator)
+        .context("cannot use the requested accelerator")?
+    {
+        Selected::Cpu {
+            fallback_reason: Some(reason),
+        } => tracing::warn!(%reason, "no usable NPU; computing on the CPU"),
+        Selected::Cpu {
+            fallback_reason: None,
+        } => tracing::info!("computing on the CPU"),
+        Selected::Ascend(runtime) => {
+            tracing::info!(devices = runtime.device_count, "Ascend runtime available")
+        }
+    }
+    let policy = match engine_args.precision {
+        Precision::Int8 => PrecisionPolicy::Int8,
+        Precision::Fp32 => PrecisionPolicy::Fp32,
+        Precision::Fp16 => PrecisionPolicy::Fp16,
+        Precision::Auto => PrecisionPolicy::Auto {
+            int8_max_prompt_tokens: engine_args.auto_int8_max_prompt_tokens,
+        },
+    };
+    let started = Instant::now();
+    let model = Model::load(
+        &args.model,
+        LoadOptions {
+            policy,
+            threads: engine_args.threads,
+            collective: None,
+        },
+    )
+    .with_context(|| format!("cannot load the model '{}'", args.model.display()))?;
+    tracing::info!(elapsed = ?started.elapsed(), "model loaded");
+    let config = EngineConfig {
+        model_name: model_name.to_string(),
+        max_batch_size: engine_args.max_batch_size,
+        queue_limit: engine_args.queue_limit,
+        max_num_batched_tokens: engine_args.max_num_batched_tokens,
+        block_size: engine_args.block_size,
+        kv_cache: match engine_args.kv_cache_blocks {
+            Some(blocks) => KvCacheSize::Blocks(blocks),
+            None => KvCacheSize::Bytes(engine_args.kv_cache_bytes),
+        },
+        warmup_iterations: engine_args.warmup_iterations,
+        prefix_templates,
+        ignore_eos: engine_args.ignore_eos,
+    };
+    let engine = crate::scheduler::start(model, config).context("cannot start the engine")?;
+    Ok(engine)
+}
+
+/// Serves `engine` until a termination signal, then drains.
+pub async fn serve(
+    args: ServeArgs,
+    engine: Arc<dyn Engine>,
+    model_name: String,
+) -> anyhow::Result<()> {
+    let shared = Arc::new(Shared::new(
+        engine,
+        model_name,
+        args.engine.warmup_iterations,
+    ));
+    let grpc_listener = TcpListener::bind(args.grpc_addr)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {}", args.grpc_addr))?;
+    let http_listener = TcpListener::bind(args.http_addr)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", args.http_addr))?;
+    tracing::info!(
+        grpc = %grpc_listener.local_addr()?,
+        http = %http_listener.local_addr()?,
+        model = %shared.model_name,
+        "serving"
+    );
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    tokio::spawn(track_readiness(shared.clone(), health_reporter));
+    if let Some(tool) = telemetry::find_npu_smi() {
+        tokio::spawn(sample_npus(shared.clone(), tool));
+    }
+
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("cannot build the gRPC reflection service")?;
+    let grpc_server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(GrpcInferenceServiceServer::new(
+            grpc::InferenceService::new(shared.clone()),
+        ))
+        .add_service(WorkerLoadServer::new(grpc::LoadService::new(
+            shared.clone(),
+        )))
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(grpc_listener),
+            stopped(stop_rx.clone()),
+        );
+    let grpc_task = tokio::spawn(grpc_server);
+
+    let router = http::router(http::HttpState {
+        shared: shared.clone(),
+        max_body_bytes: args.max_body_bytes,
+        thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
+    });
+    let http_server =
+        axum::serve(http_listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let mut http_task = tokio::spawn(async move { http_server.await });
+    let mut grpc_task = grpc_task;
+
+    // A listener that stops by itself is fatal; otherwise serve until a signal.
+    let signal = tokio::select! {
+        signal = termination_signal() => signal?,
+        result = &mut grpc_task => {
+            result.context("the gRPC server task failed")??;
+            anyhow::bail!("the gRPC server stopped unexpectedly");
+        }
+        result = &mut http_task => {
+            result.context("the HTTP server task failed")??;
+            anyhow::bail!("the HTTP server stopped unexpectedly");
+        }
+    };
+    tracing::info!(signal, "draining");
+    shared.begin_shutdown();
+    let drain_timeout = Duration::from_secs_f64(args.drain_timeout);
+    let deadline = Instant::now() + drain_timeout;
+    let drained = wait_drained(&shared, deadline).await;
+    if drained {
+        tracing::info!("drained; every accepted request was answered");
+    } else {
+        tracing::warn!(
+            in_flight = shared.in_flight(),
+            "drain timeout of {:?} passed; closing with requests unanswered",
+            drain_timeout
+        );
+    }
+    let _ = stop_tx.send(true);
+    let grace = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_secs(1));
+    let closed = tokio::time::timeout(grace, async {
+        let grpc = grpc_task.await;
+        let http = http_task.await;
+        (grpc, http)
+    })
+    .await;
+    match closed {
+        Ok((grpc, http)) => {
+            grpc.context("the gRPC server task failed")?
+                .context("the gRPC server failed")?;
+            http.context("the HTTP server task failed")?
+                .context("the HTTP server failed")?;
+        }
+        Err(_) => tracing::warn!("connections still open after the drain; closing them"),
+    }
+    Ok(())
+}
+
+/// Resolves once the stop flag is set.
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+async fn termination_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    Ok(tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    })
+}
+
+/// Waits until the engine has nothing queued or running and every response has been handed
+/// to its connection; `false` if the deadline came first.
+async fn wait_drained(shared: &Shared, deadline: Instant) -> bool {
+    loop {
+        if shared.engine.state() == EngineState::Drained && shared.in_flight() == 0 {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Keeps gRPC health in step with readiness, for the whole server and the inference service.
+async fn track_readiness(shared: Arc<Shared>, reporter: tonic_health::server::HealthReporter) {
+    let mut last = None;
+    let mut ticks = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        ticks.tick().await;
+        let status = if shared.ready() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        if last != Some(status) {
+            for service in ["", "inference.GRPCInferenceService"] {
+                reporter.set_service_status(service, status).await;
+            }
+            last = Some(status);
+        }
+    }
+}
+
+/// Reads `npu-smi info` periodically for the metrics endpoint.
+async fn sample_npus(shared: Arc<Shared>, tool: PathBuf) {
+    let mut ticks = tokio::time::interval(Duration::from_secs(15));
+    loop {
+        ticks.tick().await;
+        if let Some(chips) = telemetry::sample_npu_smi(&tool).await {
+            shared.metrics.set_npu_chips(chips);
+        }
+    }
+}

@@ -1,0 +1,621 @@
+//! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (both with
+//! server-sent-event streaming) and `/v1/models`.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::api::{ChatMessage, GenerateRequest, GenerationEvent, Prompt, SamplingParams, Usage};
+use crate::server::error::ServeError;
+use crate::server::http::{BodyError, HttpState, JsonBody, OpenAiError};
+use crate::server::shared::TrackedStream;
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// vLLM's extension; -1 (or 0) disables it.
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u32>>,
+    n: Option<u32>,
+    best_of: Option<u32>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<u32>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<Map<String, Value>>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    model: Option<String>,
+    prompt: Value,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    model: Option<String>,
+    messages: Vec<ChatMessageIn>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessageIn {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+fn unsupported(param: &str, what: &str) -> ServeError {
+    ServeError::bad_param(param, format!("'{param}': {what}"))
+}
+
+impl SamplingFields {
+    /// Turns the request fields into engine settings; `default_max_tokens` applies when the
+    /// request names no limit.
+    fn to_params(&self, default_max_tokens: Option<u32>) -> Result<SamplingParams, ServeError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(unsupported(
+                "n",
+                "only one choice per request is supported (n = 1)",
+            ));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(unsupported("best_of", "only best_of = 1 is supported"));
+        }
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+            || self.top_logprobs.is_some_and(|n| n > 0)
+        {
+            return Err(unsupported(
+                "logprobs",
+                "log probabilities are not supported",
+            ));
+        }
+        if self.echo == Some(true) {
+            return Err(unsupported("echo", "echoing the prompt is not supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(unsupported("suffix", "suffixes are not supported"));
+        }
+        for (param, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(unsupported(param, "penalties are not supported; use 0"));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(unsupported("logit_bias", "logit biases are not supported"));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) => u32::try_from(k).map_err(|_| {
+                unsupported("top_k", "must be -1 (disabled) or a non-negative integer")
+            })?,
+        };
+        Ok(SamplingParams {
+            max_tokens: self
+                .max_completion_tokens
+                .or(self.max_tokens)
+                .or(default_max_tokens),
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k,
+            // Negative seeds are valid in the OpenAI API; any fixed value fixes the stream.
+            seed: self.seed.map(|s| s as u64),
+            stop: parse_stop(self.stop.as_ref())?,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+        })
+    }
+
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|options| options.include_usage)
+    }
+}
+
+fn parse_stop(stop: Option<&Value>) -> Result<Vec<String>, ServeError> {
+    let invalid = || unsupported("stop", "must be a string or a list of strings");
+    match stop {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| item.as_str().map(str::to_string).ok_or_else(invalid))
+            .collect(),
+        Some(_) => Err(invalid()),
+    }
+}
+
+/// A prompt is a string, a list of token ids, or a one-element list of either.
+fn parse_prompt(prompt: &Value) -> Result<Prompt, ServeError> {
+    let invalid = || {
+        ServeError::bad_param(
+            "prompt",
+            "'prompt' must be a string, a list of token ids, or a one-element list of either",
+        )
+    };
+    let token_ids = |items: &[Value]| -> Result<Vec<u32>, ServeError> {
+        items
+            .iter()
+            .map(|item| {
+                item.as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .ok_or_else(invalid)
+            })
+            .collect()
+    };
+    match prompt {
+        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(text)] => Ok(Prompt::Text(text.clone())),
+            [Value::Array(ids)] => Ok(Prompt::Tokens(token_ids(ids)?)),
+            [] => Err(ServeError::bad_param("prompt", "'prompt' is empty")),
+            [first, ..] if first.is_number() => Ok(Prompt::Tokens(token_ids(items)?)),
+            _ => Err(ServeError::bad_param(
+                "prompt",
+                "batched prompts are not supported; send one prompt per request",
+            )),
+        },
+        _ => Err(invalid()),
+    }
+}
+
+/// Text of a message's `content`: a string, null, or a list of text parts.
+fn message_text(index: usize, content: &Value) -> Result<String, ServeError> {
+    let param = format!("messages[{index}].content");
+    match content {
+        Value::String(text) => Ok(text.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let texts = parts
+                .iter()
+                .map(|part| match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(text))) => Ok(text.as_str()),
+                    _ => Err(ServeError::bad_param(
+                        &param,
+                        format!("'{param}': only parts of type \"text\" with a string \"text\" are supported"),
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(texts.join("\n"))
+        }
+        _ => Err(ServeError::bad_param(
+            &param,
+            format!("'{param}' must be a string or a list of text parts"),
+        )),
+    }
+}
+
+fn check_model(state: &HttpState, model: Option<&str>) -> Result<(), ServeError> {
+    match model {
+        Some(name) if name != state.shared.model_name => Err(ServeError::ModelNotFound {
+            requested: name.to_string(),
+            served: state.shared.model_name.clone(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+fn usage_json(usage: &Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// Everything a response needs besides the generated text.
+struct Reply {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+impl Reply {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        let mut body = json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if chunk && self.include_usage {
+            body["usage"] = Value::Null;
+        }
+        body
+    }
+
+    /// A streamed chunk carrying `text`, or the end of the choice when `finish` is set.
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Completions => json!({
+                "index": 0,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Endpoint::Chat => json!({
+                "index": 0,
+                "delta": text.map_or_else(|| json!({}), |t| json!({"content": t})),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    fn role_chunk(&self) -> Value {
+        self.envelope(
+            true,
+            json!([{
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": null,
+                "finish_reason": null,
+            }]),
+        )
+    }
+
+    fn usage_chunk(&self, usage: &Usage) -> Value {
+        let mut body = self.envelope(true, json!([]));
+        body["usage"] = usage_json(usage);
+        body
+    }
+
+    fn complete(&self, text: &str, finish: &str, usage: &Usage) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Completions => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Endpoint::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        let mut body = self.envelope(false, json!([choice]));
+        body["usage"] = usage_json(usage);
+        body
+    }
+}
+
+fn sse_json(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+fn error_chunk(err: &ServeError) -> Value {
+    json!({"error": {
+        "message": err.to_string(),
+        "type": err.openai_type(),
+        "param": null,
+        "code": err.openai_code(),
+    }})
+}
+
+/// Forwards engine events as SSE chunks, ending with `data: [DONE]`.
+async fn stream_events(reply: Reply, mut events: TrackedStream, out: mpsc::Sender<Event>) {
+    if reply.endpoint == Endpoint::Chat && out.send(sse_json(&reply.role_chunk())).await.is_err() {
+        return;
+    }
+    let mut ended = false;
+    while let Some(event) = events.next().await {
+        let chunks = match event {
+            GenerationEvent::Token { text, .. } if text.is_empty() => continue,
+            GenerationEvent::Token { text, .. } => vec![reply.chunk(Some(&text), None)],
+            GenerationEvent::Finished { reason, usage, .. } => {
+                ended = true;
+                let mut chunks = vec![reply.chunk(None, Some(reason.as_openai()))];
+                if reply.include_usage {
+                    chunks.push(reply.usage_chunk(&usage));
+                }
+                chunks
+            }
+            GenerationEvent::Failed { message } => {
+                ended = true;
+                vec![error_chunk(&ServeError::Internal(message))]
+            }
+        };
+        for chunk in chunks {
+            if out.send(sse_json(&chunk)).await.is_err() {
+                // The client went away; dropping the events cancels the request.
+                return;
+            }
+        }
+    }
+    if !ended {
+        let err = ServeError::Internal("the engine ended the request without a result".into());
+        let _ = out.send(sse_json(&error_chunk(&err))).await;
+    }
+    let _ = out.send(Event::default().data("[DONE]")).await;
+}
+
+async fn generate(
+    state: HttpState,
+    endpoint: Endpoint,
+    prompt: Prompt,
+    sampling: &SamplingFields,
+    default_max_tokens: Option<u32>,
+) -> Result<Response, ServeError> {
+    let params = sampling.to_params(default_max_tokens)?;
+    let prefix = match endpoint {
+        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl",
+    };
+    let reply = Reply {
+        endpoint,
+        id: state.shared.next_request_id(prefix),
+        created: unix_seconds(),
+        model: state.shared.model_name.clone(),
+        include_usage: sampling.include_usage(),
+    };
+    let events = state.shared.submit(GenerateRequest {
+        id: reply.id.clone(),
+        prompt,
+        params,
+    })?;
+    if sampling.stream {
+        let (out, chunks) = mpsc::channel(64);
+        tokio::spawn(stream_events(reply, events, out));
+        let body = ReceiverStream::new(chunks).map(Ok::<_, Infallible>);
+        return Ok(Sse::new(body).into_response());
+    }
+    let collected = events.collect_all().await?;
+    let finish = collected
+        .reason
+        .map_or("stop", crate::api::FinishReason::as_openai);
+    Ok(Json(reply.complete(&collected.text, finish, &collected.usage)).into_response())
+}
+
+pub async fn completions(
+    State(state): State<HttpState>,
+    body: Result<JsonBody<CompletionRequest>, BodyError>,
+) -> Response {
+    let JsonBody(request) = match body {
+        Ok(body) => body,
+        Err(err) => return err.into_response(),
+    };
+    let result = async {
+        check_model(&state, request.model.as_deref())?;
+        let prompt = parse_prompt(&request.prompt)?;
+        generate(
+            state,
+            Endpoint::Completions,
+            prompt,
+            &request.sampling,
+            Some(16),
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(|err| OpenAiError(err).into_response())
+}
+
+pub async fn chat_completions(
+    State(state): State<HttpState>,
+    body: Result<JsonBody<ChatRequest>, BodyError>,
+) -> Response {
+    let JsonBody(request) = match body {
+        Ok(body) => body,
+        Err(err) => return err.into_response(),
+    };
+    let result = async {
+        check_model(&state, request.model.as_deref())?;
+        if request.messages.is_empty() {
+            return Err(ServeError::bad_param(
+                "messages",
+                "'messages' must not be empty",
+            ));
+        }
+        let messages = request
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(index, message)| {
+                Ok(ChatMessage {
+                    role: message.role.clone(),
+                    content: message_text(index, &message.content)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ServeError>>()?;
+        let prompt = state.shared.engine.apply_chat_template(&messages)?;
+        generate(
+            state,
+            Endpoint::Chat,
+            Prompt::Text(prompt),
+            &request.sampling,
+            None,
+        )
+        .await
+    }
+    .await;
+    result.unwrap_or_else(|err| OpenAiError(err).into_response())
+}
+
+pub async fn models(State(state): State<HttpState>) -> Json<Value> {
+    let info = state.shared.engine.model_info();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.shared.model_name,
+            "object": "model",
+            "created": unix_seconds(),
+            "owned_by": "npufleet",
+            "root": state.shared.model_name,
+            "max_model_len": info.context_length,
+        }],
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(value: Value) -> SamplingFields {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn openai_defaults_and_overrides() {
+        let params = fields(json!({})).to_params(Some(16)).unwrap();
+        assert_eq!(params.max_tokens, Some(16));
+        assert_eq!(params.temperature, 1.0);
+        let params = fields(json!({
+            "max_tokens": 3, "max_completion_tokens": 5, "temperature": 0, "top_k": -1,
+            "seed": -2, "stop": ["a", "b"], "n": 1, "logprobs": null,
+        }))
+        .to_params(None)
+        .unwrap();
+        assert_eq!(params.max_tokens, Some(5));
+        assert_eq!(params.temperature, 0.0);
+        assert_eq!(params.top_k, 0);
+        assert_eq!(params.seed, Some(-2i64 as u64));
+        assert_eq!(params.stop, vec!["a".to_string(), "b".to_string()]);
+    }
+
+    #[test]
+    fn unsupported_options_are_refused_by_name() {
+        for (body, param) in [
+            (json!({"n": 2}), "n"),
+            (json!({"logprobs": 3}), "logprobs"),
+            (json!({"echo": true}), "echo"),
+            (json!({"presence_penalty": 0.5}), "presence_penalty"),
+            (json!({"stop": 5}), "stop"),
+            (json!({"top_k": -5}), "top_k"),
+        ] {
+            let err = fields(body).to_params(None).unwrap_err();
+            assert_eq!(err.param(), Some(param));
+        }
+    }
+
+    #[test]
+    fn prompts_in_every_accepted_form() {
+        assert_eq!(
+            parse_prompt(&json!("hi")).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse_prompt(&json!(["hi"])).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse_prompt(&json!([1, 2])).unwrap(),
+            Prompt::Tokens(vec![1, 2])
+        );
+        assert_eq!(
+            parse_prompt(&json!([[1, 2]])).unwrap(),
+            Prompt::Tokens(vec![1, 2])
+        );
+        for bad in [
+            json!(["a", "b"]),
+            json!([]),
+            json!([1, -1]),
+            json!(5),
+            json!({"a": 1}),
+        ] {
+            assert_eq!(
+                parse_prompt(&bad).unwrap_err().param(),
+                Some("prompt"),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn chat_content_parts_are_joined() {
+        let content = json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]);
+        assert_eq!(message_text(0, &content).unwrap(), "a\nb");
+        let image = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+        assert_eq!(
+            message_text(2, &image).unwrap_err().param(),
+            Some("messages[2].content")
+        );
+    }
+
+    #[test]
+    fn stream_chunks_have_the_openai_shape() {
+        let reply = Reply {
+            endpoint: Endpoint::Chat,
+            id: "chatcmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+            include_usage: true,
+        };
+        let chunk = reply.chunk(Some("hi"), None);
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["choices"][0]["delta"]["content"], "hi");
+        assert!(chunk["usage"].is_null() && chunk.get("usage").is_some());
+        let usage = reply.usage_chunk(&Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            cached_prompt_tokens: 0,
+        });
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(usage["usage"]["total_tokens"], 5);
+        let done = reply.chunk(None, Some("length"));
+        assert_eq!(done["choices"][0]["delta"], json!({}));
+        assert_eq!(done["choices"][0]["finish_reason"], "length");
+    }
+}

@@ -1,0 +1,168 @@
+//! Starts the real `npufleet-worker serve` binary on loopback ports with a small
+//! random-weight model, and talks to it.
+
+// Each test binary uses a different part of this module.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker::server::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+
+pub const MODEL_NAME: &str = "tiny";
+
+/// Writes a small deterministic model whose context allows long generations.
+pub fn test_model(dir: &Path) -> PathBuf {
+    let mut spec = GenTestModelArgs::new(dir.join("tiny.gguf"), TestModelFormat::Gguf);
+    spec.context = 2048;
+    write_test_model(&spec).expect("writing the test model")
+}
+
+pub struct Worker {
+    child: Child,
+    pub http: String,
+    pub grpc: String,
+    log: Arc<Mutex<Vec<String>>>,
+    _dir: tempfile::TempDir,
+}
+
+/// Polls `check` until it returns `Some`, failing with `what` after `timeout`.
+pub async fn poll_until<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl Worker {
+    /// Starts a worker with `extra` flags and waits until it is ready.
+    pub async fn start(extra: &[&str]) -> Worker {
+        let worker = Worker::spawn(extra);
+        worker.wait_ready().await;
+        worker
+    }
+
+    /// Starts a worker and returns once it listens, without waiting for readiness.
+    pub fn spawn(extra: &[&str]) -> Worker {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let model = test_model(dir.path());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
+            .arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args([
+                "--served-model-name",
+                MODEL_NAME,
+                "--grpc-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+                "--warmup-iterations",
+                "2",
+                "--threads",
+                "1",
+                "--accelerator",
+                "cpu",
+                "--log-format",
+                "json",
+            ])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting npufleet-worker");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (addrs_tx, addrs_rx) = mpsc::channel();
+        let log_sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) {
+                    let fields = &entry["fields"];
+                    if fields["message"] == "serving" {
+                        let _ = addrs_tx.send((
+                            fields["http"].as_str().unwrap_or_default().to_string(),
+                            fields["grpc"].as_str().unwrap_or_default().to_string(),
+                        ));
+                    }
+                }
+                log_sink.lock().unwrap().push(line);
+            }
+        });
+        let (http, grpc) = addrs_rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the worker never logged its addresses: {:?}",
+                    log.lock().unwrap()
+                )
+            });
+        Worker {
+            child,
+            http: format!("http://{http}"),
+            grpc: format!("http://{grpc}"),
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub async fn wait_ready(&self) {
+        let client = reqwest::Client::new();
+        let url = format!("{}/v2/health/ready", self.http);
+        poll_until(Duration::from_secs(60), "readiness", || {
+            let request = client.get(&url).send();
+            async move { request.await.ok().filter(|r| r.status().is_success()) }
+        })
+        .await;
+    }
+
+    pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<tonic::transport::Channel> {
+        GrpcInferenceServiceClient::connect(self.grpc.clone())
+            .await
+            .expect("connecting over gRPC")
+    }
+
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let child = &mut self.child;
+        poll_until(timeout, "the worker to exit", || {
+            let status = child.try_wait().expect("polling the worker");
+            async move { status }
+        })
+        .await
+    }
+
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
