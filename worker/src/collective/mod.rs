@@ -6,6 +6,8 @@ pub mod hccl_env;
 pub mod rank_table;
 pub mod ring;
 pub mod setup;
+pub mod step;
+pub mod tp_bench;
 pub mod transport;
 
 pub use ring::RingCollective;

@@ -1,0 +1,133 @@
+//! Builds a ready [`Collective`] from the pod's environment and the mounted rank table.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::Collective;
+use super::hccl_env;
+use super::rank_table::{self, PodIdentity};
+use super::ring::RingCollective;
+use super::transport::{inproc, tcp};
+
+pub const RANK_TABLE_FILE_ENV: &str = "RANK_TABLE_FILE";
+pub const RANK_ENV: &str = "NPUFLEET_RANK";
+pub const RING_PORT_ENV: &str = "NPUFLEET_RING_PORT";
+pub const DEFAULT_RING_PORT: u16 = 29650;
+
+/// Everything needed to join the ring, read from environment variables.
+#[derive(Debug, Clone)]
+pub struct RingSettings {
+    /// `RANK_TABLE_FILE`.
+    pub rank_table: PathBuf,
+    /// `NPUFLEET_RANK`, `POD_IP` and `LOCAL_RANK`.
+    pub identity: PodIdentity,
+    /// `NPUFLEET_RING_PORT`: rank `i` on a server listens on this port + its local index.
+    pub port_base: u16,
+    /// `HCCL_CONNECT_TIMEOUT`; also bounds the wait for the rank table to complete.
+    pub connect_timeout: Duration,
+    /// `HCCL_EXEC_TIMEOUT`.
+    pub op_timeout: Duration,
+    /// From `HCCL_IF_IP` / `HCCL_SOCKET_IFNAME`; `None` listens on the rank-table address.
+    pub bind_ip: Option<IpAddr>,
+}
+
+impl RingSettings {
+    /// Reads the settings through `lookup` (normally `std::env::var`), checking every value.
+    pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
+        let rank_table = lookup(RANK_TABLE_FILE_ENV)
+            .filter(|v| !v.is_empty())
+            .with_context(|| format!("{RANK_TABLE_FILE_ENV} is not set; tensor parallelism needs the hccl.json rank table"))?;
+        let rank_override = lookup(RANK_ENV)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("{RANK_ENV} must be a rank number, got {v:?}"))
+            })
+            .transpose()?;
+        let local_index = lookup("LOCAL_RANK")
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("LOCAL_RANK must be a number, got {v:?}"))
+            })
+            .transpose()?
+            .unwrap_or(0);
+        let port_base = lookup(RING_PORT_ENV)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| {
+                v.trim()
+                    .parse::<u16>()
+                    .with_context(|| format!("{RING_PORT_ENV} must be a TCP port, got {v:?}"))
+            })
+            .transpose()?
+            .unwrap_or(DEFAULT_RING_PORT);
+        let allow_short =
+            lookup(hccl_env::ALLOW_SHORT_TIMEOUTS_ENV).is_some_and(|v| v.trim() == "1");
+        let connect_timeout =
+            hccl_env::connect_timeout(lookup("HCCL_CONNECT_TIMEOUT").as_deref(), allow_short)
+                .map_err(anyhow::Error::msg)?;
+        let op_timeout = hccl_env::exec_timeout(lookup("HCCL_EXEC_TIMEOUT").as_deref())
+            .map_err(anyhow::Error::msg)?;
+        hccl_env::check_algo(lookup("HCCL_ALGO").as_deref()).map_err(anyhow::Error::msg)?;
+        let if_ip = lookup("HCCL_IF_IP");
+        let socket_ifname = lookup("HCCL_SOCKET_IFNAME");
+        let bind_ip = if if_ip.is_some() || socket_ifname.is_some() {
+            let interfaces = hccl_env::local_interfaces().map_err(anyhow::Error::msg)?;
+            hccl_env::select_bind_ip(&interfaces, if_ip.as_deref(), socket_ifname.as_deref())
+                .map_err(anyhow::Error::msg)?
+        } else {
+            None
+        };
+        Ok(RingSettings {
+            rank_table: rank_table.into(),
+            identity: PodIdentity {
+                rank_override,
+                pod_ip: lookup("POD_IP").filter(|v| !v.is_empty()),
+                local_index,
+            },
+            port_base,
+            connect_timeout,
+            op_timeout,
+            bind_ip,
+        })
+    }
+}
+
+/// Waits for the rank table to complete, finds this rank, and connects the TCP ring.
+pub fn connect_ring(settings: &RingSettings) -> anyhow::Result<Arc<dyn Collective>> {
+    let table = rank_table::wait_for_completed(&settings.rank_table, settings.connect_timeout)?;
+    let rank = table.find_rank(&settings.identity)?;
+    let endpoints = table.ring_endpoints(settings.port_base)?;
+    if endpoints.len() == 1 {
+        let transport = inproc::ring(1, settings.op_timeout)
+            .pop()
+            .expect("one rank");
+        return Ok(Arc::new(RingCollective::new(transport)));
+    }
+    let own = endpoints[rank];
+    let bind = SocketAddr::new(settings.bind_ip.unwrap_or(own.ip()), own.port());
+    let listener =
+        tcp::listen(bind).with_context(|| format!("rank {rank} cannot listen on {bind}"))?;
+    tracing::info!(rank, world_size = endpoints.len(), %bind, "joining the tensor-parallel ring");
+    let transport = tcp::TcpTransport::establish(
+        listener,
+        &tcp::TcpRingSetup {
+            rank,
+            endpoints,
+            connect_timeout: settings.connect_timeout,
+            op_timeout: settings.op_timeout,
+        },
+    )?;
+    Ok(Arc::new(RingCollective::new(transport)))
+}
+
+/// [`connect_ring`] with settings from this process's environment.
+pub fn collective_from_env() -> anyhow::Result<Arc<dyn Collective>> {
+    connect_ring(&RingSettings::from_env(|name| std::env::var(name).ok())?)
+}

@@ -1,0 +1,241 @@
+//! Tensor-parallel greedy generation for `collective-bench --model`: rank 0 leads (broadcasts
+//! each step's plan, see [`super::step`]) and the other ranks follow, each holding only its
+//! shard. Measures decode time and the part of it spent inside collectives.
+//!
+//! This is a command-line tool on top of the model layer, like the engine benchmark; the
+//! collective library itself does not depend on the model.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::Context;
+
+use super::step::{self, PlannedChunk, StepPlan};
+use super::{Collective, CollectiveError};
+use crate::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
+
+const BLOCK_SIZE: usize = 16;
+
+/// Counts the wall time spent inside each collective call.
+pub struct TimedCollective {
+    inner: Arc<dyn Collective>,
+    nanos: AtomicU64,
+}
+
+impl TimedCollective {
+    pub fn new(inner: Arc<dyn Collective>) -> Self {
+        TimedCollective {
+            inner,
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    pub fn seconds(&self) -> f64 {
+        self.nanos.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    fn timed<R>(&self, op: impl FnOnce() -> R) -> R {
+        let started = Instant::now();
+        let result = op();
+        self.nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        result
+    }
+}
+
+impl Collective for TimedCollective {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        self.timed(|| self.inner.all_reduce_sum(buf))
+    }
+
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), CollectiveError> {
+        self.timed(|| self.inner.all_gather(local, out))
+    }
+
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+        self.timed(|| self.inner.broadcast_bytes(buf, root))
+    }
+}
+
+/// What rank 0 saw of one generation.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// Wall time of the decode steps (after the prefill).
+    pub decode_seconds: f64,
+    /// Time inside collectives during those steps, plan broadcasts included.
+    pub decode_comm_seconds: f64,
+}
+
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn to_chunk(planned: &PlannedChunk) -> SequenceChunk<'_> {
+    SequenceChunk {
+        tokens: &planned.tokens,
+        start_pos: planned.start_pos,
+        block_table: &planned.block_table,
+        want_logits: planned.want_logits,
+        precision: if planned.full_precision {
+            WeightPrecision::Full
+        } else {
+            WeightPrecision::Int8
+        },
+    }
+}
+
+/// Prompt tokens for `text`, with BOS when the model wants one.
+pub fn prompt_tokens(model: &Model, text: &str) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    if model.config().add_bos
+        && let Some(bos) = model.config().bos_token_id
+    {
+        tokens.push(bos);
+    }
+    tokens.extend(model.tokenizer().encode(text));
+    tokens
+}
+
+/// Loads this rank's shard and generates `decode_tokens` tokens greedily after `prompt`.
+/// Rank 0 (or a lone process when `collective` is `None`) returns the generation; the other
+/// ranks follow rank 0's plans and return `None` once it stops.
+pub fn generate(
+    model_path: &Path,
+    collective: Option<Arc<dyn Collective>>,
+    policy: PrecisionPolicy,
+    threads: usize,
+    prompt: &str,
+    decode_tokens: usize,
+) -> anyhow::Result<Option<Generation>> {
+    let timed = collective.map(|c| Arc::new(TimedCollective::new(c)));
+    let model = Model::load(
+        model_path,
+        LoadOptions {
+            policy,
+            threads,
+            collective: timed.clone().map(|t| t as Arc<dyn Collective>),
+        },
+    )
+    .with_context(|| format!("loading {}", model_path.display()))?;
+    let prompt = prompt_tokens(&model, prompt);
+    let blocks = (prompt.len() + decode_tokens).div_ceil(BLOCK_SIZE);
+    let mut kv = model.new_kv_cache(blocks, BLOCK_SIZE);
+    if let Some(timed) = timed.as_ref().filter(|t| t.rank() != 0) {
+        step::follow(timed.as_ref(), |chunks| -> anyhow::Result<()> {
+            let batch: Vec<SequenceChunk<'_>> = chunks.iter().map(to_chunk).collect();
+            model.forward(&mut kv, &batch)?;
+            Ok(())
+        })?;
+        return Ok(None);
+    }
+    let block_table: Vec<u32> = (0..blocks as u32).collect();
+    let mut run_step =
+        |tokens: Vec<u32>, start_pos: usize, precision: WeightPrecision| -> anyhow::Result<u32> {
+            let planned = PlannedChunk {
+                tokens,
+                start_pos,
+                block_table: block_table.clone(),
+                want_logits: true,
+                full_precision: precision == WeightPrecision::Full,
+            };
+            if let Some(timed) = &timed {
+                step::lead(timed.as_ref(), &StepPlan::Run(vec![planned.clone()]))?;
+            }
+            let logits = model.forward(&mut kv, &[to_chunk(&planned)])?;
+            Ok(argmax(&logits[0]))
+        };
+    let mut tokens = Vec::with_capacity(decode_tokens);
+    if decode_tokens > 0 {
+        tokens.push(run_step(
+            prompt.clone(),
+            0,
+            policy.for_prompt(prompt.len()),
+        )?);
+    }
+    let comm_before = timed.as_ref().map_or(0.0, |t| t.seconds());
+    let started = Instant::now();
+    while tokens.len() < decode_tokens {
+        let last = *tokens.last().expect("prefill produced a token");
+        tokens.push(run_step(
+            vec![last],
+            prompt.len() + tokens.len() - 1,
+            policy.for_prompt(1),
+        )?);
+    }
+    let decode_seconds = started.elapsed().as_secs_f64();
+    let decode_comm_seconds = timed.as_ref().map_or(0.0, |t| t.seconds()) - comm_before;
+    if let Some(timed) = &timed {
+        step::lead(timed.as_ref(), &StepPlan::Stop)?;
+    }
+    Ok(Some(Generation {
+        tokens,
+        decode_seconds,
+        decode_comm_seconds,
+    }))
+}
+
+/// Runs `generate` with `world_size` ranks as threads of this process on the in-process ring.
+pub fn generate_in_process(
+    model_path: &Path,
+    world_size: usize,
+    policy: PrecisionPolicy,
+    prompt: &str,
+    decode_tokens: usize,
+) -> anyhow::Result<Generation> {
+    if world_size == 1 {
+        return generate(model_path, None, policy, 1, prompt, decode_tokens)?
+            .context("a lone rank leads");
+    }
+    let rings = super::transport::inproc::ring(world_size, std::time::Duration::from_secs(600));
+    let results: Vec<anyhow::Result<Option<Generation>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = rings
+            .into_iter()
+            .map(|transport| {
+                let collective: Arc<dyn Collective> =
+                    Arc::new(super::RingCollective::new(transport));
+                scope.spawn(move || {
+                    generate(
+                        model_path,
+                        Some(collective),
+                        policy,
+                        1,
+                        prompt,
+                        decode_tokens,
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank thread panicked")))
+            })
+            .collect()
+    });
+    let mut leader = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        let generation = result.with_context(|| format!("tensor-parallel rank {rank}"))?;
+        if rank == 0 {
+            leader = generation;
+        }
+    }
+    leader.context("rank 0 returned no generation")
+}
