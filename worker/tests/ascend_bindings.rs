@@ -1,0 +1,28 @@
+//! The checked-in CANN bindings match what bindgen generates from torch-npu's headers today.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// `bindings.sh check` exits with this when the headers or bindgen are not installed.
+const SKIPPED: i32 = 77;
+
+#[test]
+fn bindings_match_the_vendor_headers() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ascend/bindings.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("check")
+        .output()
+        .expect("running worker/ascend/bindings.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(SKIPPED) {
+        println!("drift check {stdout}");
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "bindings.sh check failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("bindings match"), "{stdout}");
+}
