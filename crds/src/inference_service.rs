@@ -1,0 +1,603 @@
+//! `InferenceService` (`npufleet.io/v1alpha1`): one served model on a fleet of Ascend (or CPU)
+//! workers. Validation lives in the schema and in CEL rules so that the apiserver itself rejects
+//! bad objects with a message naming the field.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, ResourceRequirements, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub const GROUP: &str = "npufleet.io";
+pub const VERSION: &str = "v1alpha1";
+
+/// Desired state of a served model.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "npufleet.io",
+    version = "v1alpha1",
+    kind = "InferenceService",
+    plural = "inferenceservices",
+    singular = "inferenceservice",
+    shortname = "infsvc",
+    category = "npufleet",
+    namespaced,
+    status = "InferenceServiceStatus",
+    derive = "PartialEq",
+    doc = "An LLM served by a fleet of tensor-parallel worker groups on Ascend NPUs or CPUs.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas", description = "Replica groups whose every rank is ready"),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas", description = "Desired replica groups"),
+    printcolumn(name = "TP", type_ = "integer", json_path = ".spec.parallelism.tensor", description = "Tensor-parallel degree"),
+    printcolumn(name = "Accelerator", type_ = "string", json_path = ".spec.accelerator.type"),
+    printcolumn(name = "Queue", type_ = "number", json_path = ".status.autoscaling.queueDepth", description = "Mean waiting requests per replica, as the autoscaler last saw it"),
+    printcolumn(name = "Model", type_ = "string", json_path = ".status.modelState", priority = 1),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("size(self.metadata.name) <= 40")
+        .message("metadata.name must be at most 40 characters: worker pods are named <name>-<group>-<rank>"),
+)]
+#[x_kube(validation = Rule::new("self.parallelism.tensor % self.accelerator.devicesPerPod == 0")
+    .message("spec.parallelism.tensor must be a multiple of spec.accelerator.devicesPerPod (pods per replica = tensor / devicesPerPod)")
+    .field_path(".parallelism.tensor"))]
+#[x_kube(validation = Rule::new("!(self.accelerator.platform == 'cce' && self.accelerator.type == 'ascend910') || !has(self.scheduling) || !has(self.scheduling.schedulerName) || self.scheduling.schedulerName == 'volcano'")
+    .message("spec.scheduling.schedulerName must be volcano: CCE schedules Ascend 910 (ascend-1980) devices only through Volcano")
+    .field_path(".scheduling.schedulerName"))]
+#[x_kube(validation = Rule::new("!has(self.model.source.volume) || (has(self.template) && has(self.template.volumes))")
+    .message("spec.model.source.volume names a volume, so spec.template.volumes must declare it")
+    .field_path(".model.source.volume"))]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceServiceSpec {
+    /// The model to serve.
+    pub model: ModelSpec,
+
+    /// Replica groups; each group is `parallelism.tensor / accelerator.devicesPerPod` pods.
+    /// This is the scale subresource's spec path: an autoscaler may own it.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: i32,
+
+    /// The accelerator every rank runs on. Immutable: moving a fleet to other hardware cannot
+    /// be rolled in place.
+    #[x_kube(validation = Rule::new("self == oldSelf")
+        .message("spec.accelerator is immutable: create a new InferenceService to move to other hardware"))]
+    pub accelerator: AcceleratorSpec,
+
+    /// Tensor parallelism and the HCCL collective settings.
+    #[serde(default)]
+    pub parallelism: ParallelismSpec,
+
+    /// Batching, queueing and numeric settings of the worker engine.
+    #[serde(default)]
+    pub engine: EngineSpec,
+
+    /// Replica autoscaling; absent means the replica count is set by hand or an external HPA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+
+    /// Where worker pods may run.
+    #[serde(default)]
+    pub scheduling: SchedulingSpec,
+
+    /// Overrides for the worker container.
+    #[serde(default)]
+    pub template: WorkerTemplate,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// The model name clients use (OpenAI `model`, Open Inference Protocol `model_name`).
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$')")
+        .message("spec.model.name must be 1-128 characters of letters, digits and . _ : / -, starting with a letter or digit"))]
+    #[schemars(length(max = 128))]
+    pub name: String,
+
+    /// Where the weights are.
+    pub source: ModelSource,
+
+    /// File format of the weights.
+    #[serde(default)]
+    pub format: ModelFormat,
+}
+
+/// Exactly one of the three sources.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("[has(self.imagePath), has(self.persistentVolumeClaim), has(self.volume)].filter(x, x).size() == 1")
+    .message("spec.model.source must set exactly one of imagePath, persistentVolumeClaim, volume"))]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSource {
+    /// An absolute path baked into the worker image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/') && !self.contains('..')")
+        .message("spec.model.source.imagePath must be an absolute path without '..'"))]
+    #[schemars(length(max = 4096))]
+    pub image_path: Option<String>,
+
+    /// A PersistentVolumeClaim mounted read-only at `/models`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimModelSource>,
+
+    /// A volume declared in `spec.template.volumes`, mounted read-only at `/models`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumeModelSource>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimModelSource {
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$')")
+        .message("spec.model.source.persistentVolumeClaim.claimName must be a DNS subdomain name"))]
+    #[schemars(length(max = 253))]
+    pub claim_name: String,
+    /// Path of the GGUF file or safetensors directory inside the claim.
+    #[x_kube(validation = Rule::new("size(self) > 0 && !self.startsWith('/') && !self.contains('..')")
+        .message("spec.model.source.persistentVolumeClaim.path must be a non-empty relative path without '..'"))]
+    #[schemars(length(max = 4096))]
+    pub path: String,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeModelSource {
+    /// Name of a volume in `spec.template.volumes`.
+    #[x_kube(validation = Rule::new("size(self) > 0").message("spec.model.source.volume.name must not be empty"))]
+    pub name: String,
+    /// Path of the GGUF file or safetensors directory inside the volume.
+    #[x_kube(validation = Rule::new("size(self) > 0 && !self.startsWith('/') && !self.contains('..')")
+        .message("spec.model.source.volume.path must be a non-empty relative path without '..'"))]
+    #[schemars(length(max = 4096))]
+    pub path: String,
+}
+
+/// Weights format the worker loads.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFormat {
+    #[default]
+    Gguf,
+    Safetensors,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("self.type != 'cpu' || !has(self.resourceName)")
+    .message("spec.accelerator.resourceName must not be set when spec.accelerator.type is cpu")
+    .field_path(".resourceName"))]
+#[x_kube(validation = Rule::new("self.platform != 'cce' || self.type == 'cpu' || self.devicesPerPod in [1, 2, 4, 8]")
+    .message("spec.accelerator.devicesPerPod must be 1, 2, 4 or 8 on CCE")
+    .field_path(".devicesPerPod"))]
+#[serde(rename_all = "camelCase")]
+pub struct AcceleratorSpec {
+    /// The chip family.
+    #[serde(rename = "type")]
+    pub kind: AcceleratorType,
+
+    /// Which device plugin names the resource: MindCluster (`huawei.com/Ascend910`) or
+    /// Huawei Cloud CCE (`huawei.com/ascend-1980`).
+    #[serde(default)]
+    pub platform: Platform,
+
+    /// Devices each pod requests (CPU workers: ranks per pod).
+    #[serde(default = "default_devices_per_pod")]
+    #[schemars(range(min = 1, max = 16))]
+    pub devices_per_pod: i32,
+
+    /// Extended resource name, overriding the platform preset (e.g. a virtual NPU
+    /// `huawei.com/Ascend910-2c`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$')")
+        .message("spec.accelerator.resourceName must be a domain-prefixed extended resource name such as huawei.com/Ascend910"))]
+    #[schemars(length(max = 253))]
+    pub resource_name: Option<String>,
+
+    /// Chip model (`node.kubernetes.io/npu.chip.name`, e.g. `910B3`) the pods must land on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$')")
+        .message("spec.accelerator.chipName must be a valid label value such as 910B3"))]
+    #[schemars(length(max = 63))]
+    pub chip_name: Option<String>,
+}
+
+fn default_devices_per_pod() -> i32 {
+    1
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum AcceleratorType {
+    Ascend910,
+    Ascend310p,
+    Cpu,
+}
+
+impl AcceleratorType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ascend910 => "ascend910",
+            Self::Ascend310p => "ascend310p",
+            Self::Cpu => "cpu",
+        }
+    }
+
+    pub fn is_npu(self) -> bool {
+        self != Self::Cpu
+    }
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Platform {
+    #[default]
+    Mindcluster,
+    Cce,
+}
+
+impl AcceleratorSpec {
+    /// The extended resource each pod requests: the override, else the platform preset; `None`
+    /// for CPU workers.
+    pub fn resource_name(&self) -> Option<String> {
+        if let Some(name) = &self.resource_name {
+            return Some(name.clone());
+        }
+        let preset = match (self.platform, self.kind) {
+            (_, AcceleratorType::Cpu) => return None,
+            (Platform::Mindcluster, AcceleratorType::Ascend910) => "huawei.com/Ascend910",
+            (Platform::Mindcluster, AcceleratorType::Ascend310p) => "huawei.com/Ascend310P",
+            (Platform::Cce, AcceleratorType::Ascend910) => "huawei.com/ascend-1980",
+            (Platform::Cce, AcceleratorType::Ascend310p) => "huawei.com/ascend-310",
+        };
+        Some(preset.to_string())
+    }
+
+    /// Node labels that place pods on this hardware. The MindCluster `accelerator` label is
+    /// only set by its node labeller, so CCE nodes are selected by chip name alone.
+    pub fn node_selector(&self) -> BTreeMap<String, String> {
+        let mut labels = BTreeMap::new();
+        let family = match self.kind {
+            AcceleratorType::Ascend910 => Some("huawei-Ascend910"),
+            AcceleratorType::Ascend310p => Some("huawei-Ascend310P"),
+            AcceleratorType::Cpu => None,
+        };
+        if let (Platform::Mindcluster, Some(family)) = (self.platform, family) {
+            labels.insert(NODE_LABEL_ACCELERATOR.to_string(), family.to_string());
+        }
+        if let (true, Some(chip)) = (self.kind.is_npu(), &self.chip_name) {
+            labels.insert(NODE_LABEL_CHIP_NAME.to_string(), chip.clone());
+        }
+        labels
+    }
+}
+
+pub const NODE_LABEL_ACCELERATOR: &str = "accelerator";
+pub const NODE_LABEL_CHIP_NAME: &str = "node.kubernetes.io/npu.chip.name";
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ParallelismSpec {
+    /// Tensor-parallel degree: ranks per replica group.
+    #[serde(default = "default_tensor")]
+    #[schemars(range(min = 1, max = 64))]
+    pub tensor: i32,
+
+    /// HCCL settings, exported as `HCCL_*` variables to every rank.
+    #[serde(default)]
+    pub hccl: HcclSpec,
+}
+
+impl Default for ParallelismSpec {
+    fn default() -> Self {
+        Self {
+            tensor: default_tensor(),
+            hccl: HcclSpec::default(),
+        }
+    }
+}
+
+fn default_tensor() -> i32 {
+    1
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct HcclSpec {
+    /// Inter-server algorithm (`HCCL_ALGO=level0:NA;level1:<algorithm>`); unset keeps HCCL's
+    /// adaptive choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<HcclAlgorithm>,
+
+    /// `HCCL_CONNECT_TIMEOUT`, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 120, max = 7200))]
+    pub connect_timeout_seconds: Option<i32>,
+
+    /// `HCCL_SOCKET_IFNAME`: `eth,enp` prefixes, `=eth0` exact, `^docker` excluded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^[=^]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$')")
+        .message("spec.parallelism.hccl.socketIfname must be comma-separated interface names, optionally prefixed by = or ^"))]
+    #[schemars(length(max = 256))]
+    pub socket_ifname: Option<String>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HcclAlgorithm {
+    #[serde(rename = "ring")]
+    Ring,
+    #[serde(rename = "H-D_R")]
+    HalvingDoubling,
+    #[serde(rename = "NHR")]
+    Nhr,
+    #[serde(rename = "NB")]
+    Nb,
+    #[serde(rename = "pipeline")]
+    Pipeline,
+    #[serde(rename = "pairwise")]
+    Pairwise,
+}
+
+impl HcclAlgorithm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ring => "ring",
+            Self::HalvingDoubling => "H-D_R",
+            Self::Nhr => "NHR",
+            Self::Nb => "NB",
+            Self::Pipeline => "pipeline",
+            Self::Pairwise => "pairwise",
+        }
+    }
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineSpec {
+    /// Sequences decoded together in one step.
+    #[serde(default = "default_max_batch_size")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub max_batch_size: i32,
+
+    /// Requests allowed to wait; beyond it the worker answers 429 / RESOURCE_EXHAUSTED.
+    #[serde(default = "default_queue_limit")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub queue_limit: i32,
+
+    /// Forward passes run before the worker reports ready.
+    #[serde(default = "default_warmup_iterations")]
+    #[schemars(range(min = 0, max = 100000))]
+    pub warmup_iterations: i32,
+
+    /// Matmul precision; `auto` picks by prompt length.
+    #[serde(default)]
+    pub precision: Precision,
+
+    /// Prompt prefixes (e.g. system prompts) whose KV cache is computed once and shared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(t, size(t) > 0)")
+        .message("spec.engine.prefixTemplates must not contain empty templates"))]
+    pub prefix_templates: Vec<String>,
+
+    /// Seconds a stopping worker gets to finish in-flight requests.
+    #[serde(default = "default_drain_seconds")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub drain_seconds: i32,
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        Self {
+            max_batch_size: default_max_batch_size(),
+            queue_limit: default_queue_limit(),
+            warmup_iterations: default_warmup_iterations(),
+            precision: Precision::default(),
+            prefix_templates: Vec::new(),
+            drain_seconds: default_drain_seconds(),
+        }
+    }
+}
+
+fn default_max_batch_size() -> i32 {
+    128
+}
+fn default_queue_limit() -> i32 {
+    1024
+}
+fn default_warmup_iterations() -> i32 {
+    100
+}
+fn default_drain_seconds() -> i32 {
+    30
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Int8,
+    Fp16,
+    #[default]
+    Auto,
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Int8 => "int8",
+            Self::Fp16 => "fp16",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas")
+    .message("spec.autoscaling.minReplicas must be less than or equal to spec.autoscaling.maxReplicas")
+    .field_path(".minReplicas"))]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    /// Which loop owns `spec.replicas`.
+    #[serde(default)]
+    pub mode: AutoscalingMode,
+
+    #[serde(default = "default_min_replicas")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub min_replicas: i32,
+
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+
+    /// Waiting requests per replica group the autoscaler aims for.
+    #[serde(default = "default_target_queue_depth")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub target_queue_depth: i32,
+}
+
+fn default_min_replicas() -> i32 {
+    1
+}
+fn default_target_queue_depth() -> i32 {
+    5
+}
+
+/// `builtin`: the operator's own loop writes the scale subresource. `hpa`: an
+/// `autoscaling/v2` HorizontalPodAutoscaler does, from the operator's external metric.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoscalingMode {
+    #[default]
+    Builtin,
+    Hpa,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingSpec {
+    /// e.g. `volcano`; a Volcano PodGroup per replica group is created when that API is served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$')")
+        .message("spec.scheduling.schedulerName must be a DNS subdomain name"))]
+    #[schemars(length(max = 253))]
+    pub scheduler_name: Option<String>,
+
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerTemplate {
+    /// Worker image; the operator's default otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("size(self) > 0 && !self.contains(' ')")
+        .message("spec.template.image must be a non-empty image reference"))]
+    #[schemars(length(max = 1024))]
+    pub image: Option<String>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+
+    /// Extra variables; they override the operator's on name clashes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+
+    /// CPU and memory; the accelerator request is added by the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<Volume>,
+
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// Observed state, written by the operator (and `autoscaling` by the autoscaler).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceServiceStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// Replica groups that exist (the scale subresource's status path).
+    #[serde(default)]
+    pub replicas: i32,
+
+    /// Replica groups whose every rank is ready.
+    #[serde(default)]
+    pub ready_replicas: i32,
+
+    /// Label selector of the worker pods, serialised for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<Endpoints>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_state: Option<ModelState>,
+
+    /// The most recent failure that made a replica group restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<String>,
+
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoints {
+    /// Open Inference Protocol gRPC address (`host:port`).
+    pub grpc: String,
+    /// HTTP base URL (OpenAI-compatible and Open Inference Protocol REST).
+    pub http: String,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelState {
+    Pending,
+    Loading,
+    Loaded,
+    FailedToLoad,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingStatus {
+    /// Mean waiting requests per ready replica group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<Time>,
+}
+
+impl InferenceService {
+    /// Pods in one replica group.
+    pub fn pods_per_replica(&self) -> i32 {
+        (self.spec.parallelism.tensor / self.spec.accelerator.devices_per_pod.max(1)).max(1)
+    }
+}

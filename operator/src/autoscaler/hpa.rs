@@ -1,0 +1,120 @@
+//! `spec.autoscaling.mode: hpa`: the `autoscaling/v2` HorizontalPodAutoscaler that scales an
+//! `InferenceService` through its scale subresource on the operator's own external metric.
+
+use k8s_openapi::api::autoscaling::v2::{
+    CrossVersionObjectReference, ExternalMetricSource, HorizontalPodAutoscaler,
+    HorizontalPodAutoscalerSpec, MetricIdentifier, MetricSpec, MetricTarget,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use kube::{Resource, ResourceExt};
+use npufleet_crds::{AutoscalingSpec, InferenceService};
+
+use crate::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
+
+/// The HPA for `service`, named like it and owned by it (deleted with it).
+pub fn desired(
+    service: &InferenceService,
+    autoscaling: &AutoscalingSpec,
+) -> anyhow::Result<HorizontalPodAutoscaler> {
+    let name = service.name_any();
+    let owner = service
+        .controller_owner_ref(&())
+        .ok_or_else(|| anyhow::anyhow!("InferenceService {name} has no uid yet"))?;
+    anyhow::ensure!(
+        autoscaling.max_replicas >= 1,
+        "spec.autoscaling.maxReplicas must be at least 1, got {}",
+        autoscaling.max_replicas
+    );
+    Ok(HorizontalPodAutoscaler {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: service.namespace(),
+            owner_references: Some(vec![owner]),
+            labels: Some(
+                [(SERVICE_LABEL.to_owned(), name.clone())]
+                    .into_iter()
+                    .collect(),
+            ),
+            ..ObjectMeta::default()
+        },
+        spec: Some(HorizontalPodAutoscalerSpec {
+            scale_target_ref: CrossVersionObjectReference {
+                api_version: Some(InferenceService::api_version(&()).into_owned()),
+                kind: InferenceService::kind(&()).into_owned(),
+                name: name.clone(),
+            },
+            // An HPA cannot hold a target at zero replicas.
+            min_replicas: Some(autoscaling.min_replicas.max(1)),
+            max_replicas: autoscaling
+                .max_replicas
+                .max(autoscaling.min_replicas.max(1)),
+            metrics: Some(vec![MetricSpec {
+                type_: "External".to_owned(),
+                external: Some(ExternalMetricSource {
+                    metric: MetricIdentifier {
+                        name: QUEUE_DEPTH.to_owned(),
+                        selector: Some(LabelSelector {
+                            match_labels: Some([(SERVICE_LABEL.to_owned(), name)].into()),
+                            ..LabelSelector::default()
+                        }),
+                    },
+                    // replicas = ceil(total queue depth / target per replica)
+                    target: MetricTarget {
+                        type_: "AverageValue".to_owned(),
+                        average_value: Some(Quantity(autoscaling.target_queue_depth.to_string())),
+                        ..MetricTarget::default()
+                    },
+                }),
+                ..MetricSpec::default()
+            }]),
+            behavior: None,
+        }),
+        status: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(autoscaling: serde_json::Value) -> InferenceService {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "npufleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": "ml", "uid": "1234"},
+            "spec": {
+                "model": {"name": "smollm2", "source": {"imagePath": "/models/m.gguf"}},
+                "accelerator": {"type": "cpu"},
+                "autoscaling": autoscaling,
+            }
+        }))
+        .expect("valid InferenceService")
+    }
+
+    #[test]
+    fn the_hpa_targets_the_scale_subresource_on_the_external_queue_metric() {
+        let svc = service(
+            serde_json::json!({"mode": "hpa", "minReplicas": 0, "maxReplicas": 6, "targetQueueDepth": 3}),
+        );
+        let hpa = desired(&svc, svc.spec.autoscaling.as_ref().unwrap()).unwrap();
+        let value = serde_json::to_value(&hpa).unwrap();
+        let spec = &value["spec"];
+        assert_eq!(spec["scaleTargetRef"]["apiVersion"], "npufleet.io/v1alpha1");
+        assert_eq!(spec["scaleTargetRef"]["kind"], "InferenceService");
+        assert_eq!(spec["scaleTargetRef"]["name"], "chat");
+        assert_eq!(spec["minReplicas"], 1, "an HPA cannot hold zero replicas");
+        assert_eq!(spec["maxReplicas"], 6);
+        let metric = &spec["metrics"][0];
+        assert_eq!(metric["type"], "External");
+        assert_eq!(metric["external"]["metric"]["name"], QUEUE_DEPTH);
+        assert_eq!(
+            metric["external"]["metric"]["selector"]["matchLabels"][SERVICE_LABEL],
+            "chat"
+        );
+        assert_eq!(metric["external"]["target"]["type"], "AverageValue");
+        assert_eq!(metric["external"]["target"]["averageValue"], "3");
+        assert_eq!(value["metadata"]["ownerReferences"][0]["uid"], "1234");
+        assert_eq!(value["metadata"]["ownerReferences"][0]["controller"], true);
+    }
+}

@@ -1,0 +1,664 @@
+//! Queue-depth autoscaling of `InferenceService`s.
+//!
+//! Every tick (500 ms by default) the loop reads each worker's load signal, feeds the
+//! per-service [`policy::Policy`] and, for `mode: builtin`, writes the decision through the
+//! service's `scale` subresource, with an event and `status.autoscaling`. For `mode: hpa` it
+//! only publishes the load as the external metric and keeps the service's HPA in place.
+
+pub mod hpa;
+pub mod load;
+pub mod policy;
+pub mod sim;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::core::SelectorExt;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use npufleet_crds::{AutoscalingMode, AutoscalingSpec, InferenceService};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
+use crate::labels::{GROUP as GROUP_LABEL, RANK as RANK_LABEL};
+use load::LoadReader;
+use load::proto::{LoadReport, WorkerState};
+use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig};
+
+/// Field manager of everything the autoscaler writes.
+pub const FIELD_MANAGER: &str = "npufleet-autoscaler";
+/// Set on every pod of a group chosen for removal just before a scale-down is written, and
+/// taken off the pods of groups not chosen; the reconcile removes marked groups first.
+pub const SCALE_DOWN_ANNOTATION: &str = "npufleet.io/scale-down";
+/// Name of the worker container port serving gRPC (inference and the load signal).
+pub const GRPC_PORT_NAME: &str = "grpc";
+const DEFAULT_GRPC_PORT: i32 = 8001;
+
+/// How the loop runs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub tick: Duration,
+    /// Longest wait for one worker's load report.
+    pub read_timeout: Duration,
+    /// Longest time between `status.autoscaling` writes while the count holds.
+    pub status_interval: Duration,
+    /// The policy's windows, delays and rates; bounds and target come from each service.
+    pub policy: PolicyConfig,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            tick: Duration::from_millis(500),
+            read_timeout: Duration::from_millis(400),
+            status_interval: Duration::from_secs(5),
+            policy: PolicyConfig::default(),
+        }
+    }
+}
+
+/// The policy configuration for a service: the service's bounds and target on top of the
+/// operator-wide windows and rates.
+pub fn policy_config(base: &PolicyConfig, spec: &AutoscalingSpec) -> PolicyConfig {
+    PolicyConfig {
+        target_queue_per_replica: f64::from(spec.target_queue_depth),
+        min_replicas: u32::try_from(spec.min_replicas).unwrap_or(0),
+        max_replicas: u32::try_from(spec.max_replicas).unwrap_or(0),
+        ..base.clone()
+    }
+}
+
+/// One worker pod as the autoscaler sees it.
+#[derive(Clone, Debug)]
+pub struct WorkerView {
+    pub group: u32,
+    pub rank: u32,
+    /// Terminating.
+    pub leaving: bool,
+    /// The pod's Ready condition.
+    pub pod_ready: bool,
+    /// `None` when the worker could not be read.
+    pub report: Option<LoadReport>,
+}
+
+/// Folds the workers of one service into replica groups. A group serves only when every
+/// rank's pod is ready and every reachable rank reports ready; its queue is the largest any
+/// rank reports (the ranks of a group share one batch).
+pub fn group_loads(workers: &[WorkerView]) -> Vec<GroupLoad> {
+    let mut groups: BTreeMap<u32, Vec<&WorkerView>> = BTreeMap::new();
+    for worker in workers {
+        groups.entry(worker.group).or_default().push(worker);
+    }
+    groups
+        .into_iter()
+        .map(|(group, ranks)| {
+            let reported = || ranks.iter().filter_map(|w| w.report.as_ref());
+            let state = if ranks.iter().any(|w| w.leaving)
+                || reported()
+                    .any(|r| matches!(r.state(), WorkerState::Draining | WorkerState::Drained))
+            {
+                GroupState::Draining
+            } else if ranks.iter().all(|w| {
+                w.pod_ready
+                    && w.report
+                        .as_ref()
+                        .is_some_and(|r| r.state() == WorkerState::Ready)
+            }) {
+                GroupState::Ready
+            } else {
+                GroupState::Warming
+            };
+            GroupLoad {
+                group,
+                state,
+                waiting: reported().map(|r| r.waiting).max().unwrap_or(0),
+                running: reported().map(|r| r.running).max().unwrap_or(0),
+                kv_usage: reported().map(|r| r.kv_cache_usage).fold(0.0, f64::max),
+            }
+        })
+        .collect()
+}
+
+struct ServiceState {
+    policy: Policy,
+    /// When `status.autoscaling` was last written, and the desired count it said.
+    last_status: Option<(Instant, i32)>,
+    last_scale_time: Option<Time>,
+}
+
+#[derive(Debug, PartialEq)]
+enum HpaState {
+    /// Applied for this generation of the service.
+    Applied(Option<i64>),
+    /// Deleted or never made by this operator.
+    Absent,
+}
+
+/// The autoscaling loop; runs until its task is dropped.
+pub struct Autoscaler {
+    client: Client,
+    settings: Settings,
+    metrics: MetricsStore,
+    reader: LoadReader,
+    recorder: Recorder,
+    services: Store<InferenceService>,
+    pods: Store<Pod>,
+    policies: HashMap<ObjectRef<InferenceService>, ServiceState>,
+    /// What this loop knows of each service's HPA.
+    hpas: HashMap<ObjectRef<InferenceService>, HpaState>,
+    /// Services whose autoscaling settings were rejected, with those settings, so the
+    /// warning is recorded once.
+    invalid: HashMap<ObjectRef<InferenceService>, PolicyConfig>,
+    started: Instant,
+}
+
+impl Autoscaler {
+    /// Starts watching services and worker pods (in `namespace`, or everywhere) and returns
+    /// the loop, ready to [`Autoscaler::run`].
+    pub fn new(
+        client: Client,
+        namespace: Option<&str>,
+        settings: Settings,
+        metrics: MetricsStore,
+    ) -> anyhow::Result<(Self, impl std::future::Future<Output = ()> + Send + 'static)> {
+        settings.policy.validate()?;
+        let (services_api, pods_api): (Api<InferenceService>, Api<Pod>) = match namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        };
+        let (services, services_writer) = reflector::store();
+        let (pods, pods_writer) = reflector::store();
+        let service_watch = reflector::reflector(
+            services_writer,
+            watcher(services_api, watcher::Config::default()),
+        )
+        .default_backoff()
+        .applied_objects()
+        .for_each(|_| async {});
+        let pod_config = watcher::Config::default().labels(GROUP_LABEL);
+        let pod_watch = reflector::reflector(pods_writer, watcher(pods_api, pod_config))
+            .default_backoff()
+            .applied_objects()
+            .for_each(|_| async {});
+        let watches = async move {
+            futures::join!(service_watch, pod_watch);
+        };
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.to_owned(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Ok((
+            Self {
+                recorder: Recorder::new(client.clone(), reporter),
+                reader: LoadReader::new(settings.read_timeout),
+                client,
+                settings,
+                metrics,
+                services,
+                pods,
+                policies: HashMap::new(),
+                hpas: HashMap::new(),
+                invalid: HashMap::new(),
+                started: Instant::now(),
+            },
+            watches,
+        ))
+    }
+
+    pub async fn run(mut self) {
+        let mut ticks = tokio::time::interval(self.settings.tick);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            self.tick().await;
+        }
+    }
+
+    async fn tick(&mut self) {
+        let services = self.services.state();
+        let live: HashSet<ObjectRef<InferenceService>> = services
+            .iter()
+            .map(|s| ObjectRef::from_obj(s.as_ref()))
+            .collect();
+        let known = self
+            .policies
+            .keys()
+            .chain(self.hpas.keys())
+            .chain(self.invalid.keys());
+        let gone: Vec<_> = known.filter(|k| !live.contains(*k)).cloned().collect();
+        for gone in gone {
+            self.policies.remove(&gone);
+            self.hpas.remove(&gone);
+            self.invalid.remove(&gone);
+            self.metrics
+                .remove(gone.namespace.as_deref().unwrap_or_default(), &gone.name);
+        }
+
+        let mut addresses = HashSet::new();
+        let reads = services.iter().map(|service| {
+            let workers = self.worker_pods(service);
+            addresses.extend(workers.iter().filter_map(|(_, address)| address.clone()));
+            let reader = &self.reader;
+            async move {
+                let views = futures::future::join_all(workers.into_iter().map(
+                    |(mut view, address)| async move {
+                        if let Some(address) = address {
+                            match reader.read(&address).await {
+                                Ok(report) => view.report = Some(report),
+                                Err(error) => tracing::debug!(%error, "reading worker load"),
+                            }
+                        }
+                        view
+                    },
+                ))
+                .await;
+                (service.clone(), views)
+            }
+        });
+        let observed = futures::future::join_all(reads).await;
+        self.reader.retain(&addresses);
+
+        for (service, workers) in observed {
+            if let Err(error) = self.handle(&service, &workers).await {
+                tracing::warn!(
+                    service = %service.name_any(),
+                    namespace = service.namespace().unwrap_or_default(),
+                    error = format!("{error:#}"),
+                    "autoscaling"
+                );
+            }
+        }
+    }
+
+    /// The worker pods of `service` with the address of their load signal.
+    fn worker_pods(&self, service: &InferenceService) -> Vec<(WorkerView, Option<String>)> {
+        let Some(selector) = service
+            .status
+            .as_ref()
+            .and_then(|s| s.selector.as_deref())
+            .and_then(|s| parse_selector(s).ok())
+        else {
+            return Vec::new();
+        };
+        let namespace = service.namespace();
+        self.pods
+            .state()
+            .iter()
+            .filter(|pod| pod.namespace() == namespace && selector.matches(pod.labels()))
+            .filter_map(|pod| {
+                let labels = pod.labels();
+                let group = labels.get(GROUP_LABEL)?.parse().ok()?;
+                let rank = labels
+                    .get(RANK_LABEL)
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(0);
+                let status = pod.status.as_ref();
+                let pod_ready = status
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                let leaving = pod.metadata.deletion_timestamp.is_some();
+                let address = status
+                    .and_then(|s| s.pod_ip.as_deref())
+                    .map(|ip| format!("{}:{}", ip, grpc_port(pod)));
+                Some((
+                    WorkerView {
+                        group,
+                        rank,
+                        leaving,
+                        pod_ready,
+                        report: None,
+                    },
+                    address,
+                ))
+            })
+            .collect()
+    }
+
+    async fn handle(
+        &mut self,
+        service: &InferenceService,
+        workers: &[WorkerView],
+    ) -> anyhow::Result<()> {
+        let name = service.name_any();
+        let namespace = service.namespace().unwrap_or_default();
+        let groups = group_loads(workers);
+        let observation = Observation {
+            spec_replicas: u32::try_from(service.spec.replicas).unwrap_or(0),
+            groups,
+        };
+        self.metrics.update(
+            &namespace,
+            &name,
+            service.labels(),
+            ServiceLoad {
+                queue_depth: observation.queue_depth(),
+                kv_cache_usage: observation
+                    .groups
+                    .iter()
+                    .filter(|g| g.state == GroupState::Ready)
+                    .map(|g| g.kv_usage)
+                    .sum(),
+            },
+        );
+
+        let key = ObjectRef::from_obj(service);
+        let Some(autoscaling) = service.spec.autoscaling.as_ref() else {
+            self.policies.remove(&key);
+            return self.forget_hpa(service, &key).await;
+        };
+        match autoscaling.mode {
+            AutoscalingMode::Hpa => {
+                self.policies.remove(&key);
+                let generation = service.metadata.generation;
+                if self.hpas.get(&key) != Some(&HpaState::Applied(generation)) {
+                    let hpa = hpa::desired(service, autoscaling)?;
+                    Api::<HorizontalPodAutoscaler>::namespaced(self.client.clone(), &namespace)
+                        .patch(
+                            &name,
+                            &PatchParams::apply(FIELD_MANAGER).force(),
+                            &Patch::Apply(&hpa),
+                        )
+                        .await?;
+                    self.hpas.insert(key, HpaState::Applied(generation));
+                }
+                Ok(())
+            }
+            AutoscalingMode::Builtin => {
+                self.forget_hpa(service, &key).await?;
+                let config = policy_config(&self.settings.policy, autoscaling);
+                let current = self.policies.get(&key).map(|s| s.policy.config());
+                if current != Some(&config) {
+                    match Policy::new(config.clone()) {
+                        Ok(policy) => {
+                            self.policies.insert(
+                                key.clone(),
+                                ServiceState {
+                                    policy,
+                                    last_status: None,
+                                    last_scale_time: None,
+                                },
+                            );
+                        }
+                        Err(error) => {
+                            if self.invalid.get(&key) != Some(&config) {
+                                self.warn(service, "InvalidAutoscaling", &error.to_string())
+                                    .await;
+                                self.invalid.insert(key, config);
+                            }
+                            return Ok(());
+                        }
+                    }
+                }
+                self.invalid.remove(&key);
+                let now = self.started.elapsed();
+                let state = self.policies.get_mut(&key).expect("inserted above");
+                let decision = state.policy.decide(now, &observation);
+                self.apply(service, &observation, &decision).await
+            }
+        }
+    }
+
+    /// Deletes the service's HPA if this operator made it (once per service and mode
+    /// change: an HPA left from an earlier mode would fight the built-in loop).
+    async fn forget_hpa(
+        &mut self,
+        service: &InferenceService,
+        key: &ObjectRef<InferenceService>,
+    ) -> anyhow::Result<()> {
+        if self.hpas.get(key) == Some(&HpaState::Absent) {
+            return Ok(());
+        }
+        self.remove_hpa(service).await?;
+        self.hpas.insert(key.clone(), HpaState::Absent);
+        Ok(())
+    }
+
+    async fn apply(
+        &mut self,
+        service: &InferenceService,
+        observation: &Observation,
+        decision: &Decision,
+    ) -> anyhow::Result<()> {
+        let name = service.name_any();
+        let namespace = service.namespace().unwrap_or_default();
+        let api: Api<InferenceService> = Api::namespaced(self.client.clone(), &namespace);
+        let current = observation.spec_replicas;
+        let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
+        let key = ObjectRef::from_obj(service);
+
+        if decision.desired != current {
+            if decision.desired < current {
+                let victims = policy::scale_down_victims(
+                    &observation.groups,
+                    (current - decision.desired) as usize,
+                );
+                self.mark_for_removal(service, &victims).await?;
+            }
+            api.patch_scale(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": desired}})),
+            )
+            .await?;
+            let state = self.policies.get_mut(&key).expect("present");
+            state.last_scale_time = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+            state.last_status = None;
+            let event = Event {
+                type_: EventType::Normal,
+                reason: decision.reason.as_str().to_owned(),
+                note: Some(decision.message(current)),
+                action: "Scale".to_owned(),
+                secondary: None,
+            };
+            if let Err(error) = self
+                .recorder
+                .publish(&event, &service.object_ref(&()))
+                .await
+            {
+                tracing::warn!(%error, service = %name, "recording a scale event");
+            }
+            tracing::info!(service = %name, namespace, "{}", decision.message(current));
+        }
+
+        let state = self.policies.get_mut(&key).expect("present");
+        let due = state.last_status.is_none_or(|(at, written)| {
+            written != desired || at.elapsed() >= self.settings.status_interval
+        });
+        if due {
+            let status = json!({
+                "status": {
+                    "autoscaling": {
+                        "queueDepth": (decision.queue_per_replica * 100.0).round() / 100.0,
+                        "desiredReplicas": desired,
+                        "lastScaleTime": state.last_scale_time,
+                    }
+                }
+            });
+            api.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+                .await?;
+            state.last_status = Some((Instant::now(), desired));
+        }
+        Ok(())
+    }
+
+    /// Annotates every pod of the chosen groups so that the reconcile removes exactly those,
+    /// and clears the mark from groups an earlier decision chose but that stayed.
+    async fn mark_for_removal(
+        &self,
+        service: &InferenceService,
+        groups: &[u32],
+    ) -> anyhow::Result<()> {
+        let namespace = service.namespace().unwrap_or_default();
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let chosen: HashSet<String> = groups.iter().map(u32::to_string).collect();
+        let selector = service
+            .status
+            .as_ref()
+            .and_then(|s| s.selector.as_deref())
+            .map(parse_selector)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("status.selector: {e}"))?
+            .unwrap_or_default();
+        let pods = self.pods.state();
+        let service_pods = pods.iter().filter(|pod| {
+            pod.namespace().as_deref() == Some(namespace.as_str()) && selector.matches(pod.labels())
+        });
+        for pod in service_pods {
+            let marked = pod.annotations().contains_key(SCALE_DOWN_ANNOTATION);
+            let in_chosen = pod
+                .labels()
+                .get(GROUP_LABEL)
+                .is_some_and(|g| chosen.contains(g));
+            let value = match (in_chosen, marked) {
+                (true, _) => json!(now),
+                (false, true) => serde_json::Value::Null,
+                (false, false) => continue,
+            };
+            let patch = json!({"metadata": {"annotations": {SCALE_DOWN_ANNOTATION: value}}});
+            api.patch(
+                &pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(patch),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn remove_hpa(&self, service: &InferenceService) -> anyhow::Result<()> {
+        let namespace = service.namespace().unwrap_or_default();
+        let api: Api<HorizontalPodAutoscaler> = Api::namespaced(self.client.clone(), &namespace);
+        let Some(existing) = api.get_opt(&service.name_any()).await? else {
+            return Ok(());
+        };
+        let owned = existing
+            .owner_references()
+            .iter()
+            .any(|o| Some(&o.uid) == service.uid().as_ref());
+        if owned {
+            api.delete(&existing.name_any(), &DeleteParams::default())
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn warn(&self, service: &InferenceService, reason: &str, note: &str) {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.to_owned(),
+            note: Some(note.to_owned()),
+            action: "Scale".to_owned(),
+            secondary: None,
+        };
+        if let Err(error) = self
+            .recorder
+            .publish(&event, &service.object_ref(&()))
+            .await
+        {
+            tracing::warn!(%error, "recording an autoscaling warning");
+        }
+    }
+}
+
+fn grpc_port(pod: &Pod) -> i32 {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some(GRPC_PORT_NAME))
+        .map_or(DEFAULT_GRPC_PORT, |p| p.container_port)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(
+        group: u32,
+        rank: u32,
+        pod_ready: bool,
+        report: Option<(WorkerState, u32, u32)>,
+    ) -> WorkerView {
+        WorkerView {
+            group,
+            rank,
+            leaving: false,
+            pod_ready,
+            report: report.map(|(state, waiting, running)| LoadReport {
+                state: state as i32,
+                waiting,
+                running,
+                kv_cache_usage: 0.1 * f64::from(running),
+                ..LoadReport::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_fold_into_whole_groups() {
+        let workers = [
+            // Group 0: both ranks ready; the batch is shared, so it counts once.
+            worker(0, 0, true, Some((WorkerState::Ready, 3, 4))),
+            worker(0, 1, true, Some((WorkerState::Ready, 3, 4))),
+            // Group 1: rank 1 still loading.
+            worker(1, 0, true, Some((WorkerState::Ready, 0, 0))),
+            worker(1, 1, false, Some((WorkerState::WarmingUp, 0, 0))),
+            // Group 2: rank 0 unreachable.
+            worker(2, 0, true, None),
+            worker(2, 1, true, Some((WorkerState::Ready, 0, 0))),
+            // Group 3: draining after SIGTERM.
+            worker(3, 0, false, Some((WorkerState::Draining, 1, 2))),
+            worker(3, 1, false, Some((WorkerState::Draining, 1, 2))),
+        ];
+        let groups = group_loads(&workers);
+        let states: Vec<(u32, GroupState)> = groups.iter().map(|g| (g.group, g.state)).collect();
+        assert_eq!(
+            states,
+            vec![
+                (0, GroupState::Ready),
+                (1, GroupState::Warming),
+                (2, GroupState::Warming),
+                (3, GroupState::Draining),
+            ]
+        );
+        assert_eq!((groups[0].waiting, groups[0].running), (3, 4));
+        let observation = Observation {
+            spec_replicas: 3,
+            groups,
+        };
+        assert_eq!(observation.ready(), 1);
+        assert_eq!(observation.warming(), 2);
+        assert_eq!(observation.queue_depth(), 7);
+    }
+
+    #[test]
+    fn a_service_sets_the_bounds_and_target_of_its_policy() {
+        let spec: AutoscalingSpec = serde_json::from_value(serde_json::json!({
+            "mode": "builtin", "minReplicas": 2, "maxReplicas": 7, "targetQueueDepth": 3
+        }))
+        .unwrap();
+        let config = policy_config(&PolicyConfig::default(), &spec);
+        assert_eq!(config.min_replicas, 2);
+        assert_eq!(config.max_replicas, 7);
+        assert_eq!(config.target_queue_per_replica, 3.0);
+        assert_eq!(config.stable_window, PolicyConfig::default().stable_window);
+        let zero: AutoscalingSpec = serde_json::from_value(serde_json::json!({
+            "minReplicas": 0, "maxReplicas": 3
+        }))
+        .unwrap();
+        let error = Policy::new(policy_config(&PolicyConfig::default(), &zero)).unwrap_err();
+        assert!(error.to_string().contains("minReplicas"), "{error}");
+    }
+}

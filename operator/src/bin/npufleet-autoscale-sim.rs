@@ -1,0 +1,126 @@
+//! Replays bursty load traces on a simulated fleet with a model warm-up delay and compares
+//! the built-in queue-depth autoscaler with HPA- and KPA-equivalent policies.
+
+use clap::Parser;
+use npufleet_operator::autoscaler::policy::PolicyConfig;
+use npufleet_operator::autoscaler::sim::{FleetModel, Trace, compare};
+
+#[derive(Parser, Debug)]
+#[command(about = "Compare scaling policies on simulated bursty traces")]
+struct Args {
+    /// Seconds from asking for a replica group to it serving.
+    #[arg(long, default_value_t = 30.0)]
+    warm_up: f64,
+    /// Seconds one request takes once in the batch.
+    #[arg(long, default_value_t = 2.0)]
+    service_time: f64,
+    /// Requests a replica group runs at once.
+    #[arg(long, default_value_t = 8)]
+    batch: u32,
+    /// Arrival-to-completion latency objective, seconds.
+    #[arg(long, default_value_t = 6.0)]
+    slo: f64,
+    /// Waiting + running requests per replica group every policy aims for.
+    #[arg(long, default_value_t = 6.0)]
+    target: f64,
+    #[arg(long, default_value_t = 20)]
+    max_replicas: u32,
+    /// Seconds simulated per trace.
+    #[arg(long, default_value_t = 900.0)]
+    duration: f64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    for (what, value) in [
+        ("--warm-up", args.warm_up),
+        ("--service-time", args.service_time),
+        ("--slo", args.slo),
+        ("--duration", args.duration),
+    ] {
+        anyhow::ensure!(
+            value.is_finite() && value > 0.0,
+            "{what} must be a positive number of seconds, got {value}"
+        );
+    }
+    anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
+    let model = FleetModel {
+        warm_up: args.warm_up,
+        batch: args.batch,
+        service_time: args.service_time,
+        latency_slo: args.slo,
+        initial_replicas: 1,
+        duration: args.duration,
+    };
+    let config = PolicyConfig {
+        target_queue_per_replica: args.target,
+        max_replicas: args.max_replicas,
+        ..PolicyConfig::default()
+    };
+    config.validate()?;
+    let capacity = f64::from(args.batch) / args.service_time;
+    // Every trace starts after two minutes at a low rate, so that no policy is still in
+    // the panic mode it starts in.
+    let traces = [
+        (
+            "step 2→16 req/s for 240 s",
+            Trace::Step {
+                base: 2.0,
+                peak: 16.0,
+                start: 120.0,
+                end: 360.0,
+            },
+        ),
+        (
+            "spike 2→24 req/s for 30 s",
+            Trace::Step {
+                base: 2.0,
+                peak: 24.0,
+                start: 120.0,
+                end: 150.0,
+            },
+        ),
+        (
+            "sine 2..18 req/s, 300 s period",
+            Trace::Sine {
+                mean: 10.0,
+                amplitude: 8.0,
+                period: 300.0,
+                start: 120.0,
+            },
+        ),
+    ];
+
+    println!(
+        "Fleet: warm-up {} s, batch {}, {} s per request ({capacity:.1} req/s per replica), \
+         SLO {} s, target {} requests per replica, max {} replicas, {} s per trace.\n",
+        args.warm_up,
+        args.batch,
+        args.service_time,
+        args.slo,
+        args.target,
+        args.max_replicas,
+        args.duration
+    );
+    println!(
+        "| trace | policy | first scale-up after queue builds (s) | requests over SLO | replica-seconds | max replicas | p99 latency (s) |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for (name, trace) in &traces {
+        for (policy, outcome) in compare(&model, trace, &config)? {
+            let first = outcome
+                .time_to_first_scale_up
+                .map_or_else(|| "never".to_owned(), |t| format!("{t:.1}"));
+            println!(
+                "| {name} | {policy} | {first} | {} / {} ({:.1} %) | {:.0} | {} | {:.1} |",
+                outcome.over_slo,
+                outcome.requests,
+                100.0 * outcome.over_slo as f64 / outcome.requests.max(1) as f64,
+                outcome.replica_seconds,
+                outcome.max_replicas,
+                outcome.p99_latency
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! The reconcile as a pure function: an InferenceService and what exists in the cluster in,
+//! the objects that should exist and the changes to make out. No I/O, so every decision is
+//! unit-tested with plain data.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+use npufleet_crds::{InferenceService, InferenceServiceStatus};
+
+use crate::labels;
+use crate::resources::{self, names, pod, pod_group, rank_table, services};
+use crate::settings::Settings;
+use crate::status::{self, Observation};
+
+/// What exists in the cluster for one InferenceService.
+#[derive(Debug, Default, Clone)]
+pub struct Observed {
+    /// Pods labelled with the InferenceService's name.
+    pub pods: Vec<Pod>,
+    /// Names of the rank-table ConfigMaps it owns.
+    pub rank_tables: Vec<String>,
+    /// Names of the Volcano PodGroups it owns.
+    pub pod_groups: Vec<String>,
+    /// Whether `scheduling.volcano.sh/v1beta1` PodGroups are served.
+    pub volcano_served: bool,
+}
+
+/// Something worth an Event on the InferenceService.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// The desired objects and the changes that get there.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Applied every time (server-side apply makes unchanged ones no-ops).
+    pub services: Vec<Service>,
+    pub disruption_budget: PodDisruptionBudget,
+    pub rank_tables: Vec<ConfigMap>,
+    pub pod_groups: Vec<DynamicObject>,
+    /// Pods that do not exist yet.
+    pub create_pods: Vec<Pod>,
+    pub delete_pods: Vec<String>,
+    pub delete_rank_tables: Vec<String>,
+    pub delete_pod_groups: Vec<String>,
+    pub notes: Vec<Note>,
+    pub status: InferenceServiceStatus,
+}
+
+/// One replica group's pods, indexed by rank.
+#[derive(Default)]
+struct Group<'a> {
+    live: BTreeMap<i32, &'a Pod>,
+    terminating: usize,
+}
+
+fn label_number(pod: &Pod, key: &str) -> Option<i32> {
+    pod.labels().get(key)?.parse().ok()
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    status.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn failure_of(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let reason = status
+        .and_then(|s| s.reason.clone())
+        .unwrap_or_else(|| "Failed".to_string());
+    let message = status.and_then(|s| s.message.clone()).unwrap_or_default();
+    let mut text = format!("pod {} failed ({reason})", pod.name_any());
+    if !message.is_empty() {
+        text.push_str(": ");
+        text.push_str(&message);
+    }
+    text
+}
+
+pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
+    let desired = isvc.spec.replicas.max(0);
+    let ranks = isvc.pods_per_replica();
+    let hash = resources::template_hash(isvc, settings);
+    let scheduler = pod::scheduler_name(isvc);
+    let wants_volcano = scheduler.as_deref() == Some("volcano");
+    let uses_rank_table = pod::uses_rank_table(isvc);
+
+    let mut groups: BTreeMap<i32, Group> = BTreeMap::new();
+    for p in &observed.pods {
+        let (Some(g), Some(r)) = (
+            label_number(p, labels::GROUP),
+            label_number(p, labels::RANK),
+        ) else {
+            continue;
+        };
+        let group = groups.entry(g).or_default();
+        if p.metadata.deletion_timestamp.is_some() {
+            group.terminating += 1;
+        } else {
+            group.live.insert(r, p);
+        }
+    }
+
+    let mut create_pods = Vec::new();
+    let mut delete_pods = Vec::new();
+    let mut notes = Vec::new();
+    let mut seen = Observation {
+        desired_groups: desired,
+        uses_rank_table,
+        volcano_missing: wants_volcano && !observed.volcano_served,
+        ..Default::default()
+    };
+    let mut rank_tables = Vec::new();
+    let mut outdated = Vec::new();
+    let mut in_transition = false;
+    let mut failures = Vec::new();
+
+    for (&g, group) in groups.range(desired..) {
+        if !group.live.is_empty() {
+            delete_pods.extend(group.live.values().map(|p| p.name_any()));
+            notes.push(Note {
+                warning: false,
+                reason: "ScaledDown",
+                message: format!("deleting replica group {g}"),
+            });
+        }
+    }
+
+    for g in 0..desired {
+        let empty = Group::default();
+        let group = groups.get(&g).unwrap_or(&empty);
+        let failed = group.live.values().find(|p| phase(p) == "Failed");
+        let complete =
+            group.live.len() == ranks as usize && (0..ranks).all(|r| group.live.contains_key(&r));
+        let stale = group
+            .live
+            .values()
+            .any(|p| p.labels().get(labels::TEMPLATE_HASH) != Some(&hash));
+        let mut recreating = false;
+
+        if let Some(failed) = failed {
+            failures.push(failure_of(failed));
+            recreating = true;
+        } else if !group.live.is_empty() && !complete && !stale {
+            let missing: Vec<String> = (0..ranks)
+                .filter(|r| !group.live.contains_key(r))
+                .map(|r| r.to_string())
+                .collect();
+            failures.push(format!(
+                "replica group {g} lost rank(s) {}",
+                missing.join(",")
+            ));
+            recreating = true;
+        } else if !group.live.is_empty() && !complete {
+            // Built for another tensor-parallel layout: nothing to keep serving.
+            delete_pods.extend(group.live.values().map(|p| p.name_any()));
+            notes.push(Note {
+                warning: false,
+                reason: "RollingGroup",
+                message: format!("replacing replica group {g} with the current spec"),
+            });
+            in_transition = true;
+            continue;
+        }
+
+        if recreating {
+            delete_pods.extend(group.live.values().map(|p| p.name_any()));
+            notes.push(Note {
+                warning: true,
+                reason: "GroupRecreating",
+                message: format!(
+                    "recreating replica group {g}: {}",
+                    failures.last().cloned().unwrap_or_default()
+                ),
+            });
+            in_transition = true;
+        } else if group.live.is_empty() {
+            in_transition = true;
+            if group.terminating == 0 {
+                create_pods.extend((0..ranks).map(|r| pod::build(isvc, settings, g, r, &hash)));
+                notes.push(Note {
+                    warning: false,
+                    reason: "CreatingGroup",
+                    message: format!("creating replica group {g} ({ranks} pods)"),
+                });
+            }
+        } else {
+            let group_ready = group.live.values().all(|p| is_ready(p));
+            if group_ready {
+                seen.ready_groups += 1;
+            } else {
+                in_transition = true;
+            }
+            if stale {
+                outdated.push(g);
+            }
+        }
+        seen.any_pod_running |= group.live.values().any(|p| phase(p) == "Running");
+
+        if uses_rank_table {
+            let members: Vec<Option<&Pod>> = (0..ranks)
+                .map(|r| {
+                    if recreating {
+                        None
+                    } else {
+                        group.live.get(&r).copied()
+                    }
+                })
+                .collect();
+            let table = rank_table::build(&members, isvc.spec.accelerator.devices_per_pod);
+            if table.status == "completed" {
+                seen.rank_tables_completed += 1;
+            }
+            rank_tables.push(resources::rank_table_config_map(isvc, g, &table));
+        }
+    }
+
+    seen.outdated_groups = outdated.len() as i32;
+    // Roll one group at a time, and only while every other group is serving.
+    if let (false, Some(&g)) = (in_transition, outdated.first()) {
+        if let Some(group) = groups.get(&g) {
+            delete_pods.extend(group.live.values().map(|p| p.name_any()));
+        }
+        notes.push(Note {
+            warning: false,
+            reason: "RollingGroup",
+            message: format!("replacing replica group {g} with the current spec"),
+        });
+    }
+    seen.existing_groups = groups.values().filter(|g| !g.live.is_empty()).count() as i32;
+    if !failures.is_empty() {
+        seen.failure = Some(failures.join("; "));
+    }
+
+    let rank_table_names: Vec<String> = (0..desired)
+        .filter(|_| uses_rank_table)
+        .map(|g| names::rank_table(isvc, g))
+        .collect();
+    let pod_groups: Vec<DynamicObject> = if wants_volcano && observed.volcano_served {
+        (0..desired).map(|g| pod_group::build(isvc, g)).collect()
+    } else {
+        Vec::new()
+    };
+    let pod_group_names: Vec<String> = pod_groups.iter().map(|o| o.name_any()).collect();
+
+    Plan {
+        services: vec![services::headless(isvc), services::client(isvc)],
+        disruption_budget: services::disruption_budget(isvc),
+        rank_tables,
+        pod_groups,
+        create_pods,
+        delete_pods,
+        delete_rank_tables: observed
+            .rank_tables
+            .iter()
+            .filter(|n| !rank_table_names.contains(n))
+            .cloned()
+            .collect(),
+        delete_pod_groups: observed
+            .pod_groups
+            .iter()
+            .filter(|n| !pod_group_names.contains(n))
+            .cloned()
+            .collect(),
+        notes,
+        status: status::build(isvc, settings, &seen, now),
+    }
+}
+
+#[cfg(test)]
+mod tests;

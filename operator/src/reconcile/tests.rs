@@ -1,0 +1,654 @@
+use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
+use npufleet_crds::{
+    AcceleratorSpec, AcceleratorType, HcclAlgorithm, InferenceService, InferenceServiceSpec,
+    ModelFormat, ModelSource, ModelSpec, Platform,
+};
+
+use super::{Observed, plan};
+use crate::labels;
+use crate::resources::{self, pod};
+use crate::settings::Settings;
+use crate::status;
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000).unwrap())
+}
+
+fn service(
+    kind: AcceleratorType,
+    platform: Platform,
+    devices_per_pod: i32,
+    tensor: i32,
+    replicas: i32,
+) -> InferenceService {
+    let spec: InferenceServiceSpec = serde_json::from_value(serde_json::json!({
+        "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
+        "replicas": replicas,
+        "accelerator": {"type": kind, "platform": platform, "devicesPerPod": devices_per_pod},
+        "parallelism": {"tensor": tensor},
+    }))
+    .unwrap();
+    let mut isvc = InferenceService::new("llm", spec);
+    isvc.metadata.namespace = Some("ns".into());
+    isvc.metadata.uid = Some("uid-1".into());
+    isvc.metadata.generation = Some(3);
+    isvc
+}
+
+/// The pods a previous reconcile created, given the status the cluster reports for them.
+fn running(isvc: &InferenceService, ready: bool) -> Vec<Pod> {
+    let first = plan(isvc, &Observed::default(), &Settings::default(), &now());
+    first
+        .create_pods
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| with_status(p, "Running", ready, i))
+        .collect()
+}
+
+fn with_status(mut pod: Pod, phase: &str, ready: bool, index: usize) -> Pod {
+    pod.status = Some(PodStatus {
+        phase: Some(phase.into()),
+        pod_ip: Some(format!("10.244.0.{}", index + 10)),
+        host_ip: Some(format!("192.168.0.{}", index + 1)),
+        conditions: Some(vec![PodCondition {
+            type_: "Ready".into(),
+            status: if ready { "True" } else { "False" }.into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    pod
+}
+
+fn condition<'a>(
+    s: &'a npufleet_crds::InferenceServiceStatus,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    s.conditions.iter().find(|c| c.type_ == type_).unwrap()
+}
+
+fn env_value(pod: &Pod, name: &str) -> Option<String> {
+    let container = &pod.spec.as_ref().unwrap().containers[0];
+    container
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.clone())
+}
+
+#[test]
+fn a_new_service_creates_every_rank_of_every_group() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 2, 4, 2);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let names: Vec<String> = p.create_pods.iter().map(|p| p.name_any()).collect();
+    assert_eq!(names, ["llm-0-0", "llm-0-1", "llm-1-0", "llm-1-1"]);
+    assert_eq!(p.rank_tables.len(), 2);
+    assert_eq!(p.rank_tables[0].name_any(), "rings-config-llm-0");
+    let table = &p.rank_tables[0].data.as_ref().unwrap()["hccl.json"];
+    assert!(table.contains(r#""status":"initializing""#), "{table}");
+    let s = &p.status;
+    assert_eq!((s.replicas, s.ready_replicas), (0, 0));
+    assert_eq!(
+        s.selector.as_deref(),
+        Some("npufleet.io/inference-service=llm,npufleet.io/rank=0")
+    );
+    assert_eq!(condition(s, status::READY).status, "False");
+    assert_eq!(condition(s, status::PROGRESSING).status, "True");
+    assert_eq!(
+        condition(s, status::RANK_TABLE_READY).reason,
+        "WaitingForRanks"
+    );
+    assert_eq!(s.observed_generation, Some(3));
+    assert_eq!(
+        s.endpoints.as_ref().unwrap().grpc,
+        "llm.ns.svc.cluster.local:8001"
+    );
+    assert!(p.notes.iter().all(|n| n.reason == "CreatingGroup"));
+}
+
+#[test]
+fn ready_pods_make_the_service_ready_and_complete_the_rank_table() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 2, 4, 1);
+    let observed = Observed {
+        pods: running(&isvc, true),
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(p.create_pods.is_empty() && p.delete_pods.is_empty());
+    assert_eq!((p.status.replicas, p.status.ready_replicas), (1, 1));
+    assert_eq!(condition(&p.status, status::READY).status, "True");
+    assert_eq!(
+        condition(&p.status, status::PROGRESSING).reason,
+        "Converged"
+    );
+    assert_eq!(
+        condition(&p.status, status::RANK_TABLE_READY).status,
+        "True"
+    );
+    let table: serde_json::Value =
+        serde_json::from_str(&p.rank_tables[0].data.as_ref().unwrap()["hccl.json"]).unwrap();
+    assert_eq!(table["status"], "completed");
+    assert_eq!(table["server_count"], "2");
+    assert_eq!(table["server_list"][1]["device"][1]["rank_id"], "3");
+    assert_eq!(table["server_list"][1]["container_ip"], "10.244.0.11");
+    assert_eq!(
+        p.status.model_state,
+        Some(npufleet_crds::ModelState::Loaded)
+    );
+}
+
+#[test]
+fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Cce, 2, 4, 2);
+    let mut pods = running(&isvc, true);
+    let failed = pods.iter_mut().find(|p| p.name_any() == "llm-1-1").unwrap();
+    failed.status.as_mut().unwrap().phase = Some("Failed".into());
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: pods.clone(),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    let mut deleted = p.delete_pods.clone();
+    deleted.sort();
+    assert_eq!(deleted, ["llm-1-0", "llm-1-1"], "the healthy peer goes too");
+    assert!(
+        p.create_pods.is_empty(),
+        "new ranks wait until the old ones are gone"
+    );
+    let degraded = condition(&p.status, status::DEGRADED);
+    assert_eq!(
+        (degraded.status.as_str(), degraded.reason.as_str()),
+        ("True", "RankFailed")
+    );
+    assert!(degraded.message.contains("llm-1-1"), "{}", degraded.message);
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.warning && n.reason == "GroupRecreating")
+    );
+    let table = &p.rank_tables[1].data.as_ref().unwrap()["hccl.json"];
+    assert!(
+        table.contains("initializing"),
+        "the failed group's table is reset: {table}"
+    );
+
+    // The group is gone: it is recreated, and Degraded holds while it starts.
+    let mut isvc = isvc;
+    isvc.status = Some(p.status.clone());
+    let survivors: Vec<Pod> = pods
+        .into_iter()
+        .filter(|p| p.labels()[labels::GROUP] == "0")
+        .collect();
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: survivors.clone(),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    let created: Vec<String> = p.create_pods.iter().map(|p| p.name_any()).collect();
+    assert_eq!(created, ["llm-1-0", "llm-1-1"]);
+    assert_eq!(condition(&p.status, status::DEGRADED).status, "True");
+
+    // Once every group is ready again it recovers.
+    isvc.status = Some(p.status.clone());
+    let all = running(&isvc, true);
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: all,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(condition(&p.status, status::DEGRADED).status, "False");
+    assert_eq!(condition(&p.status, status::READY).status, "True");
+    assert!(
+        p.status
+            .last_failure
+            .as_deref()
+            .unwrap()
+            .contains("llm-1-1")
+    );
+}
+
+#[test]
+fn a_deleted_rank_takes_its_group_down() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 1);
+    let pods: Vec<Pod> = running(&isvc, true)
+        .into_iter()
+        .filter(|p| p.name_any() != "llm-0-1")
+        .collect();
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(p.delete_pods, ["llm-0-0"]);
+    assert!(
+        condition(&p.status, status::DEGRADED)
+            .message
+            .contains("lost rank(s) 1")
+    );
+}
+
+#[test]
+fn terminating_pods_block_recreation() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 1);
+    let pods: Vec<Pod> = running(&isvc, true)
+        .into_iter()
+        .map(|mut p| {
+            p.metadata.deletion_timestamp = Some(now());
+            p
+        })
+        .collect();
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert!(p.create_pods.is_empty() && p.delete_pods.is_empty());
+}
+
+#[test]
+fn scaling_follows_spec_replicas_without_writing_it() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 3);
+    let pods = running(&isvc, true);
+    // An autoscaler lowered spec.replicas through the scale subresource.
+    isvc.spec.replicas = 1;
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: pods.clone(),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    let mut deleted = p.delete_pods.clone();
+    deleted.sort();
+    assert_eq!(deleted, ["llm-1-0", "llm-2-0"]);
+    assert_eq!(
+        p.status.replicas, 3,
+        "surplus groups count until they are gone"
+    );
+    // And raised it.
+    isvc.spec.replicas = 4;
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(
+        p.create_pods
+            .iter()
+            .map(|p| p.name_any())
+            .collect::<Vec<_>>(),
+        ["llm-3-0"]
+    );
+}
+
+#[test]
+fn a_changed_spec_rolls_one_group_at_a_time() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 2);
+    let pods = running(&isvc, true);
+    isvc.spec.engine.max_batch_size = 64;
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: pods.clone(),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(p.delete_pods, ["llm-0-0"]);
+    assert_eq!(condition(&p.status, status::READY).status, "False");
+    // While group 0 is replaced, group 1 keeps serving.
+    let rest: Vec<Pod> = pods
+        .into_iter()
+        .filter(|p| p.name_any() == "llm-1-0")
+        .collect();
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: rest,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert!(p.delete_pods.is_empty());
+    assert_eq!(
+        env_value(&p.create_pods[0], "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
+        Some("64")
+    );
+}
+
+#[test]
+fn replica_and_autoscaling_changes_do_not_roll_pods() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let mut scaled = isvc.clone();
+    scaled.spec.replicas = 7;
+    scaled.spec.autoscaling =
+        serde_json::from_value(serde_json::json!({"maxReplicas": 9})).unwrap();
+    let settings = Settings::default();
+    assert_eq!(
+        resources::template_hash(&isvc, &settings),
+        resources::template_hash(&scaled, &settings)
+    );
+}
+
+#[test]
+fn worker_pods_carry_the_ascend_contract() {
+    let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 4, 4, 1);
+    isvc.spec.parallelism.hccl.algorithm = Some(HcclAlgorithm::Ring);
+    isvc.spec.parallelism.hccl.connect_timeout_seconds = Some(600);
+    isvc.spec.parallelism.hccl.socket_ifname = Some("eth0".into());
+    isvc.spec.accelerator.chip_name = Some("910B3".into());
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let pod = &p.create_pods[0];
+    let spec = pod.spec.as_ref().unwrap();
+    let c = &spec.containers[0];
+    assert_eq!(c.args.as_deref(), Some(&["serve".to_string()][..]));
+    let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert_eq!(limits["huawei.com/Ascend910"].0, "4");
+    assert_eq!(
+        c.resources.as_ref().unwrap().requests.as_ref().unwrap()["huawei.com/Ascend910"].0,
+        "4"
+    );
+    assert_eq!(
+        env_value(pod, "HCCL_ALGO").as_deref(),
+        Some("level0:NA;level1:ring")
+    );
+    assert_eq!(
+        env_value(pod, "HCCL_CONNECT_TIMEOUT").as_deref(),
+        Some("600")
+    );
+    assert_eq!(
+        env_value(pod, "HCCL_SOCKET_IFNAME").as_deref(),
+        Some("eth0")
+    );
+    assert_eq!(
+        env_value(pod, "RANK_TABLE_FILE").as_deref(),
+        Some("/user/serverid/devindex/config/hccl.json")
+    );
+    assert_eq!(
+        env_value(pod, "NPUFLEET_MODEL").as_deref(),
+        Some("/models/m.gguf")
+    );
+    assert_eq!(
+        env_value(pod, "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
+        Some("128")
+    );
+    assert_eq!(
+        env_value(pod, "NPUFLEET_WARMUP_ITERATIONS").as_deref(),
+        Some("100")
+    );
+    assert_eq!(
+        env_value(pod, "NPUFLEET_ACCELERATOR").as_deref(),
+        Some("ascend910")
+    );
+    for name in ["HCCL_IF_IP", "POD_IP"] {
+        let var = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|e| e.name == name)
+            .unwrap();
+        let field = var.value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
+        assert_eq!(field.field_path, "status.podIP");
+    }
+    assert_eq!(
+        env_value(pod, "NPUFLEET_DRAIN_TIMEOUT").as_deref(),
+        Some("30")
+    );
+    let selector = spec.node_selector.as_ref().unwrap();
+    assert_eq!(selector["accelerator"], "huawei-Ascend910");
+    assert_eq!(selector["node.kubernetes.io/npu.chip.name"], "910B3");
+    let mount = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.name == "rank-table")
+        .unwrap();
+    assert_eq!(mount.mount_path, "/user/serverid/devindex/config");
+    let volume = spec
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == "rank-table")
+        .unwrap();
+    assert_eq!(
+        volume.config_map.as_ref().unwrap().name,
+        "rings-config-llm-0"
+    );
+    assert_eq!(pod.annotations()["hccl/rankIndex"], "0");
+    assert_eq!(pod.labels()["ring-controller.atlas"], "ascend-910");
+    assert_eq!(
+        spec.restart_policy.as_deref(),
+        Some("Always"),
+        "a one-pod group restarts in place"
+    );
+    // Secure by default.
+    let sc = c.security_context.as_ref().unwrap();
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(
+        sc.capabilities.as_ref().unwrap().drop.as_deref(),
+        Some(&["ALL".to_string()][..])
+    );
+    let psc = spec.security_context.as_ref().unwrap();
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert_eq!(
+        psc.seccomp_profile.as_ref().unwrap().type_,
+        "RuntimeDefault"
+    );
+    assert_eq!(
+        c.readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/v2/health/ready")
+    );
+    assert_eq!(
+        c.liveness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/v2/health/live")
+    );
+    assert_eq!(spec.termination_grace_period_seconds, Some(35));
+    assert!(p.pod_groups.is_empty());
+}
+
+#[test]
+fn cce_groups_use_volcano_where_it_is_served() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Cce, 2, 4, 2);
+    let observed = Observed {
+        volcano_served: true,
+        pod_groups: vec!["llm-5".into()],
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    let pod = &p.create_pods[0];
+    let spec = pod.spec.as_ref().unwrap();
+    assert_eq!(spec.scheduler_name.as_deref(), Some("volcano"));
+    assert_eq!(
+        spec.restart_policy.as_deref(),
+        Some("Never"),
+        "a rank of a multi-pod group never restarts alone"
+    );
+    assert_eq!(pod.annotations()["scheduling.k8s.io/group-name"], "llm-0");
+    let limits = spec.containers[0]
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .as_ref()
+        .unwrap();
+    assert_eq!(limits["huawei.com/ascend-1980"].0, "2");
+    assert_eq!(p.pod_groups.len(), 2);
+    assert_eq!(p.pod_groups[0].data["spec"]["minMember"], 2);
+    assert_eq!(
+        p.pod_groups[0].data["spec"]["minResources"]["huawei.com/ascend-1980"],
+        "4"
+    );
+    assert_eq!(p.delete_pod_groups, ["llm-5"]);
+
+    let without = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    assert!(
+        without.pod_groups.is_empty(),
+        "no PodGroup where Volcano is not served"
+    );
+    assert_eq!(
+        condition(&without.status, status::PROGRESSING).reason,
+        "WaitingForVolcano"
+    );
+}
+
+#[test]
+fn cpu_services_request_no_devices_and_need_no_rank_table() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let pod = &p.create_pods[0];
+    let c = &pod.spec.as_ref().unwrap().containers[0];
+    assert!(c.resources.is_none());
+    assert!(env_value(pod, "RANK_TABLE_FILE").is_none() && env_value(pod, "HCCL_IF_IP").is_none());
+    assert!(p.rank_tables.is_empty());
+    assert_eq!(
+        condition(&p.status, status::RANK_TABLE_READY).reason,
+        "NotRequired"
+    );
+    assert_eq!(ModelFormat::default(), ModelFormat::Gguf);
+}
+
+#[test]
+fn user_env_overrides_and_model_sources_resolve() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    isvc.spec.template.env = vec![k8s_openapi::api::core::v1::EnvVar {
+        name: "NPUFLEET_PRECISION".into(),
+        value: Some("int8".into()),
+        value_from: None,
+    }];
+    isvc.spec.model = ModelSpec {
+        name: "m".into(),
+        source: ModelSource {
+            persistent_volume_claim: Some(npufleet_crds::ClaimModelSource {
+                claim_name: "weights".into(),
+                path: "a/b.gguf".into(),
+            }),
+            ..Default::default()
+        },
+        format: ModelFormat::Gguf,
+    };
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let pod = &p.create_pods[0];
+    assert_eq!(
+        env_value(pod, "NPUFLEET_PRECISION").as_deref(),
+        Some("int8")
+    );
+    let count = pod.spec.as_ref().unwrap().containers[0]
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .filter(|e| e.name == "NPUFLEET_PRECISION")
+        .count();
+    assert_eq!(count, 1);
+    assert_eq!(
+        env_value(pod, "NPUFLEET_MODEL").as_deref(),
+        Some("/models/a/b.gguf")
+    );
+    let volume = pod
+        .spec
+        .as_ref()
+        .unwrap()
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == "model")
+        .unwrap();
+    assert_eq!(
+        volume.persistent_volume_claim.as_ref().unwrap().claim_name,
+        "weights"
+    );
+    assert_eq!(pod::model_path(&isvc), "/models/a/b.gguf");
+}
+
+#[test]
+fn condition_times_survive_unchanged_conditions() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    isvc.status = Some(p.status);
+    let later = Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_100).unwrap());
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &later);
+    assert_eq!(
+        condition(&p.status, status::READY).last_transition_time,
+        now()
+    );
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: running(&isvc, true),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &later,
+    );
+    assert_eq!(
+        condition(&p.status, status::READY).last_transition_time,
+        later
+    );
+}
+
+#[test]
+fn accelerator_spec_helpers_agree_with_the_pod() {
+    let spec = AcceleratorSpec {
+        kind: AcceleratorType::Ascend310p,
+        platform: Platform::Cce,
+        devices_per_pod: 1,
+        resource_name: None,
+        chip_name: None,
+    };
+    assert_eq!(
+        spec.resource_name().as_deref(),
+        Some("huawei.com/ascend-310")
+    );
+}

@@ -1,0 +1,64 @@
+//! Builders of the objects an InferenceService owns. Pure: they read only the spec.
+
+pub mod names;
+pub mod pod;
+pub mod pod_group;
+pub mod rank_table;
+pub mod services;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::ObjectMeta;
+use kube::{Resource, ResourceExt};
+use npufleet_crds::InferenceService;
+
+use crate::labels;
+use crate::settings::Settings;
+
+/// The rank table ConfigMap of `group`.
+pub fn rank_table_config_map(
+    isvc: &InferenceService,
+    group: i32,
+    table: &rank_table::RankTable,
+) -> ConfigMap {
+    let mut cm_labels = labels::common(isvc);
+    cm_labels.insert(labels::GROUP.to_string(), group.to_string());
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(names::rank_table(isvc, group)),
+            namespace: isvc.namespace(),
+            labels: Some(cm_labels),
+            owner_references: isvc.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        data: Some(
+            [(
+                rank_table::FILE_NAME.to_string(),
+                serde_json::to_string(table).unwrap_or_default(),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    }
+}
+
+/// A digest of everything in the spec that shapes a worker pod (not `replicas` nor
+/// `autoscaling`), so pods built from an older spec can be found and replaced. FNV-1a: stable
+/// across Rust releases, unlike the standard library's hasher.
+pub fn template_hash(isvc: &InferenceService, settings: &Settings) -> String {
+    let spec = &isvc.spec;
+    let shape = serde_json::json!({
+        "model": spec.model,
+        "accelerator": spec.accelerator,
+        "parallelism": spec.parallelism,
+        "engine": spec.engine,
+        "scheduling": spec.scheduling,
+        "template": spec.template,
+        "workerImage": settings.worker_image,
+    });
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in shape.to_string().bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{:010x}", hash & 0xff_ffff_ffff)
+}

@@ -1,0 +1,353 @@
+//! The worker pod of one rank of one replica group.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
+    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, Probe,
+    ResourceRequirements, SeccompProfile, SecurityContext, SleepAction, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::ObjectMeta;
+use kube::{Resource, ResourceExt};
+use npufleet_crds::{AcceleratorType, InferenceService};
+
+use super::{names, rank_table};
+use crate::labels;
+use crate::settings::Settings;
+
+pub const HTTP_PORT: i32 = 8000;
+pub const GRPC_PORT: i32 = 8001;
+pub const MODEL_DIR: &str = "/models";
+/// The distroless `nonroot` user the worker image runs as.
+const WORKER_UID: i64 = 65532;
+/// Seconds the pod keeps serving after deletion so Services stop routing to it before the
+/// worker receives SIGTERM and drains.
+const PRE_STOP_SLEEP_SECONDS: i64 = 5;
+
+/// Where the worker finds the weights, as seen inside the container.
+pub fn model_path(isvc: &InferenceService) -> String {
+    let source = &isvc.spec.model.source;
+    if let Some(claim) = &source.persistent_volume_claim {
+        format!("{MODEL_DIR}/{}", claim.path)
+    } else if let Some(volume) = &source.volume {
+        format!("{MODEL_DIR}/{}", volume.path)
+    } else {
+        source.image_path.clone().unwrap_or_default()
+    }
+}
+
+/// Whether the group gets a rank table: always on NPUs (HCCL needs it even inside one
+/// server) and for CPU groups spanning several pods.
+pub fn uses_rank_table(isvc: &InferenceService) -> bool {
+    isvc.spec.accelerator.kind.is_npu() || isvc.pods_per_replica() > 1
+}
+
+/// The scheduler the pods ask for: the user's, else Volcano where the platform requires it.
+pub fn scheduler_name(isvc: &InferenceService) -> Option<String> {
+    let spec = &isvc.spec;
+    spec.scheduling.scheduler_name.clone().or_else(|| {
+        let cce_910 = spec.accelerator.platform == npufleet_crds::Platform::Cce
+            && spec.accelerator.kind == AcceleratorType::Ascend910;
+        cce_910.then(|| "volcano".to_string())
+    })
+}
+
+fn env(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: Some(value.into()),
+        value_from: None,
+    }
+}
+
+fn env_from_field(name: &str, field_path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: field_path.to_string(),
+                api_version: None,
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The worker's configuration and the HCCL variables; the user's `template.env` wins on clashes.
+pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
+    let spec = &isvc.spec;
+    let engine = &spec.engine;
+    let mut vars = vec![
+        env("NPUFLEET_MODEL", model_path(isvc)),
+        env("NPUFLEET_SERVED_MODEL_NAME", spec.model.name.clone()),
+        env("NPUFLEET_GRPC_ADDR", format!("0.0.0.0:{GRPC_PORT}")),
+        env("NPUFLEET_HTTP_ADDR", format!("0.0.0.0:{HTTP_PORT}")),
+        env("NPUFLEET_MAX_BATCH_SIZE", engine.max_batch_size.to_string()),
+        env("NPUFLEET_QUEUE_LIMIT", engine.queue_limit.to_string()),
+        env(
+            "NPUFLEET_WARMUP_ITERATIONS",
+            engine.warmup_iterations.to_string(),
+        ),
+        env("NPUFLEET_PRECISION", engine.precision.as_str()),
+        env("NPUFLEET_ACCELERATOR", spec.accelerator.kind.as_str()),
+    ];
+    if !engine.prefix_templates.is_empty() {
+        // Templates may span lines, so they travel as a JSON array of strings.
+        let templates = serde_json::Value::from(engine.prefix_templates.clone()).to_string();
+        vars.push(env("NPUFLEET_PREFIX_TEMPLATES", templates));
+    }
+    // The worker stops accepting work and finishes in-flight requests within this time.
+    vars.push(env(
+        "NPUFLEET_DRAIN_TIMEOUT",
+        engine.drain_seconds.to_string(),
+    ));
+    if uses_rank_table(isvc) {
+        vars.push(env(
+            "RANK_TABLE_FILE",
+            format!("{}/{}", rank_table::MOUNT_DIR, rank_table::FILE_NAME),
+        ));
+        // The worker finds its own entry in the rank table by its pod IP (`container_ip`).
+        vars.push(env_from_field("POD_IP", "status.podIP"));
+    }
+    if spec.accelerator.kind.is_npu() {
+        let hccl = &spec.parallelism.hccl;
+        vars.push(env_from_field("HCCL_IF_IP", "status.podIP"));
+        if let Some(algorithm) = hccl.algorithm {
+            vars.push(env(
+                "HCCL_ALGO",
+                format!("level0:NA;level1:{}", algorithm.as_str()),
+            ));
+        }
+        if let Some(timeout) = hccl.connect_timeout_seconds {
+            vars.push(env("HCCL_CONNECT_TIMEOUT", timeout.to_string()));
+        }
+        if let Some(ifname) = &hccl.socket_ifname {
+            vars.push(env("HCCL_SOCKET_IFNAME", ifname.clone()));
+        }
+    }
+    let user = &spec.template.env;
+    vars.retain(|v| !user.iter().any(|u| u.name == v.name));
+    vars.extend(user.iter().cloned());
+    vars
+}
+
+fn resources(isvc: &InferenceService) -> Option<ResourceRequirements> {
+    let mut resources = isvc.spec.template.resources.clone().unwrap_or_default();
+    if let Some(name) = isvc.spec.accelerator.resource_name() {
+        // Extended resources must be requested with requests equal to limits.
+        let count = Quantity(isvc.spec.accelerator.devices_per_pod.to_string());
+        resources
+            .requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert(name.clone(), count.clone());
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(name, count);
+    }
+    (resources != ResourceRequirements::default()).then_some(resources)
+}
+
+fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_string()),
+            port: IntOrString::String("http".to_string()),
+            ..Default::default()
+        }),
+        period_seconds: Some(period_seconds),
+        failure_threshold: Some(failure_threshold),
+        timeout_seconds: Some(2),
+        ..Default::default()
+    }
+}
+
+fn volumes(isvc: &InferenceService, group: i32) -> (Vec<Volume>, Vec<VolumeMount>) {
+    let mount = |name: &str, path: &str| VolumeMount {
+        name: name.to_string(),
+        mount_path: path.to_string(),
+        read_only: Some(true),
+        ..Default::default()
+    };
+    let mut volumes = vec![Volume {
+        name: "tmp".to_string(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    }];
+    let mut mounts = vec![VolumeMount {
+        name: "tmp".to_string(),
+        mount_path: "/tmp".to_string(),
+        ..Default::default()
+    }];
+    if uses_rank_table(isvc) {
+        volumes.push(Volume {
+            name: "rank-table".to_string(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: names::rank_table(isvc, group),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        mounts.push(mount("rank-table", rank_table::MOUNT_DIR));
+    }
+    let source = &isvc.spec.model.source;
+    if let Some(claim) = &source.persistent_volume_claim {
+        volumes.push(Volume {
+            name: "model".to_string(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.claim_name.clone(),
+                read_only: Some(true),
+            }),
+            ..Default::default()
+        });
+        mounts.push(mount("model", MODEL_DIR));
+    } else if let Some(volume) = &source.volume {
+        mounts.push(mount(&volume.name, MODEL_DIR));
+    }
+    volumes.extend(isvc.spec.template.volumes.iter().cloned());
+    mounts.extend(isvc.spec.template.volume_mounts.iter().cloned());
+    (volumes, mounts)
+}
+
+/// The pod of rank `rank` in replica group `group`, labelled with `template_hash` so a
+/// changed spec can be rolled group by group.
+pub fn build(
+    isvc: &InferenceService,
+    settings: &Settings,
+    group: i32,
+    rank: i32,
+    template_hash: &str,
+) -> Pod {
+    let spec = &isvc.spec;
+    let name = names::pod(isvc, group, rank);
+    let mut pod_labels = labels::common(isvc);
+    pod_labels.insert(labels::GROUP.to_string(), group.to_string());
+    pod_labels.insert(labels::RANK.to_string(), rank.to_string());
+    pod_labels.insert(labels::TEMPLATE_HASH.to_string(), template_hash.to_string());
+    if spec.accelerator.kind == AcceleratorType::Ascend910 {
+        pod_labels.insert(
+            labels::RING_CONTROLLER.to_string(),
+            "ascend-910".to_string(),
+        );
+    }
+    let mut annotations = BTreeMap::from([(labels::HCCL_RANK_INDEX.to_string(), rank.to_string())]);
+    let scheduler = scheduler_name(isvc);
+    if scheduler.as_deref() == Some("volcano") {
+        annotations.insert(
+            labels::VOLCANO_GROUP_NAME.to_string(),
+            names::group(isvc, group),
+        );
+    }
+    let mut node_selector = spec.accelerator.node_selector();
+    node_selector.extend(spec.scheduling.node_selector.clone());
+    let (volumes, volume_mounts) = volumes(isvc, group);
+    let drain_seconds = i64::from(spec.engine.drain_seconds);
+
+    let container = Container {
+        name: "worker".to_string(),
+        image: Some(
+            spec.template
+                .image
+                .clone()
+                .unwrap_or_else(|| settings.worker_image.clone()),
+        ),
+        image_pull_policy: spec.template.image_pull_policy.clone(),
+        args: Some(vec!["serve".to_string()]),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("http".into()),
+                container_port: HTTP_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("grpc".into()),
+                container_port: GRPC_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+        ]),
+        env: Some(worker_env(isvc)),
+        resources: resources(isvc),
+        volume_mounts: Some(volume_mounts),
+        // Loading and warming a large model takes minutes; liveness starts only after it.
+        startup_probe: Some(http_probe("/v2/health/live", 5, 360)),
+        readiness_probe: Some(http_probe("/v2/health/ready", 5, 2)),
+        liveness_probe: Some(http_probe("/v2/health/live", 10, 3)),
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                sleep: Some(SleepAction {
+                    seconds: PRE_STOP_SLEEP_SECONDS,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            privileged: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_string()]),
+                add: None,
+            }),
+            ..Default::default()
+        }),
+        termination_message_policy: Some("FallbackToLogsOnError".to_string()),
+        ..Default::default()
+    };
+
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: isvc.namespace(),
+            labels: Some(pod_labels),
+            annotations: Some(annotations),
+            owner_references: isvc.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            hostname: Some(name),
+            subdomain: Some(names::headless_service(isvc)),
+            containers: vec![container],
+            volumes: Some(volumes),
+            // A rank that restarts in place would leave its peers in a broken communicator:
+            // multi-pod groups fail as a whole and the operator recreates them.
+            restart_policy: Some(
+                if isvc.pods_per_replica() > 1 {
+                    "Never"
+                } else {
+                    "Always"
+                }
+                .to_string(),
+            ),
+            termination_grace_period_seconds: Some(drain_seconds + PRE_STOP_SLEEP_SECONDS),
+            scheduler_name: scheduler,
+            node_selector: (!node_selector.is_empty()).then_some(node_selector),
+            tolerations: (!spec.scheduling.tolerations.is_empty())
+                .then(|| spec.scheduling.tolerations.clone()),
+            affinity: spec.scheduling.affinity.clone(),
+            priority_class_name: spec.scheduling.priority_class_name.clone(),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(WORKER_UID),
+                run_as_group: Some(WORKER_UID),
+                fs_group: Some(WORKER_UID),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".to_string(),
+                    localhost_profile: None,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}

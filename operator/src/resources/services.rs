@@ -1,0 +1,84 @@
+//! The headless Service for rank discovery, the client Service and the PodDisruptionBudget.
+
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::ObjectMeta;
+use kube::{Resource, ResourceExt};
+use npufleet_crds::InferenceService;
+
+use super::names;
+use super::pod::{GRPC_PORT, HTTP_PORT};
+use crate::labels;
+
+fn metadata(isvc: &InferenceService, name: String) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: isvc.namespace(),
+        labels: Some(labels::common(isvc)),
+        owner_references: isvc.controller_owner_ref(&()).map(|o| vec![o]),
+        ..Default::default()
+    }
+}
+
+fn port(name: &str, port: i32, app_protocol: &str) -> ServicePort {
+    ServicePort {
+        name: Some(name.to_string()),
+        port,
+        target_port: Some(IntOrString::String(name.to_string())),
+        protocol: Some("TCP".to_string()),
+        app_protocol: Some(app_protocol.to_string()),
+        ..Default::default()
+    }
+}
+
+/// Every rank of every group, published before it is ready: ranks must find each other to
+/// become ready at all.
+pub fn headless(isvc: &InferenceService) -> Service {
+    Service {
+        metadata: metadata(isvc, names::headless_service(isvc)),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".to_string()),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(labels::workers(isvc)),
+            ports: Some(vec![port("http", HTTP_PORT, "http")]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The address clients use: the rank-0 pod of each group, over HTTP and gRPC.
+pub fn client(isvc: &InferenceService) -> Service {
+    Service {
+        metadata: metadata(isvc, names::client_service(isvc)),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".to_string()),
+            selector: Some(labels::group_leaders(isvc)),
+            ports: Some(vec![
+                port("http", HTTP_PORT, "http"),
+                port("grpc", GRPC_PORT, "kubernetes.io/h2c"),
+            ]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// At most one worker pod voluntarily disrupted at a time: losing any rank stops its whole
+/// group, so one pod is one replica group.
+pub fn disruption_budget(isvc: &InferenceService) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: metadata(isvc, names::disruption_budget(isvc)),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(labels::workers(isvc)),
+                match_expressions: None,
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}

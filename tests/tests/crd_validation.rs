@@ -1,0 +1,382 @@
+//! The apiserver itself rejects invalid InferenceServices, with a message naming the field,
+//! using the checked-in CRD exactly as generated.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use npufleet_tests::{cluster, paths, wait};
+use serde_json::{Value, json};
+
+fn api_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    )
+}
+
+async fn install_crd(client: &Client) -> Result<()> {
+    let path = paths::repo_root()
+        .join("crds/generated")
+        .join(npufleet_crds::CRD_FILE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&text)?;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.patch(
+        "inferenceservices.npufleet.io",
+        &PatchParams::apply("crd-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .context("the apiserver accepts the generated CRD")?;
+    wait::until(
+        "InferenceService CRD Established",
+        Duration::from_secs(60),
+        || async {
+            let crd = crds.get("inferenceservices.npufleet.io").await?;
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            Ok(established.then_some(()))
+        },
+    )
+    .await
+}
+
+fn valid(name: &str) -> Value {
+    json!({
+        "apiVersion": "npufleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "deepseek-13b", "source": {"imagePath": "/models/m.gguf"}},
+            "replicas": 1,
+            "accelerator": {"type": "ascend910", "devicesPerPod": 4},
+            "parallelism": {"tensor": 4},
+        }
+    })
+}
+
+/// Sets `pointer` (a JSON pointer below the object) to `value`, creating parents.
+fn with(mut object: Value, pointer: &str, value: Value) -> Value {
+    let mut target = &mut object;
+    let parts: Vec<&str> = pointer.trim_start_matches('/').split('/').collect();
+    for (i, part) in parts.iter().enumerate() {
+        if i + 1 == parts.len() {
+            target[*part] = value;
+            break;
+        }
+        if target.get(*part).is_none() {
+            target[*part] = json!({});
+        }
+        target = &mut target[*part];
+    }
+    object
+}
+
+fn without(mut object: Value, pointer: &str) -> Value {
+    let (parent, key) = pointer.rsplit_once('/').expect("pointer has a parent");
+    if let Some(map) = object.pointer_mut(parent).and_then(Value::as_object_mut) {
+        map.remove(key);
+    }
+    object
+}
+
+async fn rejection(api: &Api<DynamicObject>, object: Value) -> Result<String> {
+    let object: DynamicObject = serde_json::from_value(object)?;
+    match api.create(&PostParams::default(), &object).await {
+        Ok(_) => bail!("accepted"),
+        Err(kube::Error::Api(status)) if status.code == 422 => Ok(status.message),
+        Err(e) => bail!("unexpected error: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    install_crd(&client).await?;
+    let ns = c.namespace(&client, "crd-validation").await?;
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+
+    let base = valid("ok");
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "tensor not a multiple of devicesPerPod",
+            with(base.clone(), "/spec/parallelism/tensor", json!(6)),
+            "spec.parallelism.tensor",
+        ),
+        (
+            "unknown accelerator type",
+            with(base.clone(), "/spec/accelerator/type", json!("tpu")),
+            "spec.accelerator.type",
+        ),
+        (
+            "unknown platform",
+            with(base.clone(), "/spec/accelerator/platform", json!("aws")),
+            "spec.accelerator.platform",
+        ),
+        (
+            "devicesPerPod out of range",
+            with(base.clone(), "/spec/accelerator/devicesPerPod", json!(0)),
+            "spec.accelerator.devicesPerPod",
+        ),
+        (
+            "CCE device count",
+            with(
+                with(
+                    with(base.clone(), "/spec/accelerator/platform", json!("cce")),
+                    "/spec/accelerator/devicesPerPod",
+                    json!(3),
+                ),
+                "/spec/parallelism/tensor",
+                json!(3),
+            ),
+            "spec.accelerator.devicesPerPod",
+        ),
+        (
+            "resource name on CPU",
+            with(
+                with(
+                    base.clone(),
+                    "/spec/accelerator",
+                    json!({"type": "cpu", "resourceName": "huawei.com/Ascend910"}),
+                ),
+                "/spec/parallelism/tensor",
+                json!(1),
+            ),
+            "spec.accelerator.resourceName",
+        ),
+        (
+            "malformed resource name",
+            with(
+                base.clone(),
+                "/spec/accelerator/resourceName",
+                json!("Ascend 910"),
+            ),
+            "spec.accelerator.resourceName",
+        ),
+        (
+            "no model source",
+            with(base.clone(), "/spec/model/source", json!({})),
+            "spec.model.source",
+        ),
+        (
+            "two model sources",
+            with(
+                base.clone(),
+                "/spec/model/source/persistentVolumeClaim",
+                json!({"claimName": "w", "path": "m"}),
+            ),
+            "spec.model.source",
+        ),
+        (
+            "relative image path",
+            with(
+                base.clone(),
+                "/spec/model/source/imagePath",
+                json!("models/m.gguf"),
+            ),
+            "spec.model.source.imagePath",
+        ),
+        (
+            "escaping claim path",
+            with(
+                base.clone(),
+                "/spec/model/source",
+                json!({"persistentVolumeClaim": {"claimName": "w", "path": "../etc"}}),
+            ),
+            "spec.model.source.persistentVolumeClaim.path",
+        ),
+        (
+            "empty model name",
+            with(base.clone(), "/spec/model/name", json!("")),
+            "spec.model.name",
+        ),
+        (
+            "missing model",
+            without(base.clone(), "/spec/model"),
+            "spec.model",
+        ),
+        (
+            "negative replicas",
+            with(base.clone(), "/spec/replicas", json!(-1)),
+            "spec.replicas",
+        ),
+        (
+            "minReplicas above maxReplicas",
+            with(
+                base.clone(),
+                "/spec/autoscaling",
+                json!({"minReplicas": 5, "maxReplicas": 2}),
+            ),
+            "spec.autoscaling.minReplicas",
+        ),
+        (
+            "zero target queue depth",
+            with(
+                base.clone(),
+                "/spec/autoscaling",
+                json!({"maxReplicas": 2, "targetQueueDepth": 0}),
+            ),
+            "spec.autoscaling.targetQueueDepth",
+        ),
+        (
+            "unknown autoscaling mode",
+            with(
+                base.clone(),
+                "/spec/autoscaling",
+                json!({"maxReplicas": 2, "mode": "magic"}),
+            ),
+            "spec.autoscaling.mode",
+        ),
+        (
+            "HCCL timeout below 120 s",
+            with(
+                base.clone(),
+                "/spec/parallelism/hccl/connectTimeoutSeconds",
+                json!(30),
+            ),
+            "spec.parallelism.hccl.connectTimeoutSeconds",
+        ),
+        (
+            "unknown HCCL algorithm",
+            with(
+                base.clone(),
+                "/spec/parallelism/hccl/algorithm",
+                json!("butterfly"),
+            ),
+            "spec.parallelism.hccl.algorithm",
+        ),
+        (
+            "malformed socket interface",
+            with(
+                base.clone(),
+                "/spec/parallelism/hccl/socketIfname",
+                json!("eth 0"),
+            ),
+            "spec.parallelism.hccl.socketIfname",
+        ),
+        (
+            "zero batch size",
+            with(base.clone(), "/spec/engine/maxBatchSize", json!(0)),
+            "spec.engine.maxBatchSize",
+        ),
+        (
+            "unknown precision",
+            with(base.clone(), "/spec/engine/precision", json!("fp4")),
+            "spec.engine.precision",
+        ),
+        (
+            "empty prefix template",
+            with(
+                base.clone(),
+                "/spec/engine/prefixTemplates",
+                json!(["sys", ""]),
+            ),
+            "spec.engine.prefixTemplates",
+        ),
+        (
+            "CCE 910 without Volcano",
+            with(
+                with(base.clone(), "/spec/accelerator/platform", json!("cce")),
+                "/spec/scheduling/schedulerName",
+                json!("default-scheduler"),
+            ),
+            "spec.scheduling.schedulerName",
+        ),
+        (
+            "model volume not declared",
+            with(
+                base.clone(),
+                "/spec/model/source",
+                json!({"volume": {"name": "weights", "path": "m"}}),
+            ),
+            "spec.model.source.volume",
+        ),
+        (
+            "name too long for pod names",
+            with(base.clone(), "/metadata/name", json!("a".repeat(41))),
+            "metadata.name",
+        ),
+    ];
+    assert!(cases.len() >= 15);
+    let mut failures = Vec::new();
+    for (i, (what, object, field)) in cases.into_iter().enumerate() {
+        let object = if what == "name too long for pod names" {
+            object
+        } else {
+            with(object, "/metadata/name", json!(format!("bad-{i}")))
+        };
+        match rejection(&api, object).await {
+            Ok(message) if message.contains(field) => {}
+            Ok(message) => {
+                failures.push(format!("{what}: message does not name {field}: {message}"))
+            }
+            Err(e) => failures.push(format!("{what}: {e:#}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    // The valid object is accepted, defaulted, and its accelerator cannot be changed.
+    let created = api
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(valid("ok"))?,
+        )
+        .await?;
+    assert_eq!(created.data["spec"]["engine"]["maxBatchSize"], 128);
+    assert_eq!(created.data["spec"]["engine"]["warmupIterations"], 100);
+    assert_eq!(
+        created.data["spec"]["accelerator"]["platform"],
+        "mindcluster"
+    );
+    let change = json!({"spec": {"accelerator": {"type": "ascend310p", "devicesPerPod": 4}}});
+    match api
+        .patch("ok", &PatchParams::default(), &Patch::Merge(&change))
+        .await
+    {
+        Err(kube::Error::Api(status)) if status.code == 422 => {
+            assert!(
+                status.message.contains("spec.accelerator"),
+                "{}",
+                status.message
+            )
+        }
+        other => bail!("changing the accelerator was not rejected: {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn samples_are_valid() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    install_crd(&client).await?;
+    let ns = c.namespace(&client, "crd-samples").await?;
+    let samples = paths::repo_root().join("deploy/samples");
+    let out = c
+        .kubectl()
+        .args(["apply", "--dry-run=server", "-n", &ns, "-f"])
+        .arg(&samples)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.matches("created (server dry run)").count(),
+        3,
+        "{text}"
+    );
+    Ok(())
+}

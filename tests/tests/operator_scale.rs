@@ -1,0 +1,139 @@
+//! Scale: 500 InferenceServices on KWOK nodes, timing how fast the operator brings them all to
+//! Ready and sampling its peak memory. Slow, so not part of the default suite:
+//!   cargo test -p npufleet-tests --test operator_scale -- --ignored --nocapture
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use npufleet_tests::cluster::{Cluster, ClusterOptions, FakeNode};
+use npufleet_tests::process::{Process, free_port};
+use npufleet_tests::{paths, wait};
+use serde_json::json;
+
+const SERVICES: usize = 500;
+/// KWOK nodes hold 110 pods each.
+const EXTRA_NODES: usize = 4;
+
+/// Peak resident memory of `pid` so far (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::test]
+#[ignore = "takes minutes; run explicitly to measure throughput and memory"]
+async fn five_hundred_inference_services_reach_ready() -> Result<()> {
+    // One client Service per InferenceService: the default /24 service range holds 254.
+    let mut options = ClusterOptions::full();
+    options
+        .apiserver_args
+        .push("--service-cluster-ip-range=10.0.0.0/16".to_string());
+    options
+        .nodes
+        .extend((0..EXTRA_NODES).map(|i| FakeNode::cpu(&format!("scale-cpu-{i}"))));
+    let c = Cluster::start(options).await?;
+    let client = c.client().await?;
+    let crd_path = paths::repo_root()
+        .join("crds/generated")
+        .join(npufleet_crds::CRD_FILE);
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(crd_path)?)?;
+    Api::<CustomResourceDefinition>::all(client.clone())
+        .patch(
+            "inferenceservices.npufleet.io",
+            &PatchParams::apply("scale-test").force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    );
+    wait::until(
+        "InferenceService API served",
+        Duration::from_secs(60),
+        || async {
+            let served = client
+                .list_api_group_resources("npufleet.io/v1alpha1")
+                .await;
+            Ok(served
+                .ok()
+                .filter(|l| l.resources.iter().any(|r| r.name == resource.plural))
+                .map(|_| ()))
+        },
+    )
+    .await?;
+    let ns = c.namespace(&client, "scale").await?;
+
+    let port = free_port()?;
+    let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
+    cmd.args([
+        "--metrics-addr",
+        &format!("127.0.0.1:{port}"),
+        "--leader-election=false",
+        "--log-format",
+        "json",
+    ])
+    .env("KUBECONFIG", c.kubeconfig())
+    .env("RUST_LOG", "warn");
+    let operator = Process::start(
+        "npufleet-operator",
+        cmd,
+        &c.scratch().join("scale-operator.log"),
+    )?;
+
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    );
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &resource);
+    let started = Instant::now();
+    for i in 0..SERVICES {
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": format!("svc-{i}")},
+            "spec": {"model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}}, "accelerator": {"type": "cpu"}}
+        }))?;
+        api.create(&PostParams::default(), &object).await?;
+    }
+    let created_in = started.elapsed();
+    let mut peak = 0;
+    wait::until(
+        "every InferenceService Ready",
+        Duration::from_secs(900),
+        || {
+            let api = api.clone();
+            peak = peak.max(peak_rss_kib(operator.pid()).unwrap_or(0));
+            async move {
+                let list = api.list(&ListParams::default()).await?;
+                let ready = list
+                    .items
+                    .iter()
+                    .filter(|o| {
+                        o.data["status"]["conditions"].as_array().is_some_and(|cs| {
+                            cs.iter()
+                                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                        })
+                    })
+                    .count();
+                Ok((ready == SERVICES).then_some(()))
+            }
+        },
+    )
+    .await
+    .context("waiting for Ready")?;
+    let elapsed = started.elapsed();
+    let peak = peak.max(peak_rss_kib(operator.pid()).unwrap_or(0));
+    println!(
+        "{SERVICES} InferenceServices Ready in {:.1} s (created in {:.1} s): {:.1} services/s; operator peak RSS {:.1} MiB",
+        elapsed.as_secs_f64(),
+        created_in.as_secs_f64(),
+        SERVICES as f64 / elapsed.as_secs_f64(),
+        peak as f64 / 1024.0
+    );
+    Ok(())
+}
