@@ -1,0 +1,637 @@
+//! A test-only node agent: it owns one Node and runs the worker pods bound to it as real
+//! local processes, each on its own loopback address, so that the operator, the workers and
+//! kube-controller-manager work together on one machine with no container runtime.
+//!
+//! What it does for each pod, as a kubelet would: starts the container's command with its
+//! arguments and environment, reports `podIP`, phase and the Ready condition (from the
+//! pod's HTTP readiness probe), and on deletion runs a preStop sleep, sends SIGTERM, waits
+//! out the grace period, and removes the pod. It keeps the Node's Lease and Ready condition fresh. Only the
+//! worker binary can run: a pod whose command is anything else fails with a message.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::task::JoinHandle;
+
+use crate::process::Process;
+
+/// The label on every agent-owned node; pods select a node with it.
+pub const NODE_AGENT_LABEL: &str = "npufleet.io/node-agent";
+const WORKER_BINARY_NAME: &str = "npufleet-worker";
+const FIELD_MANAGER: &str = "npufleet-test-node-agent";
+const LEASE_DURATION_SECONDS: i32 = 40;
+const HEARTBEAT: Duration = Duration::from_secs(5);
+const PROBE_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How the agent's node looks and where its pods run.
+#[derive(Clone, Debug)]
+pub struct NodeAgentConfig {
+    pub node_name: String,
+    /// The binary a container whose command is `npufleet-worker` runs.
+    pub worker_binary: PathBuf,
+    /// Pod addresses are taken from `127.<x>.<y>.2 ..= 127.<x>.<y>.254`.
+    pub address_prefix: [u8; 3],
+    /// Where each pod's output goes (`<namespace>_<pod>.log`).
+    pub log_dir: PathBuf,
+    pub capacity: BTreeMap<String, String>,
+}
+
+impl NodeAgentConfig {
+    pub fn new(node_name: &str, worker_binary: PathBuf, log_dir: PathBuf, subnet: u8) -> Self {
+        Self {
+            node_name: node_name.to_owned(),
+            worker_binary,
+            address_prefix: [127, 77, subnet],
+            log_dir,
+            capacity: [("cpu", "64"), ("memory", "256Gi"), ("pods", "110")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }
+    }
+}
+
+struct RunningPod {
+    /// The pod as it was when started (its spec holds the probe).
+    pod: Pod,
+    address: Ipv4Addr,
+    process: Process,
+    ready: bool,
+}
+
+struct Shared {
+    config: NodeAgentConfig,
+    client: Client,
+    pods: Mutex<HashMap<String, RunningPod>>,
+    free: Mutex<Vec<Ipv4Addr>>,
+    /// Pods whose shutdown has started, so that a watch event does not start it twice.
+    stopping: Mutex<HashSet<String>>,
+}
+
+/// A running node agent; dropping it stops its pods and its node goes NotReady.
+pub struct NodeAgent {
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for NodeAgent {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        // Dropping each Process kills its process group.
+        self.shared.pods.lock().expect("pods").clear();
+    }
+}
+
+impl NodeAgent {
+    /// Registers the node, waits for it to be Ready, and starts serving its pods.
+    pub async fn start(client: Client, config: NodeAgentConfig) -> Result<Self> {
+        std::fs::create_dir_all(&config.log_dir)
+            .with_context(|| format!("creating {}", config.log_dir.display()))?;
+        let [a, b, c] = config.address_prefix;
+        let free = (2..=254u8)
+            .rev()
+            .map(|d| Ipv4Addr::new(a, b, c, d))
+            .collect();
+        let shared = Arc::new(Shared {
+            config,
+            client,
+            pods: Mutex::new(HashMap::new()),
+            free: Mutex::new(free),
+            stopping: Mutex::new(HashSet::new()),
+        });
+        shared.register_node().await?;
+        let tasks = vec![
+            tokio::spawn(heartbeat(shared.clone())),
+            tokio::spawn(watch_pods(shared.clone())),
+            tokio::spawn(probe_pods(shared.clone())),
+        ];
+        Ok(Self { shared, tasks })
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.shared.config.node_name
+    }
+
+    /// `(namespace/name, address)` of every pod process currently running.
+    pub fn running(&self) -> Vec<(String, Ipv4Addr)> {
+        self.shared
+            .pods
+            .lock()
+            .expect("pods")
+            .iter()
+            .map(|(key, pod)| (key.clone(), pod.address))
+            .collect()
+    }
+}
+
+impl Shared {
+    fn node_address(&self) -> Ipv4Addr {
+        let [a, b, c] = self.config.address_prefix;
+        Ipv4Addr::new(a, b, c, 1)
+    }
+
+    async fn register_node(&self) -> Result<()> {
+        let name = &self.config.node_name;
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {
+                    NODE_AGENT_LABEL: name,
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                },
+            },
+            "spec": {},
+        }))?;
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        match nodes.create(&PostParams::default(), &node).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e).with_context(|| format!("creating node {name}")),
+        }
+        self.report_node_status().await?;
+        self.renew_lease().await
+    }
+
+    async fn report_node_status(&self) -> Result<()> {
+        let now = Timestamp::now();
+        let address = self.node_address().to_string();
+        let status = json!({
+            "status": {
+                "capacity": self.config.capacity,
+                "allocatable": self.config.capacity,
+                "addresses": [{"type": "InternalIP", "address": address}],
+                "conditions": [
+                    {"type": "Ready", "status": "True", "reason": "NodeAgentReady",
+                     "message": "test node agent is running", "lastHeartbeatTime": now,
+                     "lastTransitionTime": now},
+                    {"type": "MemoryPressure", "status": "False", "reason": "NodeAgentReady",
+                     "lastHeartbeatTime": now, "lastTransitionTime": now},
+                    {"type": "DiskPressure", "status": "False", "reason": "NodeAgentReady",
+                     "lastHeartbeatTime": now, "lastTransitionTime": now},
+                    {"type": "PIDPressure", "status": "False", "reason": "NodeAgentReady",
+                     "lastHeartbeatTime": now, "lastTransitionTime": now},
+                ],
+                "nodeInfo": {
+                    "architecture": "amd64", "operatingSystem": "linux",
+                    "kubeletVersion": "npufleet-test-node-agent", "kubeProxyVersion": "",
+                    "bootID": "", "containerRuntimeVersion": "process://local",
+                    "kernelVersion": "", "machineID": "", "osImage": "", "systemUUID": "",
+                },
+            }
+        });
+        Api::<Node>::all(self.client.clone())
+            .patch_status(
+                &self.config.node_name,
+                &PatchParams::default(),
+                &Patch::Merge(status),
+            )
+            .await
+            .with_context(|| format!("reporting node {} status", self.config.node_name))?;
+        Ok(())
+    }
+
+    async fn renew_lease(&self) -> Result<()> {
+        let name = &self.config.node_name;
+        let lease = json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": "kube-node-lease"},
+            "spec": {
+                "holderIdentity": name,
+                "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+                "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now()),
+            }
+        });
+        Api::<Lease>::namespaced(self.client.clone(), "kube-node-lease")
+            .patch(
+                name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(lease),
+            )
+            .await
+            .with_context(|| format!("renewing node lease {name}"))?;
+        Ok(())
+    }
+
+    async fn start_pod(&self, pod: &Pod) -> Result<()> {
+        let key = pod_key(pod);
+        if self.pods.lock().expect("pods").contains_key(&key) {
+            return Ok(());
+        }
+        let address = self
+            .free
+            .lock()
+            .expect("free addresses")
+            .pop()
+            .context("the node agent ran out of pod addresses")?;
+        let started = self.spawn(pod, address);
+        let process = match started {
+            Ok(process) => process,
+            Err(error) => {
+                self.free.lock().expect("free addresses").push(address);
+                self.patch_pod_status(
+                    pod,
+                    json!({
+                        "phase": "Failed",
+                        "reason": "StartError",
+                        "message": format!("{error:#}"),
+                    }),
+                )
+                .await?;
+                return Err(error);
+            }
+        };
+        self.pods.lock().expect("pods").insert(
+            key,
+            RunningPod {
+                pod: pod.clone(),
+                address,
+                process,
+                ready: false,
+            },
+        );
+        let now = Timestamp::now();
+        let container = &pod.spec.as_ref().context("pod has no spec")?.containers[0];
+        self.patch_pod_status(
+            pod,
+            json!({
+                "phase": "Running",
+                "podIP": address.to_string(),
+                "podIPs": [{"ip": address.to_string()}],
+                "hostIP": self.node_address().to_string(),
+                "startTime": now,
+                "conditions": conditions(false, now),
+                "containerStatuses": [container_status(container, false, now)],
+            }),
+        )
+        .await
+    }
+
+    fn spawn(&self, pod: &Pod, address: Ipv4Addr) -> Result<Process> {
+        let spec = pod.spec.as_ref().context("pod has no spec")?;
+        let [container] = spec.containers.as_slice() else {
+            bail!(
+                "the node agent runs single-container pods; this one has {}",
+                spec.containers.len()
+            );
+        };
+        // The worker image's entrypoint is the worker binary.
+        let image = container.image.as_deref().unwrap_or_default();
+        let repository = image.split(['@', ':']).next().unwrap_or_default();
+        let command = match &container.command {
+            Some(command) => command.clone(),
+            None if repository.ends_with(WORKER_BINARY_NAME) => vec![WORKER_BINARY_NAME.to_owned()],
+            None => bail!("the node agent runs only the {WORKER_BINARY_NAME} image, not {image:?}"),
+        };
+        let program = command
+            .first()
+            .context("the container's command is empty")?;
+        if std::path::Path::new(program).file_name() != Some(WORKER_BINARY_NAME.as_ref()) {
+            bail!("the node agent only runs {WORKER_BINARY_NAME}, not {program:?}");
+        }
+        let mut cmd = std::process::Command::new(&self.config.worker_binary);
+        cmd.args(&command[1..]);
+        cmd.args(container.args.iter().flatten());
+        cmd.env_clear();
+        cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
+        for var in container.env.iter().flatten() {
+            let value = match (&var.value, &var.value_from) {
+                (Some(value), _) => value.clone(),
+                (None, Some(from)) => field_value(pod, from, address)?,
+                (None, None) => String::new(),
+            };
+            cmd.env(&var.name, value);
+        }
+        // Every worker listens on its own address: the ports stay the pod's own.
+        for (variable, port_name, default) in [
+            ("NPUFLEET_GRPC_ADDR", "grpc", 8001),
+            ("NPUFLEET_HTTP_ADDR", "http", 8000),
+        ] {
+            cmd.env(
+                variable,
+                format!("{address}:{}", port(container, port_name, default)),
+            );
+        }
+        let log = self.config.log_dir.join(format!(
+            "{}_{}.log",
+            pod.namespace().unwrap_or_default(),
+            pod.name_any()
+        ));
+        Process::start(&pod_key(pod), cmd, &log)
+    }
+
+    async fn patch_pod_status(&self, pod: &Pod, status: serde_json::Value) -> Result<()> {
+        let api: Api<Pod> =
+            Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        match api
+            .patch_status(
+                &pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": status})),
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("updating status of pod {}", pod_key(pod))),
+        }
+    }
+
+    /// SIGTERM, the grace period, SIGKILL, then the pod object goes.
+    async fn stop_pod(&self, pod: &Pod) -> Result<()> {
+        let key = pod_key(pod);
+        if !self.stopping.lock().expect("stopping").insert(key.clone()) {
+            return Ok(());
+        }
+        let running = self.pods.lock().expect("pods").remove(&key);
+        if let Some(mut running) = running {
+            let grace = pod
+                .metadata
+                .deletion_grace_period_seconds
+                .or_else(|| {
+                    pod.spec
+                        .as_ref()
+                        .and_then(|s| s.termination_grace_period_seconds)
+                })
+                .unwrap_or(30);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(grace.max(0) as u64);
+            // A preStop sleep keeps the worker serving while endpoints drop the pod.
+            let pre_stop = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.containers.first())
+                .and_then(|c| c.lifecycle.as_ref())
+                .and_then(|l| l.pre_stop.as_ref())
+                .and_then(|h| h.sleep.as_ref())
+                .map_or(0, |s| s.seconds.max(0) as u64);
+            tokio::time::sleep_until(
+                deadline.min(tokio::time::Instant::now() + Duration::from_secs(pre_stop)),
+            )
+            .await;
+            running.process.signal(libc::SIGTERM);
+            while running.process.try_wait().is_none() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if running.process.try_wait().is_none() {
+                running.process.kill();
+            }
+            self.free
+                .lock()
+                .expect("free addresses")
+                .push(running.address);
+        }
+        let api: Api<Pod> =
+            Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        let result = api
+            .delete(&pod.name_any(), &DeleteParams::default().grace_period(0))
+            .await;
+        self.stopping.lock().expect("stopping").remove(&key);
+        match result {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("removing pod {key}")),
+        }
+    }
+}
+
+async fn heartbeat(shared: Arc<Shared>) {
+    loop {
+        tokio::time::sleep(HEARTBEAT).await;
+        for result in [
+            shared.renew_lease().await,
+            shared.report_node_status().await,
+        ] {
+            if let Err(error) = result {
+                tracing::warn!(error = format!("{error:#}"), "node agent heartbeat");
+            }
+        }
+    }
+}
+
+async fn watch_pods(shared: Arc<Shared>) {
+    let api: Api<Pod> = Api::all(shared.client.clone());
+    let config =
+        watcher::Config::default().fields(&format!("spec.nodeName={}", shared.config.node_name));
+    let mut events = watcher(api, config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    while let Some(event) = events.next().await {
+        let pod = match event {
+            Ok(pod) => pod,
+            Err(error) => {
+                tracing::warn!(%error, "node agent pod watch");
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let result = if pod.metadata.deletion_timestamp.is_some() {
+                shared.stop_pod(&pod).await
+            } else if is_finished(&pod) {
+                Ok(())
+            } else {
+                shared.start_pod(&pod).await
+            };
+            if let Err(error) = result {
+                tracing::warn!(
+                    pod = pod_key(&pod),
+                    error = format!("{error:#}"),
+                    "node agent"
+                );
+            }
+        });
+    }
+}
+
+/// Runs each pod's readiness probe and reports changes; reports pods whose process exited.
+async fn probe_pods(shared: Arc<Shared>) {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .expect("HTTP client");
+    loop {
+        tokio::time::sleep(PROBE_INTERVAL).await;
+        let running: Vec<(String, Pod, Ipv4Addr, bool)> = shared
+            .pods
+            .lock()
+            .expect("pods")
+            .iter()
+            .map(|(k, p)| (k.clone(), p.pod.clone(), p.address, p.ready))
+            .collect();
+        for (key, pod, address, was_ready) in running {
+            let exited = shared
+                .pods
+                .lock()
+                .expect("pods")
+                .get_mut(&key)
+                .and_then(|p| p.process.try_wait());
+            if let Some(status) = exited {
+                shared.pods.lock().expect("pods").remove(&key);
+                shared.free.lock().expect("free addresses").push(address);
+                let phase = if status.success() {
+                    "Succeeded"
+                } else {
+                    "Failed"
+                };
+                let result = shared
+                    .patch_pod_status(
+                        &pod,
+                        json!({
+                            "phase": phase,
+                            "message": format!("worker process exited: {status}"),
+                            "conditions": conditions(false, Timestamp::now()),
+                        }),
+                    )
+                    .await;
+                if let Err(error) = result {
+                    tracing::warn!(pod = key, error = format!("{error:#}"), "reporting exit");
+                }
+                continue;
+            }
+            let ready = probe(&http, &pod, address).await;
+            if ready != was_ready {
+                if let Some(p) = shared.pods.lock().expect("pods").get_mut(&key) {
+                    p.ready = ready;
+                }
+                let now = Timestamp::now();
+                let container = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.containers.first().cloned())
+                    .unwrap_or_default();
+                let result = shared
+                    .patch_pod_status(
+                        &pod,
+                        json!({
+                            "conditions": conditions(ready, now),
+                            "containerStatuses": [container_status(&container, ready, now)],
+                        }),
+                    )
+                    .await;
+                if let Err(error) = result {
+                    tracing::warn!(
+                        pod = key,
+                        error = format!("{error:#}"),
+                        "reporting readiness"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The container's HTTP readiness probe against the pod's address; ready when it has none.
+async fn probe(http: &reqwest::Client, pod: &Pod, address: Ipv4Addr) -> bool {
+    let Some(container) = pod.spec.as_ref().and_then(|s| s.containers.first()) else {
+        return false;
+    };
+    let Some(get) = container
+        .readiness_probe
+        .as_ref()
+        .and_then(|p| p.http_get.as_ref())
+    else {
+        return true;
+    };
+    let port = match &get.port {
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => *p,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => {
+            port(container, name, 0)
+        }
+    };
+    let path = get.path.as_deref().unwrap_or("/");
+    http.get(format!("http://{address}:{port}{path}"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+fn is_finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+fn port(container: &Container, name: &str, default: i32) -> i32 {
+    container
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some(name))
+        .map_or(default, |p| p.container_port)
+}
+
+fn field_value(
+    pod: &Pod,
+    from: &k8s_openapi::api::core::v1::EnvVarSource,
+    address: Ipv4Addr,
+) -> Result<String> {
+    let Some(field) = &from.field_ref else {
+        bail!("the node agent resolves only fieldRef environment variables");
+    };
+    Ok(match field.field_path.as_str() {
+        "metadata.name" => pod.name_any(),
+        "metadata.namespace" => pod.namespace().unwrap_or_default(),
+        "metadata.uid" => pod.uid().unwrap_or_default(),
+        "spec.nodeName" => pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default(),
+        "status.podIP" | "status.hostIP" => address.to_string(),
+        path if path.starts_with("metadata.labels['") => {
+            let key = &path["metadata.labels['".len()..path.len().saturating_sub(2)];
+            pod.labels().get(key).cloned().unwrap_or_default()
+        }
+        path if path.starts_with("metadata.annotations['") => {
+            let key = &path["metadata.annotations['".len()..path.len().saturating_sub(2)];
+            pod.annotations().get(key).cloned().unwrap_or_default()
+        }
+        other => bail!("the node agent cannot resolve fieldRef {other:?}"),
+    })
+}
+
+fn conditions(ready: bool, now: Timestamp) -> serde_json::Value {
+    let status = if ready { "True" } else { "False" };
+    json!([
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+        {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+        {"type": "ContainersReady", "status": status, "lastTransitionTime": now},
+        {"type": "Ready", "status": status, "lastTransitionTime": now},
+    ])
+}
+
+fn container_status(container: &Container, ready: bool, now: Timestamp) -> serde_json::Value {
+    json!({
+        "name": container.name,
+        "image": container.image.clone().unwrap_or_default(),
+        "imageID": "",
+        "ready": ready,
+        "started": true,
+        "restartCount": 0,
+        "state": {"running": {"startedAt": now}},
+    })
+}

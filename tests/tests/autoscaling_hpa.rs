@@ -1,0 +1,275 @@
+//! `mode: hpa` on the real control plane: the operator's external metrics server is
+//! registered through a real `APIService`, kube-apiserver's aggregator proxies to it over
+//! TLS, and kube-controller-manager's HPA controller scales an `InferenceService` through its
+//! `scale` subresource on `npufleet_queue_depth`, up and then down. The queue depth is
+//! published straight into the server's store here (the part the autoscaler loop plays);
+//! the built-in test reads it from real workers.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use k8s_openapi::api::core::v1::{Endpoints, Service};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::api::{Api, Patch, PatchParams};
+use kube::{CustomResourceExt, ResourceExt};
+use npufleet_crds::InferenceService;
+use npufleet_operator::autoscaler::hpa;
+use npufleet_operator::external_metrics::{
+    MetricsServer, MetricsStore, QUEUE_DEPTH, SERVICE_LABEL, ServiceLoad, TlsSettings,
+};
+use npufleet_tests::{cluster, wait};
+use serde_json::json;
+
+const MANAGER: &str = "autoscaling-hpa-test";
+
+async fn install_crd(client: &kube::Client) -> Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = InferenceService::crd();
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+    wait::until(
+        "InferenceService CRD Established",
+        Duration::from_secs(60),
+        || async {
+            let crd = crds.get(&name).await?;
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            Ok(established.then_some(()))
+        },
+    )
+    .await
+}
+
+/// Serves the store on a loopback port and registers it as the cluster's
+/// `v1beta1.external.metrics.k8s.io`, the way the chart does (a Service for the server and
+/// an APIService pointing at it).
+async fn register_metrics_server(
+    client: &kube::Client,
+    namespace: &str,
+    store: MetricsStore,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let tls = TlsSettings {
+        dns_names: vec![format!("npufleet-external-metrics.{namespace}.svc")],
+        ..TlsSettings::default()
+    };
+    // Endpoints may not be loopback addresses: serve on the host's own address.
+    let host = host_address()?;
+    let server = MetricsServer::bind((host, 0).into(), store, &tls).await?;
+    let port = server.local_addr()?.port();
+    let task = tokio::spawn(server.run());
+
+    let apply = PatchParams::apply(MANAGER).force();
+    let service = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "npufleet-external-metrics", "namespace": namespace},
+        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": port}]},
+    });
+    Api::<Service>::namespaced(client.clone(), namespace)
+        .patch("npufleet-external-metrics", &apply, &Patch::Apply(service))
+        .await?;
+    let endpoints = json!({
+        "apiVersion": "v1", "kind": "Endpoints",
+        "metadata": {"name": "npufleet-external-metrics", "namespace": namespace},
+        "subsets": [{
+            "addresses": [{"ip": host.to_string()}],
+            "ports": [{"name": "https", "port": port}],
+        }],
+    });
+    Api::<Endpoints>::namespaced(client.clone(), namespace)
+        .patch(
+            "npufleet-external-metrics",
+            &apply,
+            &Patch::Apply(endpoints),
+        )
+        .await?;
+    let api_service = json!({
+        "apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+        "metadata": {"name": "v1beta1.external.metrics.k8s.io"},
+        "spec": {
+            "group": "external.metrics.k8s.io", "version": "v1beta1",
+            "groupPriorityMinimum": 100, "versionPriority": 100,
+            "insecureSkipTLSVerify": true,
+            "service": {"name": "npufleet-external-metrics", "namespace": namespace, "port": 443},
+        },
+    });
+    let api_services: Api<APIService> = Api::all(client.clone());
+    api_services
+        .patch(
+            "v1beta1.external.metrics.k8s.io",
+            &apply,
+            &Patch::Apply(api_service),
+        )
+        .await?;
+    wait::until(
+        "the external metrics APIService Available",
+        Duration::from_secs(60),
+        || async {
+            let svc = api_services.get("v1beta1.external.metrics.k8s.io").await?;
+            let conditions = svc.status.and_then(|s| s.conditions).unwrap_or_default();
+            let available = conditions
+                .iter()
+                .any(|c| c.type_ == "Available" && c.status == "True");
+            if available {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("conditions: {conditions:?}")
+            }
+        },
+    )
+    .await?;
+    Ok(task)
+}
+
+/// The first non-loopback IPv4 address of this machine.
+fn host_address() -> Result<std::net::Ipv4Addr> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `addrs` with a list we free with freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("listing network interfaces");
+    }
+    let mut found = None;
+    let mut cursor = addrs;
+    while !cursor.is_null() && found.is_none() {
+        // SAFETY: `cursor` points into the list getifaddrs returned, which is still alive.
+        let entry = unsafe { &*cursor };
+        if !entry.ifa_addr.is_null()
+            // SAFETY: ifa_addr is non-null and points to a sockaddr of the family it names.
+            && i32::from(unsafe { (*entry.ifa_addr).sa_family }) == libc::AF_INET
+        {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let v4 = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
+            if !ip.is_loopback() {
+                found = Some(ip);
+            }
+        }
+        cursor = entry.ifa_next;
+    }
+    // SAFETY: freeing the list getifaddrs allocated, once.
+    unsafe { libc::freeifaddrs(addrs) };
+    found.context("this machine has no non-loopback IPv4 address for the aggregator to reach")
+}
+
+async fn spec_replicas(api: &Api<InferenceService>, name: &str) -> Result<i32> {
+    Ok(api.get(name).await?.spec.replicas)
+}
+
+/// Runs `kubectl` off the async threads: the metrics server must keep answering the
+/// aggregator while kubectl waits for it.
+async fn kubectl(args: Vec<String>) -> Result<std::process::Output> {
+    let c = cluster::shared();
+    Ok(tokio::task::spawn_blocking(move || c.kubectl().args(&args).output()).await??)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let ns = c.namespace(&client, "autoscaling-hpa").await?;
+        install_crd(&client).await?;
+        let store = MetricsStore::default();
+        let _server = register_metrics_server(&client, &ns, store.clone()).await?;
+
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+        let service: InferenceService = serde_json::from_value(json!({
+            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": ns, "labels": {"team": "search"}},
+            "spec": {
+                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
+                "replicas": 1,
+                "accelerator": {"type": "cpu"},
+                "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 5},
+            }
+        }))?;
+        let service = wait::until("InferenceService create", Duration::from_secs(30), || async {
+            Ok(Some(
+                services
+                    .patch("chat", &PatchParams::apply(MANAGER).force(), &Patch::Apply(&service))
+                    .await?,
+            ))
+        })
+        .await?;
+        // What the reconcile reports; the HPA needs the selector to accept the target.
+        services
+            .patch_status(
+                "chat",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"replicas": 1, "selector": "npufleet.io/inference-service=chat"}})),
+            )
+            .await?;
+
+        let autoscaling = service.spec.autoscaling.clone().context("autoscaling set")?;
+        let hpa = hpa::desired(&service, &autoscaling)?;
+        let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), &ns);
+        hpas.patch("chat", &PatchParams::apply(MANAGER).force(), &Patch::Apply(&hpa))
+            .await?;
+
+        let labels: BTreeMap<String, String> = service.labels().clone();
+        let publish = |queue_depth| {
+            store.update(&ns, "chat", &labels, ServiceLoad { queue_depth, kv_cache_usage: 0.0 })
+        };
+
+        // The aggregator reaches the server and the selector picks the service.
+        publish(18);
+        let path = format!(
+            "/apis/external.metrics.k8s.io/v1beta1/namespaces/{ns}/{QUEUE_DEPTH}?labelSelector={SERVICE_LABEL}%3Dchat"
+        );
+        // The aggregator's proxy can lag the APIService turning Available by a moment.
+        let list: serde_json::Value =
+            wait::until("kubectl get --raw on the external metric", Duration::from_secs(30), || async {
+                let raw = kubectl(vec!["get".into(), "--raw".into(), path.clone()]).await?;
+                anyhow::ensure!(
+                    raw.status.success(),
+                    "kubectl get --raw: {}",
+                    String::from_utf8_lossy(&raw.stderr)
+                );
+                Ok(Some(serde_json::from_slice(&raw.stdout)?))
+            })
+            .await?;
+        assert_eq!(list["kind"], "ExternalMetricValueList");
+        assert_eq!(list["items"][0]["value"], "18");
+
+        // 18 waiting + running at 5 per replica: ceil(18 / 5) = 4 groups.
+        let started = Instant::now();
+        wait::until("the HPA to scale chat to 4", Duration::from_secs(60), || async {
+            publish(18);
+            let replicas = spec_replicas(&services, "chat").await?;
+            if replicas == 4 { Ok(Some(())) } else { anyhow::bail!("spec.replicas = {replicas}") }
+        })
+        .await?;
+        let scale_up = started.elapsed();
+
+        let shown = kubectl(vec!["get".into(), "hpa".into(), "chat".into(), "-n".into(), ns.clone()]).await?;
+        let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+        assert!(shown.contains("/5 (avg)"), "kubectl get hpa shows no metric:\n{shown}");
+
+        let started = Instant::now();
+        wait::until("the HPA to scale chat back to 1", Duration::from_secs(90), || async {
+            publish(0);
+            let replicas = spec_replicas(&services, "chat").await?;
+            if replicas == 1 { Ok(Some(())) } else { anyhow::bail!("spec.replicas = {replicas}") }
+        })
+        .await?;
+        eprintln!(
+            "HPA: scale-up to 4 in {:.1} s, back to 1 in {:.1} s\n{shown}",
+            scale_up.as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
