@@ -224,8 +224,8 @@ fn make_pki(dir: &Path) -> Result<Pki> {
 }
 
 fn kubeconfig_yaml(server: &str, ca_pem: &str, token: &str) -> String {
-    use std::fmt::Write;
     use base64::Engine as _;
+    use std::fmt::Write;
     let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
     let mut s = String::new();
     let _ = write!(
@@ -316,13 +316,17 @@ impl Cluster {
         apiserver.args(&opts.apiserver_args);
         cluster.spawn("kube-apiserver", apiserver)?;
 
-        let client = wait::until("kube-apiserver /readyz", Duration::from_secs(90), || async {
-            cluster.ensure_running().map_err(wait::fatal)?;
-            let client = cluster.client().await?;
-            let req = http::Request::get("/readyz").body(Vec::new())?;
-            client.request_text(req).await?;
-            Ok(Some(client))
-        })
+        let client = wait::until(
+            "kube-apiserver /readyz",
+            Duration::from_secs(90),
+            || async {
+                cluster.ensure_running().map_err(wait::fatal)?;
+                let client = cluster.client().await?;
+                let req = http::Request::get("/readyz").body(Vec::new())?;
+                client.request_text(req).await?;
+                Ok(Some(client))
+            },
+        )
         .await?;
 
         if opts.controller_manager {

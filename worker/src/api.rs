@@ -137,7 +137,10 @@ pub enum SubmitError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineState {
-    WarmingUp { done: u32, total: u32 },
+    WarmingUp {
+        done: u32,
+        total: u32,
+    },
     Ready,
     Draining,
     /// Draining finished: nothing queued or running.
