@@ -9,6 +9,9 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 NPUFLEET_CACHE ?= $(HOME)/.cache/npufleet
 export NPUFLEET_CACHE
+# Build outputs live in the cache too, so a fresh clone reuses earlier builds.
+CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
+export CARGO_TARGET_DIR
 CARGO ?= cargo
 
 .PHONY: run test setup lint build unit-and-e2e python-clients crds bench clean-cache
@@ -21,6 +24,7 @@ setup:
 	@tests/setup/control-plane.sh >/dev/null
 	@tests/setup/model.sh >/dev/null
 	@tests/setup/python-env.sh >/dev/null
+	@bash worker/ascend/bindings.sh setup >/dev/null
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -33,7 +37,7 @@ unit-and-e2e: build
 	$(CARGO) test --workspace --no-fail-fast
 
 python-clients: build
-	NPUFLEET_WORKER_BIN=$(CURDIR)/target/debug/npufleet-worker \
+	NPUFLEET_WORKER_BIN=$(CARGO_TARGET_DIR)/debug/npufleet-worker \
 	  "$$(tests/setup/python-env.sh)" -m pytest -q tests/python
 
 test: setup lint unit-and-e2e python-clients
@@ -45,4 +49,4 @@ crds:
 # Engine benchmark side by side with llama.cpp on the same GGUF (slow; not part of test).
 bench:
 	$(CARGO) build --release -p npufleet-worker
-	target/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp
+	$(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp

@@ -296,7 +296,7 @@ impl Cluster {
             format!("--tls-cert-file={}", pki.cert_file.display()),
             format!("--tls-private-key-file={}", pki.key_file.display()),
             format!("--client-ca-file={}", pki.ca_file.display()),
-            "--service-cluster-ip-range=10.0.0.0/24".to_string(),
+            "--service-cluster-ip-range=10.0.0.0/16".to_string(),
             "--allow-privileged=true".to_string(),
             "--authorization-mode=Node,RBAC".to_string(),
             format!("--token-auth-file={}", d.join("tokens.csv").display()),

@@ -28,11 +28,7 @@ fn peak_rss_kib(pid: u32) -> Option<u64> {
 #[tokio::test]
 #[ignore = "takes minutes; run explicitly to measure throughput and memory"]
 async fn five_hundred_inference_services_reach_ready() -> Result<()> {
-    // One client Service per InferenceService: the default /24 service range holds 254.
     let mut options = ClusterOptions::full();
-    options
-        .apiserver_args
-        .push("--service-cluster-ip-range=10.0.0.0/16".to_string());
     options
         .nodes
         .extend((0..EXTRA_NODES).map(|i| FakeNode::cpu(&format!("scale-cpu-{i}"))));
