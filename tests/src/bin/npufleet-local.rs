@@ -1,0 +1,527 @@
+//! `make run`: a throw-away local control plane with the operator managing a SmolLM2 fleet
+//! on CPU, made visible. The worker pods run as real local processes on loopback addresses
+//! (the node agent plays the kubelet), a burst of streaming chat clients loads them, and a
+//! line a second shows the fleet scaling up under the burst and back down after it.
+//!
+//! Everything it starts belongs to this process and stops with it (Ctrl-C).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use npufleet_crds::InferenceService;
+use npufleet_operator::autoscaler::policy::PolicyConfig;
+use npufleet_operator::autoscaler::{self, Autoscaler};
+use npufleet_operator::external_metrics::MetricsStore;
+use npufleet_tests::cluster::{Cluster, ClusterOptions};
+use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::process::{Process, free_port};
+use npufleet_tests::{paths, wait};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+const MANAGER: &str = "npufleet-local";
+const SERVICE: &str = "smollm2";
+const NODE: &str = "local-node-0";
+const TARGET_QUEUE: u32 = 2;
+const MAX_REPLICAS: u32 = 3;
+const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
+
+/// A local control plane with the operator managing a SmolLM2 fleet, a load burst to watch
+/// it scale, and the fleet left serving until Ctrl-C.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Where the release binaries (npufleet-operator, npufleet-worker) were built.
+    #[arg(long, default_value = "target/release")]
+    target_dir: PathBuf,
+    /// Concurrent streaming clients in the burst.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=16))]
+    clients: u32,
+    /// How long the burst lasts, in seconds.
+    #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(5..=300))]
+    burst_seconds: u64,
+    /// Exit after the summary instead of serving until Ctrl-C.
+    #[arg(long)]
+    exit_after_demo: bool,
+}
+
+fn release_bin(target_dir: &Path, name: &str) -> Result<PathBuf> {
+    let path = target_dir.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} is missing; build the release binaries first (cargo build --release --workspace --bins)",
+            path.display()
+        );
+    }
+    std::path::absolute(&path).with_context(|| format!("resolving {}", path.display()))
+}
+
+async fn install_crd(client: &Client) -> Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = InferenceService::crd();
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+    wait::until(
+        "InferenceService CRD Established",
+        Duration::from_secs(60),
+        || async {
+            let crd = crds.get(&name).await?;
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            Ok(established.then_some(()))
+        },
+    )
+    .await
+}
+
+/// The shipped sample, pointed at the cached model and at the local node, with built-in
+/// autoscaling and one engine thread per worker so that three replicas fit two cores.
+fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService> {
+    let sample_path = paths::repo_root().join(SAMPLE);
+    let text = std::fs::read_to_string(&sample_path)
+        .with_context(|| format!("reading {}", sample_path.display()))?;
+    let mut sample: Value =
+        serde_yaml::from_str(&text).with_context(|| format!("parsing {SAMPLE}"))?;
+    sample["metadata"] = json!({"name": SERVICE, "namespace": namespace});
+    let spec = sample
+        .get_mut("spec")
+        .and_then(Value::as_object_mut)
+        .with_context(|| format!("{SAMPLE} has no spec"))?;
+    spec.insert(
+        "model".into(),
+        json!({"name": SERVICE, "format": "gguf", "source": {"imagePath": model.display().to_string()}}),
+    );
+    spec.insert(
+        "engine".into(),
+        json!({"maxBatchSize": 32, "warmupIterations": 1, "drainSeconds": 60}),
+    );
+    spec.insert(
+        "autoscaling".into(),
+        json!({"mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "targetQueueDepth": TARGET_QUEUE}),
+    );
+    spec.insert(
+        "scheduling".into(),
+        json!({"nodeSelector": {NODE_AGENT_LABEL: NODE}}),
+    );
+    spec.get_mut("template")
+        .and_then(Value::as_object_mut)
+        .with_context(|| format!("{SAMPLE} has no spec.template"))?
+        .insert(
+            "env".into(),
+            json!([{"name": "NPUFLEET_THREADS", "value": "1"}]),
+        );
+    serde_json::from_value(sample).with_context(|| format!("{SAMPLE} is not an InferenceService"))
+}
+
+fn is_serving(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Ready, non-terminating worker addresses, as an endpoints controller would list them.
+async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
+    let list = pods
+        .list(&ListParams::default().labels("npufleet.io/rank=0"))
+        .await?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|p| is_serving(p))
+        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .collect())
+}
+
+/// The burst's shared counters and its client-side router (no kube-proxy runs locally).
+#[derive(Default)]
+struct Load {
+    done: AtomicU64,
+    failed: AtomicU64,
+    tokens: AtomicU64,
+    last_failure: Mutex<Option<String>>,
+    /// Requests in flight per address, for least-outstanding-requests routing.
+    in_flight: Mutex<HashMap<String, u32>>,
+    addresses: Mutex<Vec<String>>,
+    stop: AtomicBool,
+}
+
+impl Load {
+    async fn pick(&self) -> Option<String> {
+        let addresses = self.addresses.lock().await.clone();
+        let mut in_flight = self.in_flight.lock().await;
+        let chosen = addresses
+            .iter()
+            .min_by_key(|a| in_flight.get(*a).copied().unwrap_or(0))?
+            .clone();
+        *in_flight.entry(chosen.clone()).or_default() += 1;
+        Some(chosen)
+    }
+
+    async fn release(&self, address: &str) {
+        if let Some(n) = self.in_flight.lock().await.get_mut(address) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// One streamed chat completion; counts the tokens as their chunks arrive.
+async fn stream_one(http: &reqwest::Client, address: &str, load: &Load) -> Result<()> {
+    let response = http
+        .post(format!("http://{address}:8000/v1/chat/completions"))
+        .json(&json!({
+            "model": SERVICE,
+            "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
+            "max_tokens": 32,
+            "stream": true,
+        }))
+        .send()
+        .await?;
+    let status = response.status();
+    if !status.is_success() {
+        bail!(
+            "HTTP {status}: {}",
+            response.text().await.unwrap_or_default()
+        );
+    }
+    let mut body = response.bytes_stream();
+    let mut pending = Vec::new();
+    let mut finished = false;
+    while let Some(bytes) = body.next().await {
+        pending.extend_from_slice(&bytes?);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let Some(data) = std::str::from_utf8(&line)?.trim().strip_prefix("data:") else {
+                continue;
+            };
+            let data = data.trim();
+            if data == "[DONE]" {
+                finished = true;
+                continue;
+            }
+            let chunk: Value = serde_json::from_str(data).context("malformed stream chunk")?;
+            let has_content = chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty());
+            if has_content {
+                load.tokens.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    if !finished {
+        bail!("stream ended without [DONE]");
+    }
+    Ok(())
+}
+
+/// One closed-loop client: a streamed chat completion, read to the end, repeat.
+async fn client_loop(load: Arc<Load>, http: reqwest::Client) {
+    while !load.stop.load(Ordering::Relaxed) {
+        let Some(address) = load.pick().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let outcome = stream_one(&http, &address, &load).await;
+        load.release(&address).await;
+        match outcome {
+            Ok(()) => load.done.fetch_add(1, Ordering::Relaxed),
+            Err(e) => {
+                *load.last_failure.lock().await = Some(format!("{address}: {e:#}"));
+                load.failed.fetch_add(1, Ordering::Relaxed)
+            }
+        };
+    }
+}
+
+/// What the once-a-second line shows, and what the summary needs.
+#[derive(Default)]
+struct Observed {
+    peak_desired: i32,
+    first_scale_up: Option<Duration>,
+}
+
+async fn print_tick(
+    started: Instant,
+    services: &Api<InferenceService>,
+    load: &Load,
+    last_tokens: &mut u64,
+    observed: &mut Observed,
+    phase: &str,
+) {
+    let (desired, ready, queue) = match services.get(SERVICE).await {
+        Ok(s) => {
+            let status = s.status.unwrap_or_default();
+            let queue = status
+                .autoscaling
+                .and_then(|a| a.queue_depth)
+                .map_or_else(|| "-".to_owned(), |q| format!("{q:.1}"));
+            (s.spec.replicas, status.ready_replicas, queue)
+        }
+        Err(e) => {
+            println!("  (reading the InferenceService failed: {e})");
+            return;
+        }
+    };
+    if desired > observed.peak_desired {
+        observed.peak_desired = desired;
+    }
+    if desired > 1 && observed.first_scale_up.is_none() {
+        observed.first_scale_up = Some(started.elapsed());
+    }
+    let tokens = load.tokens.load(Ordering::Relaxed);
+    println!(
+        "{:>6.1}s  {phase:<10} replicas desired {desired} ready {ready}  queue/replica {queue:>4}  requests done {:>4} failed {}  {:>5} tok/s",
+        started.elapsed().as_secs_f64(),
+        load.done.load(Ordering::Relaxed),
+        load.failed.load(Ordering::Relaxed),
+        tokens - *last_tokens,
+    );
+    *last_tokens = tokens;
+}
+
+async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
+    let worker = release_bin(&args.target_dir, "npufleet-worker")?;
+    let operator_bin = release_bin(&args.target_dir, "npufleet-operator")?;
+    let client = cluster.client().await?;
+    let ns = cluster.namespace(&client, "npufleet-local").await?;
+    install_crd(&client).await?;
+    let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
+
+    let _agent = NodeAgent::start(
+        client.clone(),
+        NodeAgentConfig::new(NODE, worker, cluster.scratch().join("pods"), 60),
+    )
+    .await?;
+
+    let operator_log = cluster.scratch().join("npufleet-operator.log");
+    let mut cmd = Command::new(&operator_bin);
+    cmd.args([
+        "--metrics-addr",
+        &format!("127.0.0.1:{}", free_port()?),
+        "--leader-election=false",
+    ])
+    .env("KUBECONFIG", cluster.kubeconfig())
+    .env("RUST_LOG", "info");
+    let mut operator = Process::start("npufleet-operator", cmd, &operator_log)?;
+
+    // The autoscaler runs here with windows short enough for the scale-down to show within
+    // a minute of the burst (the operator's defaults hold a scale-down far longer).
+    let settings = autoscaler::Settings {
+        policy: PolicyConfig {
+            stable_window: Duration::from_secs(8),
+            panic_window: Duration::from_secs(2),
+            scale_down_delay: Duration::from_secs(4),
+            ..PolicyConfig::default()
+        },
+        ..autoscaler::Settings::default()
+    };
+    let (scaler, watches) =
+        Autoscaler::new(client.clone(), Some(&ns), settings, MetricsStore::default())?;
+    let watches = tokio::spawn(watches);
+    let scaling = tokio::spawn(scaler.run());
+
+    let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+    let service = service_from_sample(&ns, &model)?;
+    services
+        .patch(
+            SERVICE,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&service),
+        )
+        .await
+        .context("applying the InferenceService")?;
+    println!(
+        "InferenceService {ns}/{SERVICE} applied (from {SAMPLE}, builtin autoscaling 1..{MAX_REPLICAS}, target queue {TARGET_QUEUE} per replica)"
+    );
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let started = Instant::now();
+    wait::until(
+        "the first replica serving",
+        Duration::from_secs(180),
+        || async { Ok((!serving_addresses(&pods).await?.is_empty()).then_some(())) },
+    )
+    .await?;
+    operator.ensure_running()?;
+    println!(
+        "first replica serving after {:.1} s; starting {} streaming clients for {} s",
+        started.elapsed().as_secs_f64(),
+        args.clients,
+        args.burst_seconds
+    );
+
+    let load = Arc::new(Load::default());
+    *load.addresses.lock().await = serving_addresses(&pods).await?;
+    let router = {
+        let (pods, load) = (pods.clone(), load.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(addresses) = serving_addresses(&pods).await {
+                    *load.addresses.lock().await = addresses;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let burst_started = Instant::now();
+    let clients: Vec<_> = (0..args.clients)
+        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone())))
+        .collect();
+
+    let mut observed = Observed {
+        peak_desired: 1,
+        first_scale_up: None,
+    };
+    let mut last_tokens = 0;
+    let mut ticks = tokio::time::interval(Duration::from_secs(1));
+    let burst = Duration::from_secs(args.burst_seconds);
+    while burst_started.elapsed() < burst {
+        ticks.tick().await;
+        operator.ensure_running()?;
+        print_tick(
+            burst_started,
+            &services,
+            &load,
+            &mut last_tokens,
+            &mut observed,
+            "burst",
+        )
+        .await;
+    }
+    load.stop.store(true, Ordering::Relaxed);
+    for client in clients {
+        client.await?;
+    }
+    println!("burst over; waiting for the fleet to scale back to 1");
+
+    let scale_down_deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        ticks.tick().await;
+        operator.ensure_running()?;
+        print_tick(
+            burst_started,
+            &services,
+            &load,
+            &mut last_tokens,
+            &mut observed,
+            "idle",
+        )
+        .await;
+        let desired = services.get(SERVICE).await?.spec.replicas;
+        let live = pods.list(&ListParams::default()).await?.items.len();
+        if desired == 1 && live == 1 {
+            break;
+        }
+        if Instant::now() > scale_down_deadline {
+            bail!("no scale-down within 180 s of the burst (desired {desired}, {live} pods)");
+        }
+    }
+    let scaled_down_after = burst_started.elapsed();
+    router.abort();
+
+    let done = load.done.load(Ordering::Relaxed);
+    let failed = load.failed.load(Ordering::Relaxed);
+    println!();
+    println!("summary");
+    println!(
+        "  burst:            {} streaming clients for {} s, {done} requests answered, {failed} failed, {} tokens streamed",
+        args.clients,
+        args.burst_seconds,
+        load.tokens.load(Ordering::Relaxed)
+    );
+    println!("  peak replicas:    {}", observed.peak_desired);
+    match observed.first_scale_up {
+        Some(t) => println!(
+            "  first scale-up:   {:.1} s after the burst began",
+            t.as_secs_f64()
+        ),
+        None => println!("  first scale-up:   none (the load never exceeded one replica)"),
+    }
+    println!(
+        "  back to 1:        {:.1} s after the burst began",
+        scaled_down_after.as_secs_f64()
+    );
+    if let Some(failure) = load.last_failure.lock().await.as_ref() {
+        println!("  last failure:     {failure}");
+    }
+    let address = serving_addresses(&pods)
+        .await?
+        .into_iter()
+        .next()
+        .context("no replica serving after the demo")?;
+    println!();
+    println!(
+        "client endpoint: http://{address}:8000 (OpenAI-compatible and Open Inference Protocol REST; gRPC on {address}:8001)"
+    );
+    println!(
+        "  curl http://{address}:8000/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{SERVICE}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
+    );
+    println!("  KUBECONFIG={}", cluster.kubeconfig().display());
+    println!("  operator log: {}", operator_log.display());
+    println!(
+        "  pod logs:     {}",
+        cluster.scratch().join("pods").display()
+    );
+
+    if !args.exit_after_demo {
+        println!("\nserving until Ctrl-C");
+        loop {
+            ticks.tick().await;
+            operator.ensure_running()?;
+        }
+    }
+    scaling.abort();
+    watches.abort();
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    println!(
+        "starting a local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK)"
+    );
+    let cluster = Cluster::start(ClusterOptions::full()).await?;
+    println!(
+        "control plane ready in {:.1} s at {}",
+        cluster.started_in().as_secs_f64(),
+        cluster.server_url()
+    );
+    let outcome = tokio::select! {
+        result = demo(&cluster, &args) => result,
+        interrupted = tokio::signal::ctrl_c() => {
+            interrupted.context("listening for Ctrl-C")?;
+            println!("\nCtrl-C: stopping the fleet, the operator and the control plane");
+            Ok(())
+        }
+    };
+    // The demo's processes stop as its future is dropped; the control plane stops here.
+    drop(cluster);
+    outcome
+}
