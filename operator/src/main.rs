@@ -1,7 +1,11 @@
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use clap::Parser;
+use npufleet_operator::autoscaler::{self, Autoscaler};
+use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings};
 use npufleet_operator::metrics::{self, Health, Metrics};
 use npufleet_operator::telemetry::{self, LogFormat};
 use npufleet_operator::{Context, Settings, leader};
@@ -29,6 +33,58 @@ struct Args {
     cluster_domain: String,
     #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Address of the external.metrics.k8s.io server (HTTPS); empty turns it off.
+    #[arg(
+        long,
+        env = "NPUFLEET_EXTERNAL_METRICS_ADDR",
+        default_value = "0.0.0.0:6443"
+    )]
+    external_metrics_addr: ListenAddr,
+    /// PEM certificate chain the external metrics server presents; self-signed when absent.
+    #[arg(
+        long,
+        env = "NPUFLEET_EXTERNAL_METRICS_CERT_FILE",
+        requires = "external_metrics_key_file"
+    )]
+    external_metrics_cert_file: Option<PathBuf>,
+    /// PEM private key of `--external-metrics-cert-file`.
+    #[arg(
+        long,
+        env = "NPUFLEET_EXTERNAL_METRICS_KEY_FILE",
+        requires = "external_metrics_cert_file"
+    )]
+    external_metrics_key_file: Option<PathBuf>,
+    /// CA of kube-apiserver's proxy client certificate; when set, only clients holding a
+    /// certificate it signed reach the external metrics server.
+    #[arg(long, env = "NPUFLEET_REQUESTHEADER_CLIENT_CA_FILE")]
+    requestheader_client_ca_file: Option<PathBuf>,
+}
+
+/// A listen address, or none when given as an empty string.
+#[derive(Clone, Debug)]
+struct ListenAddr(Option<SocketAddr>);
+
+impl FromStr for ListenAddr {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(Self(None));
+        }
+        text.parse().map(|addr| Self(Some(addr)))
+    }
+}
+
+/// What only the leader runs: the reconcile and the autoscaler. Returns when any part stops.
+async fn lead(ctx: Arc<Context>, client: kube::Client, store: MetricsStore) -> anyhow::Result<()> {
+    let (scaler, watches) = Autoscaler::new(client, None, autoscaler::Settings::default(), store)?;
+    tokio::select! {
+        () = npufleet_operator::run(ctx) => tracing::warn!("the controller stopped"),
+        () = scaler.run() => tracing::warn!("the autoscaler stopped"),
+        () = watches => tracing::warn!("the autoscaler's watches stopped"),
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -53,8 +109,32 @@ async fn main() -> anyhow::Result<()> {
         Some(identity.clone()),
     ));
 
+    let store = MetricsStore::default();
+    let external_metrics = match args.external_metrics_addr.0 {
+        Some(addr) => {
+            let tls = TlsSettings {
+                cert_and_key: args
+                    .external_metrics_cert_file
+                    .zip(args.external_metrics_key_file),
+                dns_names: vec!["localhost".to_owned()],
+                client_ca: args.requestheader_client_ca_file,
+            };
+            let server = MetricsServer::bind(addr, store.clone(), &tls).await?;
+            tracing::info!(addr = %server.local_addr()?, "serving external metrics");
+            Some(tokio::spawn(server.run()))
+        }
+        None => None,
+    };
+    let external_metrics_stopped = async {
+        match external_metrics {
+            Some(server) => server.await,
+            None => std::future::pending().await,
+        }
+    };
+
     let server = tokio::spawn(metrics::serve(args.metrics_addr, metrics, health.clone()));
     health.set_ready();
+    let client_for_leader = client.clone();
     let operate = async {
         if args.leader_election {
             let (mut leading, _elector) =
@@ -63,7 +143,7 @@ async fn main() -> anyhow::Result<()> {
             leader::wait_for(&mut leading, true).await?;
             tracing::info!(%identity, "leading");
             tokio::select! {
-                () = npufleet_operator::run(ctx) => {}
+                led = lead(ctx, client_for_leader, store) => led?,
                 lost = leader::wait_for(&mut leading, false) => {
                     lost?;
                     // Exit rather than reconcile without the lease; the Deployment restarts us.
@@ -71,12 +151,15 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         } else {
-            npufleet_operator::run(ctx).await;
+            lead(ctx, client_for_leader, store).await?;
         }
         anyhow::Ok(())
     };
     tokio::select! {
         result = operate => result,
         served = server => Err(anyhow::anyhow!("metrics server stopped: {served:?}")),
+        served = external_metrics_stopped => {
+            Err(anyhow::anyhow!("external metrics server stopped: {served:?}"))
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! the objects that should exist and the changes to make out. No I/O, so every decision is
 //! unit-tested with plain data.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -11,6 +11,7 @@ use kube::ResourceExt;
 use kube::api::DynamicObject;
 use npufleet_crds::{InferenceService, InferenceServiceStatus};
 
+use crate::autoscaler::SCALE_DOWN_ANNOTATION;
 use crate::labels;
 use crate::resources::{self, names, pod, pod_group, rank_table, services};
 use crate::settings::Settings;
@@ -94,6 +95,29 @@ fn failure_of(pod: &Pod) -> String {
     text
 }
 
+/// The replica group numbers to run, given the groups with live pods (mapped to whether the
+/// autoscaler marked them for removal). Scaling down drops marked groups first, so the
+/// least-loaded groups go, then the highest-numbered; scaling up takes the lowest free numbers.
+pub fn kept_groups(existing: &BTreeMap<i32, bool>, desired: i32) -> BTreeSet<i32> {
+    let desired = usize::try_from(desired).unwrap_or(0);
+    let mut kept: BTreeSet<i32> = existing.keys().copied().collect();
+    if kept.len() > desired {
+        let mut removal_order: Vec<(&i32, &bool)> = existing.iter().collect();
+        removal_order.sort_by_key(|&(&group, &marked)| (!marked, std::cmp::Reverse(group)));
+        let surplus = kept.len() - desired;
+        for (group, _) in removal_order.into_iter().take(surplus) {
+            kept.remove(group);
+        }
+    }
+    let missing = desired - kept.len();
+    let free: Vec<i32> = (0..)
+        .filter(|group| !existing.contains_key(group))
+        .take(missing)
+        .collect();
+    kept.extend(free);
+    kept
+}
+
 pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
     let desired = isvc.spec.replicas.max(0);
     let ranks = isvc.pods_per_replica();
@@ -132,8 +156,21 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     let mut in_transition = false;
     let mut failures = Vec::new();
 
-    for (&g, group) in groups.range(desired..) {
-        if !group.live.is_empty() {
+    let existing: BTreeMap<i32, bool> = groups
+        .iter()
+        .filter(|(_, group)| !group.live.is_empty())
+        .map(|(&g, group)| {
+            let marked = group
+                .live
+                .values()
+                .any(|p| p.annotations().contains_key(SCALE_DOWN_ANNOTATION));
+            (g, marked)
+        })
+        .collect();
+    let kept = kept_groups(&existing, desired);
+
+    for (&g, group) in &groups {
+        if !group.live.is_empty() && !kept.contains(&g) {
             delete_pods.extend(group.live.values().map(|p| p.name_any()));
             notes.push(Note {
                 warning: false,
@@ -143,7 +180,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         }
     }
 
-    for g in 0..desired {
+    for &g in &kept {
         let empty = Group::default();
         let group = groups.get(&g).unwrap_or(&empty);
         let failed = group.live.values().find(|p| phase(p) == "Failed");
@@ -249,12 +286,13 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         seen.failure = Some(failures.join("; "));
     }
 
-    let rank_table_names: Vec<String> = (0..desired)
+    let rank_table_names: Vec<String> = kept
+        .iter()
         .filter(|_| uses_rank_table)
-        .map(|g| names::rank_table(isvc, g))
+        .map(|&g| names::rank_table(isvc, g))
         .collect();
     let pod_groups: Vec<DynamicObject> = if wants_volcano && observed.volcano_served {
-        (0..desired).map(|g| pod_group::build(isvc, g)).collect()
+        kept.iter().map(|&g| pod_group::build(isvc, g)).collect()
     } else {
         Vec::new()
     };

@@ -147,6 +147,7 @@ async fn start_operator(c: &cluster::Cluster) -> Result<Operator> {
     let metrics_port = free_port()?;
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.args([
+        "--external-metrics-addr=",
         "--metrics-addr",
         &format!("127.0.0.1:{metrics_port}"),
         "--lease-namespace",

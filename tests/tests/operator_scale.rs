@@ -68,6 +68,7 @@ async fn five_hundred_inference_services_reach_ready() -> Result<()> {
     let port = free_port()?;
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.args([
+        "--external-metrics-addr=",
         "--metrics-addr",
         &format!("127.0.0.1:{port}"),
         "--leader-election=false",

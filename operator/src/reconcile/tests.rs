@@ -6,7 +6,7 @@ use npufleet_crds::{
     ModelFormat, ModelSource, ModelSpec, Platform,
 };
 
-use super::{Observed, plan};
+use super::{Observed, kept_groups, plan};
 use crate::labels;
 use crate::resources::{self, pod};
 use crate::settings::Settings;
@@ -309,6 +309,85 @@ fn scaling_follows_spec_replicas_without_writing_it() {
             .map(|p| p.name_any())
             .collect::<Vec<_>>(),
         ["llm-3-0"]
+    );
+}
+
+#[test]
+fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
+    let groups = |pairs: &[(i32, bool)]| pairs.iter().copied().collect();
+    let unmarked = groups(&[(0, false), (1, false), (2, false), (3, false)]);
+    assert_eq!(
+        kept_groups(&unmarked, 2).into_iter().collect::<Vec<_>>(),
+        [0, 1],
+        "without marks the highest-numbered groups go"
+    );
+    let marked = groups(&[(0, true), (1, false), (2, false), (3, false)]);
+    assert_eq!(
+        kept_groups(&marked, 2).into_iter().collect::<Vec<_>>(),
+        [1, 2]
+    );
+    let two_marked = groups(&[(0, true), (1, false), (2, true), (3, false)]);
+    assert_eq!(
+        kept_groups(&two_marked, 3).into_iter().collect::<Vec<_>>(),
+        [0, 1, 3],
+        "of the marked groups the highest-numbered goes first"
+    );
+    let gaps = groups(&[(1, false), (4, true)]);
+    assert_eq!(
+        kept_groups(&gaps, 4).into_iter().collect::<Vec<_>>(),
+        [0, 1, 2, 4],
+        "marks do not matter when scaling up"
+    );
+    assert!(kept_groups(&gaps, 0).is_empty());
+    assert!(kept_groups(&gaps, -1).is_empty());
+
+    // Through the plan: the marked group's pods are the ones deleted.
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 3);
+    let pods: Vec<Pod> = running(&isvc, true)
+        .into_iter()
+        .map(|mut p| {
+            if p.name_any() == "llm-1-0" {
+                p.annotations_mut().insert(
+                    crate::autoscaler::SCALE_DOWN_ANNOTATION.into(),
+                    "2026-01-01T00:00:00Z".into(),
+                );
+            }
+            p
+        })
+        .collect();
+    isvc.spec.replicas = 2;
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: pods.clone(),
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(p.delete_pods, ["llm-1-0"]);
+    assert!(p.create_pods.is_empty());
+    // With group 1 gone, scaling back up reuses its number.
+    let remaining: Vec<Pod> = pods
+        .into_iter()
+        .filter(|p| p.name_any() != "llm-1-0")
+        .collect();
+    isvc.spec.replicas = 3;
+    let p = plan(
+        &isvc,
+        &Observed {
+            pods: remaining,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(
+        p.create_pods
+            .iter()
+            .map(|p| p.name_any())
+            .collect::<Vec<_>>(),
+        ["llm-1-0"]
     );
 }
 

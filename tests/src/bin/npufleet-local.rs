@@ -20,9 +20,6 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use npufleet_crds::InferenceService;
-use npufleet_operator::autoscaler::policy::PolicyConfig;
-use npufleet_operator::autoscaler::{self, Autoscaler};
-use npufleet_operator::external_metrics::MetricsStore;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::{Process, free_port};
@@ -321,26 +318,12 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
         "--metrics-addr",
         &format!("127.0.0.1:{}", free_port()?),
         "--leader-election=false",
+        // HPA mode is not part of the demo; the built-in autoscaler runs in the operator.
+        "--external-metrics-addr=",
     ])
     .env("KUBECONFIG", cluster.kubeconfig())
     .env("RUST_LOG", "info");
     let mut operator = Process::start("npufleet-operator", cmd, &operator_log)?;
-
-    // The autoscaler runs here with windows short enough for the scale-down to show within
-    // a minute of the burst (the operator's defaults hold a scale-down far longer).
-    let settings = autoscaler::Settings {
-        policy: PolicyConfig {
-            stable_window: Duration::from_secs(8),
-            panic_window: Duration::from_secs(2),
-            scale_down_delay: Duration::from_secs(4),
-            ..PolicyConfig::default()
-        },
-        ..autoscaler::Settings::default()
-    };
-    let (scaler, watches) =
-        Autoscaler::new(client.clone(), Some(&ns), settings, MetricsStore::default())?;
-    let watches = tokio::spawn(watches);
-    let scaling = tokio::spawn(scaler.run());
 
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
     let service = service_from_sample(&ns, &model)?;
@@ -496,8 +479,6 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
             operator.ensure_running()?;
         }
     }
-    scaling.abort();
-    watches.abort();
     Ok(())
 }
 
