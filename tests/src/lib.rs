@@ -5,6 +5,7 @@
 //! namespace, so the control plane starts once per binary.
 
 pub mod cluster;
+pub mod crd;
 pub mod node_agent;
 pub mod paths;
 pub mod process;

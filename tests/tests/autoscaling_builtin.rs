@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::{Client, CustomResourceExt, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::policy::PolicyConfig;
 use npufleet_operator::autoscaler::{self, Autoscaler};
@@ -29,33 +27,6 @@ use tokio::sync::Mutex;
 const MANAGER: &str = "autoscaling-builtin-test";
 const TARGET_QUEUE: u32 = 2;
 const CLIENTS: u32 = 6;
-
-async fn install_crd(client: &Client) -> Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = InferenceService::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
-    wait::until(
-        "InferenceService CRD Established",
-        Duration::from_secs(60),
-        || async {
-            let crd = crds.get(&name).await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            Ok(established.then_some(()))
-        },
-    )
-    .await
-}
 
 fn is_serving(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none()
@@ -149,7 +120,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
     let client = c.client().await?;
     let result = async {
         let ns = c.namespace(&client, "autoscaling-builtin").await?;
-        install_crd(&client).await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
         let worker = paths::workspace_bin("npufleet-worker")?;
         let node = "agent-builtin-0";

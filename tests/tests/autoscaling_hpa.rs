@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::{CustomResourceExt, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::hpa;
 use npufleet_operator::external_metrics::{
@@ -24,33 +23,6 @@ use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-hpa-test";
-
-async fn install_crd(client: &kube::Client) -> Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = InferenceService::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
-    wait::until(
-        "InferenceService CRD Established",
-        Duration::from_secs(60),
-        || async {
-            let crd = crds.get(&name).await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            Ok(established.then_some(()))
-        },
-    )
-    .await
-}
 
 /// Serves the store on a loopback port and registers it as the cluster's
 /// `v1beta1.external.metrics.k8s.io`, the way the chart does (a Service for the server and
@@ -179,7 +151,7 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
     let client = c.client().await?;
     let result = async {
         let ns = c.namespace(&client, "autoscaling-hpa").await?;
-        install_crd(&client).await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let store = MetricsStore::default();
         let _server = register_metrics_server(&client, &ns, store.clone()).await?;
 

@@ -1,14 +1,12 @@
 //! The apiserver itself rejects invalid InferenceServices, with a message naming the field,
 //! using the checked-in CRD exactly as generated.
 
-use std::time::Duration;
-
 use anyhow::{Context, Result, bail};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::{cluster, paths};
 use serde_json::{Value, json};
 
 fn api_resource() -> ApiResource {
@@ -33,21 +31,7 @@ async fn install_crd(client: &Client) -> Result<()> {
     )
     .await
     .context("the apiserver accepts the generated CRD")?;
-    wait::until(
-        "InferenceService CRD Established",
-        Duration::from_secs(60),
-        || async {
-            let crd = crds.get("inferenceservices.npufleet.io").await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            Ok(established.then_some(()))
-        },
-    )
-    .await
+    npufleet_tests::crd::wait_established(client, "inferenceservices.npufleet.io").await
 }
 
 fn valid(name: &str) -> Value {

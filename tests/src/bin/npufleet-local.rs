@@ -16,9 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::{Client, CustomResourceExt, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
@@ -62,33 +60,6 @@ fn release_bin(target_dir: &Path, name: &str) -> Result<PathBuf> {
         );
     }
     std::path::absolute(&path).with_context(|| format!("resolving {}", path.display()))
-}
-
-async fn install_crd(client: &Client) -> Result<()> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = InferenceService::crd();
-    let name = crd.name_any();
-    crds.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await?;
-    wait::until(
-        "InferenceService CRD Established",
-        Duration::from_secs(60),
-        || async {
-            let crd = crds.get(&name).await?;
-            let established = crd
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True");
-            Ok(established.then_some(()))
-        },
-    )
-    .await
 }
 
 /// The shipped sample, pointed at the cached model and at the local node, with built-in
@@ -303,7 +274,7 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     let operator_bin = release_bin(&args.target_dir, "npufleet-operator")?;
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "npufleet-local").await?;
-    install_crd(&client).await?;
+    npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
     let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
 
     let _agent = NodeAgent::start(

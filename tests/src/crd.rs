@@ -1,0 +1,46 @@
+//! Installing the project's CRD into a test cluster.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Client, CustomResourceExt};
+use npufleet_crds::InferenceService;
+
+use crate::wait;
+
+/// Waits until the apiserver reports the CRD `name` Established (its API is served).
+pub async fn wait_established(client: &Client, name: &str) -> Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    wait::until(
+        &format!("CRD {name} Established"),
+        Duration::from_secs(60),
+        || async {
+            let crd = crds.get(name).await?;
+            let established = crd
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True");
+            Ok(established.then_some(()))
+        },
+    )
+    .await
+}
+
+/// Applies the InferenceService CRD generated from the Rust types (server-side apply under
+/// `manager`) and waits until it is served.
+pub async fn install_inference_service(client: &Client, manager: &str) -> Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = InferenceService::crd();
+    let name = crd.metadata.name.clone().unwrap_or_default();
+    crds.patch(
+        &name,
+        &PatchParams::apply(manager).force(),
+        &Patch::Apply(&crd),
+    )
+    .await?;
+    wait_established(client, &name).await
+}
