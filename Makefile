@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench clean-cache
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -50,3 +50,8 @@ crds:
 bench:
 	$(CARGO) build --release -p npufleet-worker
 	$(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp
+
+# 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
+# (minutes; kept out of make test).
+scale-test: setup build
+	$(CARGO) test -p npufleet-tests --test operator_scale -- --ignored --nocapture

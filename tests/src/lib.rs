@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod crd;
+pub mod fleet;
 pub mod node_agent;
 pub mod paths;
 pub mod process;

@@ -5,7 +5,6 @@
 //! closed-loop clients takes the service from 1 replica to what the load needs and, after the
 //! burst, back to 1, with every request answered.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,6 +18,7 @@ use npufleet_operator::autoscaler::{self, Autoscaler};
 use npufleet_operator::external_metrics::MetricsStore;
 use npufleet_operator::metrics::Metrics;
 use npufleet_operator::{Context as OperatorContext, Settings};
+use npufleet_tests::fleet::{Router, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -28,62 +28,18 @@ const MANAGER: &str = "autoscaling-builtin-test";
 const TARGET_QUEUE: u32 = 2;
 const CLIENTS: u32 = 6;
 
-fn is_serving(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Ready, non-terminating worker addresses, as an endpoints controller would list them.
-async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
-    let list = pods
-        .list(&ListParams::default().labels("npufleet.io/rank=0"))
-        .await?;
-    Ok(list
-        .items
-        .iter()
-        .filter(|p| is_serving(p))
-        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
-        .collect())
-}
-
 struct Load {
     sent: AtomicU64,
     failed: AtomicU64,
     failures: Mutex<Vec<String>>,
-    /// Requests in flight per address, for least-outstanding-requests routing.
-    in_flight: Mutex<HashMap<String, u32>>,
-    addresses: Mutex<Vec<String>>,
+    router: Router,
     stop: AtomicBool,
-}
-
-impl Load {
-    async fn pick(&self) -> Option<String> {
-        let addresses = self.addresses.lock().await.clone();
-        let mut in_flight = self.in_flight.lock().await;
-        let chosen = addresses
-            .iter()
-            .min_by_key(|a| in_flight.get(*a).copied().unwrap_or(0))?
-            .clone();
-        *in_flight.entry(chosen.clone()).or_default() += 1;
-        Some(chosen)
-    }
-
-    async fn done(&self, address: &str) {
-        if let Some(n) = self.in_flight.lock().await.get_mut(address) {
-            *n = n.saturating_sub(1);
-        }
-    }
 }
 
 /// One closed-loop client: a chat completion, wait for the answer, repeat.
 async fn client_loop(load: Arc<Load>, http: reqwest::Client, model: String) {
     while !load.stop.load(Ordering::Relaxed) {
-        let Some(address) = load.pick().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let Some(address) = load.router.pick(Duration::from_millis(250)).await else {
             continue;
         };
         load.sent.fetch_add(1, Ordering::Relaxed);
@@ -105,7 +61,7 @@ async fn client_loop(load: Arc<Load>, http: reqwest::Client, model: String) {
             Ok(r) => Err(format!("{address}: HTTP {}", r.status())),
             Err(e) => Err(format!("{address}: {e}")),
         };
-        load.done(&address).await;
+        load.router.release(&address).await;
         if let Err(failure) = outcome {
             load.failed.fetch_add(1, Ordering::Relaxed);
             load.failures.lock().await.push(failure);
@@ -189,8 +145,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             failures: Mutex::default(),
-            in_flight: Mutex::default(),
-            addresses: Mutex::new(serving_addresses(&pods).await?),
+            router: Router::default(),
             stop: AtomicBool::new(false),
         });
         let watcher = {
@@ -206,7 +161,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
                         }
                     }
                     if let Ok(addresses) = serving_addresses(&pods).await {
-                        *load.addresses.lock().await = addresses;
+                        load.router.set_addresses(addresses).await;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -226,8 +181,14 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         })
         .await?;
         let scaled_up_in = burst_started.elapsed();
-        // Keep the load on the full fleet for a while, then end the burst.
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        // Keep the load on the full fleet until every client has been served by it again,
+        // then end the burst.
+        let sent_at_full_fleet = load.sent.load(Ordering::Relaxed);
+        wait::until("the full fleet to answer another round", Duration::from_secs(120), || async {
+            let sent = load.sent.load(Ordering::Relaxed);
+            Ok((sent >= sent_at_full_fleet + 2 * u64::from(CLIENTS)).then_some(()))
+        })
+        .await?;
         load.stop.store(true, Ordering::Relaxed);
         for client in clients {
             client.await?;

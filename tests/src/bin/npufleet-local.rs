@@ -5,7 +5,6 @@
 //!
 //! Everything it starts belongs to this process and stops with it (Ctrl-C).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -19,6 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
+use npufleet_tests::fleet::{Router, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::{Process, free_port};
 use npufleet_tests::{paths, wait};
@@ -101,28 +101,6 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
     serde_json::from_value(sample).with_context(|| format!("{SAMPLE} is not an InferenceService"))
 }
 
-fn is_serving(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Ready, non-terminating worker addresses, as an endpoints controller would list them.
-async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
-    let list = pods
-        .list(&ListParams::default().labels("npufleet.io/rank=0"))
-        .await?;
-    Ok(list
-        .items
-        .iter()
-        .filter(|p| is_serving(p))
-        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
-        .collect())
-}
-
 /// The burst's shared counters and its client-side router (no kube-proxy runs locally).
 #[derive(Default)]
 struct Load {
@@ -130,29 +108,8 @@ struct Load {
     failed: AtomicU64,
     tokens: AtomicU64,
     last_failure: Mutex<Option<String>>,
-    /// Requests in flight per address, for least-outstanding-requests routing.
-    in_flight: Mutex<HashMap<String, u32>>,
-    addresses: Mutex<Vec<String>>,
+    router: Router,
     stop: AtomicBool,
-}
-
-impl Load {
-    async fn pick(&self) -> Option<String> {
-        let addresses = self.addresses.lock().await.clone();
-        let mut in_flight = self.in_flight.lock().await;
-        let chosen = addresses
-            .iter()
-            .min_by_key(|a| in_flight.get(*a).copied().unwrap_or(0))?
-            .clone();
-        *in_flight.entry(chosen.clone()).or_default() += 1;
-        Some(chosen)
-    }
-
-    async fn release(&self, address: &str) {
-        if let Some(n) = self.in_flight.lock().await.get_mut(address) {
-            *n = n.saturating_sub(1);
-        }
-    }
 }
 
 /// One streamed chat completion; counts the tokens as their chunks arrive.
@@ -207,12 +164,11 @@ async fn stream_one(http: &reqwest::Client, address: &str, load: &Load) -> Resul
 /// One closed-loop client: a streamed chat completion, read to the end, repeat.
 async fn client_loop(load: Arc<Load>, http: reqwest::Client) {
     while !load.stop.load(Ordering::Relaxed) {
-        let Some(address) = load.pick().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let Some(address) = load.router.pick(Duration::from_millis(250)).await else {
             continue;
         };
         let outcome = stream_one(&http, &address, &load).await;
-        load.release(&address).await;
+        load.router.release(&address).await;
         match outcome {
             Ok(()) => load.done.fetch_add(1, Ordering::Relaxed),
             Err(e) => {
@@ -327,13 +283,15 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     );
 
     let load = Arc::new(Load::default());
-    *load.addresses.lock().await = serving_addresses(&pods).await?;
+    load.router
+        .set_addresses(serving_addresses(&pods).await?)
+        .await;
     let router = {
         let (pods, load) = (pods.clone(), load.clone());
         tokio::spawn(async move {
             loop {
                 if let Ok(addresses) = serving_addresses(&pods).await {
-                    *load.addresses.lock().await = addresses;
+                    load.router.set_addresses(addresses).await;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
