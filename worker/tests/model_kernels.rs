@@ -1,8 +1,8 @@
 //! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
 //! quantisation round trips.
 
-use npufleet_worker::backend::cpu::{CpuBackend, Kernels};
-use npufleet_worker::backend::quant::{self, BlockQ8Act, QK};
+use npufleet_worker::backend::cpu::{CpuBackend, GroupKernel, Kernels};
+use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
 use npufleet_worker::backend::{Backend, Matrix, PagedKv, WeightData};
 
 /// A fixed generator so failures reproduce.
@@ -25,10 +25,13 @@ fn close(a: f32, b: f32, rel: f32) -> bool {
     (a - b).abs() <= rel * (1.0 + a.abs().max(b.abs()))
 }
 
-fn kernel_sets() -> (Kernels, Kernels) {
-    let fast = Kernels::detect();
-    eprintln!("testing {} kernels against scalar", fast.name);
-    (Kernels::scalar(), fast)
+/// The scalar reference and every SIMD set this CPU supports.
+fn kernel_sets() -> (Kernels, Vec<Kernels>) {
+    let mut sets = Kernels::supported();
+    let simd = sets.split_off(1);
+    let names: Vec<&str> = simd.iter().map(|k| k.name).collect();
+    eprintln!("testing {names:?} kernels against scalar");
+    (sets.remove(0), simd)
 }
 
 fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
@@ -39,114 +42,176 @@ fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
 
 #[test]
 fn activation_quantisation_matches_scalar_exactly() {
-    let (scalar, fast) = kernel_sets();
-    let mut rng = Rng(7);
-    for blocks in [1, 3, 18, 49] {
-        let mut x = rng.vec(blocks * QK, 3.0);
-        x[5] = 0.0;
-        let zeros = [0f32; QK];
-        for input in [&x[..], &zeros[..]] {
-            assert_eq!(
-                quantize(&scalar, input),
-                quantize(&fast, input),
-                "{blocks} blocks"
-            );
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        let mut rng = Rng(7);
+        for blocks in [1, 3, 18, 49] {
+            let mut x = rng.vec(blocks * QK, 3.0);
+            x[5] = 0.0;
+            let zeros = [0f32; QK];
+            for input in [&x[..], &zeros[..]] {
+                assert_eq!(
+                    quantize(&scalar, input),
+                    quantize(fast, input),
+                    "{blocks} blocks"
+                );
+            }
         }
     }
 }
 
 #[test]
 fn quantised_dot_products_match_scalar() {
-    let (scalar, fast) = kernel_sets();
-    let mut rng = Rng(11);
-    for blocks in [1, 2, 7, 18, 48] {
-        let w = rng.vec(blocks * QK, 0.5);
-        let x = rng.vec(blocks * QK, 2.0);
-        let xq = quantize(&scalar, &x);
-        let q40 = quant::quantize_q4_0(&w);
-        let q41 = quant::quantize_q4_1(&w);
-        let q80 = quant::quantize_q8_0(&w);
-        let mut deq = vec![0f32; w.len()];
-        for (name, s, f) in [
-            (
-                "q4_0",
-                (scalar.dot_q4_0)(&q40, &xq),
-                (fast.dot_q4_0)(&q40, &xq),
-            ),
-            (
-                "q4_1",
-                (scalar.dot_q4_1)(&q41, &xq),
-                (fast.dot_q4_1)(&q41, &xq),
-            ),
-            (
-                "q8_0",
-                (scalar.dot_q8_0)(&q80, &xq),
-                (fast.dot_q8_0)(&q80, &xq),
-            ),
-        ] {
-            assert!(
-                close(s, f, 1e-5),
-                "{name} {blocks} blocks: scalar {s} vs simd {f}"
-            );
-            match name {
-                "q4_0" => quant::dequantize_q4_0(&q40, &mut deq),
-                "q4_1" => quant::dequantize_q4_1(&q41, &mut deq),
-                _ => quant::dequantize_q8_0(&q80, &mut deq),
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        let mut rng = Rng(11);
+        for blocks in [1, 2, 7, 18, 48] {
+            let w = rng.vec(blocks * QK, 0.5);
+            let x = rng.vec(blocks * QK, 2.0);
+            let xq = quantize(&scalar, &x);
+            let q40 = quant::quantize_q4_0(&w);
+            let q41 = quant::quantize_q4_1(&w);
+            let q80 = quant::quantize_q8_0(&w);
+            let mut deq = vec![0f32; w.len()];
+            for (name, s, f) in [
+                (
+                    "q4_0",
+                    (scalar.dot_q4_0)(&q40, &xq),
+                    (fast.dot_q4_0)(&q40, &xq),
+                ),
+                (
+                    "q4_1",
+                    (scalar.dot_q4_1)(&q41, &xq),
+                    (fast.dot_q4_1)(&q41, &xq),
+                ),
+                (
+                    "q8_0",
+                    (scalar.dot_q8_0)(&q80, &xq),
+                    (fast.dot_q8_0)(&q80, &xq),
+                ),
+            ] {
+                assert!(
+                    close(s, f, 1e-5),
+                    "{name} {blocks} blocks: scalar {s} vs simd {f}"
+                );
+                match name {
+                    "q4_0" => quant::dequantize_q4_0(&q40, &mut deq),
+                    "q4_1" => quant::dequantize_q4_1(&q41, &mut deq),
+                    _ => quant::dequantize_q8_0(&q80, &mut deq),
+                }
+                // Against the exact product with the same weights, only activation rounding
+                // (at most half a step per element) remains.
+                let exact = quant::dot_f32_scalar(&deq, &x);
+                let bound: f32 = deq
+                    .chunks(QK)
+                    .zip(&xq)
+                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
+                    .sum();
+                assert!(
+                    (s - exact).abs() <= bound * 1.01 + 1e-4,
+                    "{name}: {s} vs exact {exact} (bound {bound})"
+                );
             }
-            // Against the exact product with the same weights, only activation rounding
-            // (at most half a step per element) remains.
-            let exact = quant::dot_f32_scalar(&deq, &x);
-            let bound: f32 = deq
-                .chunks(QK)
-                .zip(&xq)
-                .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
-                .sum();
-            assert!(
-                (s - exact).abs() <= bound * 1.01 + 1e-4,
-                "{name}: {s} vs exact {exact} (bound {bound})"
-            );
         }
-        let rows = [&q41[..], &q41[..], &q41[..], &q41[..]];
-        let x2 = rng.vec(blocks * QK, 1.0);
-        let xq2 = quantize(&scalar, &x2);
-        let pair_fast = (fast.dot_q4_1_4x2)(rows, [&xq, &xq2]);
-        let pair_scalar = (scalar.dot_q4_1_4x2)(rows, [&xq, &xq2]);
-        for (f, s) in pair_fast.iter().flatten().zip(pair_scalar.iter().flatten()) {
-            assert!(close(*f, *s, 1e-5), "q4_1 4x2: simd {f} vs scalar {s}");
-        }
-        assert!(close(
-            pair_scalar[1][2],
-            (scalar.dot_q4_1)(&q41, &xq2),
-            1e-6
-        ));
-        let x4 = (fast.dot_q4_1_x4)(rows, &xq);
-        for v in x4 {
-            assert!(close(v, (scalar.dot_q4_1)(&q41, &xq), 1e-5));
+    }
+}
+
+/// One weight-row group against every activation row of `x`.
+fn group<B>(kernel: GroupKernel<B>, w: &[B], x: &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]> {
+    let mut out = vec![[0f32; GROUP_ROWS]; x.len() / (w.len() / GROUP_ROWS)];
+    kernel(w, x, &mut out);
+    out
+}
+
+#[test]
+fn grouped_kernels_match_scalar_for_every_batch_size() {
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        let mut rng = Rng(17);
+        for blocks in [1, 2, 7, 18, 48] {
+            let cols = blocks * QK;
+            let w = rng.vec(GROUP_ROWS * cols, 0.5);
+            let q41 = quant::quantize_q4_1(&w);
+            let q80 = quant::quantize_q8_0(&w);
+            let x = rng.vec(9 * cols, 2.0);
+            let xq = quantize(&scalar, &x);
+            for n in 1..=9 {
+                let xq = &xq[..n * blocks];
+                let q41_scalar = group(scalar.gemm_q4_1_group, &q41, xq);
+                let q41_fast = group(fast.gemm_q4_1_group, &q41, xq);
+                let q80_scalar = group(scalar.gemm_q8_0_group, &q80, xq);
+                let q80_fast = group(fast.gemm_q8_0_group, &q80, xq);
+                for j in 0..n {
+                    let act = &xq[j * blocks..(j + 1) * blocks];
+                    for r in 0..GROUP_ROWS {
+                        let q41_row = &q41[r * blocks..(r + 1) * blocks];
+                        let q80_row = &q80[r * blocks..(r + 1) * blocks];
+                        // The scalar group is the one-row reference applied row by row.
+                        assert_eq!(q41_scalar[j][r], quant::dot_q4_1_scalar(q41_row, act));
+                        assert_eq!(q80_scalar[j][r], quant::dot_q8_0_scalar(q80_row, act));
+                        let (s, f) = (q41_scalar[j][r], q41_fast[j][r]);
+                        assert!(
+                            close(s, f, 1e-5),
+                            "q4_1 group {blocks} blocks n={n} [{j}][{r}]: scalar {s} vs simd {f}"
+                        );
+                        let (s, f) = (q80_scalar[j][r], q80_fast[j][r]);
+                        assert!(
+                            close(s, f, 1e-5),
+                            "q8_0 group {blocks} blocks n={n} [{j}][{r}]: scalar {s} vs simd {f}"
+                        );
+                    }
+                }
+                // An activation row's result does not depend on how many rows share the call.
+                let alone = |j: usize| &xq[j * blocks..(j + 1) * blocks];
+                for j in 0..n {
+                    assert_eq!(q41_fast[j..=j], group(fast.gemm_q4_1_group, &q41, alone(j)));
+                    assert_eq!(q80_fast[j..=j], group(fast.gemm_q8_0_group, &q80, alone(j)));
+                }
+            }
         }
     }
 }
 
 #[test]
 fn float_kernels_match_scalar() {
-    let (scalar, fast) = kernel_sets();
-    let mut rng = Rng(3);
-    for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
-        let a = rng.vec(n, 1.0);
-        let b = rng.vec(n, 1.0);
-        assert!(
-            close((scalar.dot_f32)(&a, &b), (fast.dot_f32)(&a, &b), 1e-5),
-            "dot_f32 n={n}"
-        );
-        let h: Vec<half::f16> = a.iter().map(|&v| half::f16::from_f32(v)).collect();
-        assert!(
-            close((scalar.dot_f16)(&h, &b), (fast.dot_f16)(&h, &b), 1e-5),
-            "dot_f16 n={n}"
-        );
-        let (mut y1, mut y2) = (b.clone(), b.clone());
-        (scalar.axpy)(0.37, &a, &mut y1);
-        (fast.axpy)(0.37, &a, &mut y2);
-        for (p, q) in y1.iter().zip(&y2) {
-            assert!(close(*p, *q, 1e-6), "axpy n={n}");
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        let mut rng = Rng(3);
+        for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
+            let a = rng.vec(n, 1.0);
+            let b = rng.vec(n, 1.0);
+            assert!(
+                close((scalar.dot_f32)(&a, &b), (fast.dot_f32)(&a, &b), 1e-5),
+                "dot_f32 n={n}"
+            );
+            let h: Vec<half::f16> = a.iter().map(|&v| half::f16::from_f32(v)).collect();
+            assert!(
+                close((scalar.dot_f16)(&h, &b), (fast.dot_f16)(&h, &b), 1e-5),
+                "dot_f16 n={n}"
+            );
+            let (mut y1, mut y2) = (b.clone(), b.clone());
+            (scalar.axpy)(0.37, &a, &mut y1);
+            (fast.axpy)(0.37, &a, &mut y2);
+            for (p, q) in y1.iter().zip(&y2) {
+                assert!(close(*p, *q, 1e-6), "axpy n={n}");
+            }
+            // Eleven rows of n values, n + 3 apart, as the keys or values of one kv head.
+            let stride = n + 3;
+            let rows = rng.vec(10 * stride + n, 1.0);
+            let (mut s1, mut s2) = ([0f32; 11], [0f32; 11]);
+            (scalar.dot_strided)(&a, &rows, stride, 0.125, &mut s1);
+            (fast.dot_strided)(&a, &rows, stride, 0.125, &mut s2);
+            for (i, (p, q)) in s1.iter().zip(&s2).enumerate() {
+                let direct = quant::dot_f32_scalar(&a, &rows[i * stride..i * stride + n]) * 0.125;
+                assert!(close(*p, direct, 1e-6), "dot_strided scalar n={n} row {i}");
+                assert_eq!(p, q, "dot_strided n={n} row {i}");
+            }
+            let (mut y1, mut y2) = (b.clone(), b.clone());
+            (scalar.axpy_strided)(&s1, &rows, stride, &mut y1);
+            (fast.axpy_strided)(&s1, &rows, stride, &mut y2);
+            for (p, q) in y1.iter().zip(&y2) {
+                assert!(close(*p, *q, 1e-5), "axpy_strided n={n}");
+            }
         }
     }
 }
@@ -217,10 +282,10 @@ fn matmul_every_storage_and_batch_size() {
             data: WeightData::Q4_1(quant::quantize_q4_1(&base.to_f32())),
         },
     ];
-    let backends = [
-        CpuBackend::with_kernels(2, Kernels::scalar()).unwrap(),
-        CpuBackend::with_kernels(2, Kernels::detect()).unwrap(),
-    ];
+    let backends: Vec<CpuBackend> = Kernels::supported()
+        .into_iter()
+        .map(|k| CpuBackend::with_kernels(2, k).unwrap())
+        .collect();
     for n in [1, 2, 3, 5, 33] {
         let x = rng.vec(n * cols, 1.0);
         for w in &storages {
@@ -241,12 +306,30 @@ fn matmul_every_storage_and_batch_size() {
                 }
                 results.push(out);
             }
-            for (a, b) in results[0].iter().zip(&results[1]) {
-                assert!(
-                    close(*a, *b, 1e-5),
-                    "{} n={n}: scalar and simd backends differ",
-                    w.type_name()
-                );
+            for (simd, be) in results[1..].iter().zip(&backends[1..]) {
+                for (a, b) in results[0].iter().zip(simd) {
+                    assert!(
+                        close(*a, *b, 1e-5),
+                        "{} n={n}: scalar and {} backends differ",
+                        w.type_name(),
+                        be.name()
+                    );
+                }
+            }
+            // Quantised batches change speed, not answers: each row equals its single-row
+            // product bit for bit (float batches switch to a GEMM that sums in another order).
+            for (be, batched) in backends.iter().zip(&results).filter(|_| quantised) {
+                for j in 0..n {
+                    let mut alone = vec![0f32; rows];
+                    be.matmul(w, &x[j * cols..(j + 1) * cols], 1, &mut alone);
+                    assert_eq!(
+                        alone[..],
+                        batched[j * rows..(j + 1) * rows],
+                        "{} n={n} row {j} ({})",
+                        w.type_name(),
+                        be.name()
+                    );
+                }
             }
         }
     }
@@ -277,7 +360,7 @@ fn paged_attention_matches_contiguous_reference() {
             n_kv_heads: n_kv,
             head_dim: hd,
         };
-        for kernels in [Kernels::scalar(), Kernels::detect()] {
+        for kernels in Kernels::supported() {
             let be = CpuBackend::with_kernels(2, kernels).unwrap();
             let mut out = vec![0f32; q.len()];
             be.attention(&q, &kv, start, n_heads, &mut out);

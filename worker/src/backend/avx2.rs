@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C kernels. Each has a scalar twin in `quant.rs` it is tested against.
+//! AVX2 + FMA + F16C kernels, and AVX-512 VNNI variants of the grouped matmul kernels in
+//! [`vnni`]. Each has a scalar twin in `quant.rs` it is tested against.
 //!
 //! The int8 dot products use `maddubs` (u8 × i8 → i16 pairs) followed by `madd` with ones
 //! (i16 pairs → i32); both operands stay within ±127 (or 0..15 for 4-bit weights), so the
@@ -8,7 +9,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, QK};
+use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK};
 
 /// Whether this CPU can run the kernels in this module.
 pub fn available() -> bool {
@@ -157,66 +158,353 @@ pub unsafe fn dot_q4_1(w: &[BlockQ4_1], x: &[BlockQ8Act]) -> f32 {
     hsum(acc) + offsets
 }
 
-/// Four weight rows against one activation row: the nibble expansion of a weight block is
-/// done once per block, and the four row sums stay in registers.
+/// 16 bytes at each of `rows[0..8]` → four vectors; vector `k` holds bytes `4k..4k + 4` of
+/// row `r` in 32-bit lane `r`. Rows `r` and `r + 4` share a load, then a 4 × 4 transpose of
+/// 32-bit words runs in each 128-bit half.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]); all rows as long as `x`.
+/// Every pointer must have 16 readable bytes.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_x4(w: [&[BlockQ4_1]; 4], x: &[BlockQ8Act]) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut offsets = [0f32; 4];
-    for (b, x) in x.iter().enumerate() {
-        // SAFETY: `x.qs` is 32 bytes.
-        let xq = unsafe { load_i8x32(&x.qs) };
-        for r in 0..4 {
-            let wb = &w[r][b];
-            // SAFETY: `wb.qs` is 16 bytes.
-            let wq = unsafe { nibbles_to_bytes(&wb.qs) };
-            let p = mul_sum_us8(wq, xq);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(wb.d) * x.d), p, acc[r]);
-            offsets[r] += f16_to_f32(wb.m) * x.s;
-        }
-    }
+unsafe fn transpose_rows(rows: [*const u8; GROUP_ROWS]) -> [__m256i; 4] {
+    // SAFETY: guaranteed by the caller; loadu has no alignment requirement.
+    let pair = |r: usize| unsafe {
+        _mm256_set_m128i(
+            _mm_loadu_si128(rows[r + 4] as *const __m128i),
+            _mm_loadu_si128(rows[r] as *const __m128i),
+        )
+    };
+    let (v0, v1, v2, v3) = (pair(0), pair(1), pair(2), pair(3));
+    let t0 = _mm256_unpacklo_epi32(v0, v1);
+    let t1 = _mm256_unpackhi_epi32(v0, v1);
+    let t2 = _mm256_unpacklo_epi32(v2, v3);
+    let t3 = _mm256_unpackhi_epi32(v2, v3);
     [
-        hsum(acc[0]) + offsets[0],
-        hsum(acc[1]) + offsets[1],
-        hsum(acc[2]) + offsets[2],
-        hsum(acc[3]) + offsets[3],
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
     ]
 }
 
-/// Four weight rows against two activation rows (batched decode): each weight block is
-/// expanded once and used for both activation rows.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]); all rows as long as `x[0]`.
+/// Block `b` of each row of a group stored row-major, `nb` blocks a row.
+#[inline(always)]
+fn column<B>(w: &[B], nb: usize, b: usize) -> [&B; GROUP_ROWS] {
+    [
+        &w[b],
+        &w[nb + b],
+        &w[2 * nb + b],
+        &w[3 * nb + b],
+        &w[4 * nb + b],
+        &w[5 * nb + b],
+        &w[6 * nb + b],
+        &w[7 * nb + b],
+    ]
+}
+
+#[inline(always)]
+fn column_ptrs<B>(
+    blocks: &[&B; GROUP_ROWS],
+    at: impl Fn(&B) -> *const u8,
+) -> [*const u8; GROUP_ROWS] {
+    [
+        at(blocks[0]),
+        at(blocks[1]),
+        at(blocks[2]),
+        at(blocks[3]),
+        at(blocks[4]),
+        at(blocks[5]),
+        at(blocks[6]),
+        at(blocks[7]),
+    ]
+}
+
+/// Activation bytes `4k..4k + 4` in every 32-bit lane.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_4x2(w: [&[BlockQ4_1]; 4], x: [&[BlockQ8Act]; 2]) -> [[f32; 4]; 2] {
-    let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-    let mut offsets = [[0f32; 4]; 2];
-    for b in 0..x[0].len() {
-        let (x0, x1) = (&x[0][b], &x[1][b]);
-        // SAFETY: `qs` arrays are 32 bytes.
-        let (q0, q1) = unsafe { (load_i8x32(&x0.qs), load_i8x32(&x1.qs)) };
-        for r in 0..4 {
-            let wb = &w[r][b];
-            // SAFETY: `wb.qs` is 16 bytes.
-            let wq = unsafe { nibbles_to_bytes(&wb.qs) };
-            let (d, m) = (f16_to_f32(wb.d), f16_to_f32(wb.m));
-            acc[0][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x0.d), mul_sum_us8(wq, q0), acc[0][r]);
-            acc[1][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x1.d), mul_sum_us8(wq, q1), acc[1][r]);
-            offsets[0][r] += m * x0.s;
-            offsets[1][r] += m * x1.s;
-        }
+fn broadcast_word(qs: &[i8; QK], k: usize) -> __m256i {
+    let word = [qs[4 * k], qs[4 * k + 1], qs[4 * k + 2], qs[4 * k + 3]];
+    _mm256_set1_epi32(i32::from_le_bytes(word.map(|b| b as u8)))
+}
+
+/// Eight f16 values as eight f32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16x8(h: [f16; GROUP_ROWS]) -> __m256 {
+    let bits = h.map(f16::to_bits);
+    // SAFETY: `bits` is 16 readable bytes.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(bits.as_ptr() as *const __m128i) })
+}
+
+/// `d` and `m` of eight `Q4_1` blocks as f32 lanes: one 32-bit load per block (the two
+/// f16 fields are adjacent), then the halves are sorted apart and widened.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1_scales(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> (__m256, __m256) {
+    let word =
+        |r: usize| (blocks[r].d.to_bits() as u32 | (blocks[r].m.to_bits() as u32) << 16) as i32;
+    let dm = _mm256_setr_epi32(
+        word(0),
+        word(1),
+        word(2),
+        word(3),
+        word(4),
+        word(5),
+        word(6),
+        word(7),
+    );
+    // Per 128-bit half: the four d values to the low 8 bytes, the four m values to the high.
+    let split = _mm256_shuffle_epi8(
+        dm,
+        _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+            6, 7, 10, 11, 14, 15,
+        ),
+    );
+    let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(split);
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(ordered)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(ordered)),
+    )
+}
+
+/// Hardware prefetchers do not pick up the eight short interleaved row streams of a group,
+/// so while block `b` of `nb` is computed, the matching share of the next group's bytes
+/// (which follow this group's in memory) is requested explicitly. Prefetches never fault,
+/// so the share past the end of the matrix is harmless.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_share<B>(group: &[B], b: usize, nb: usize) {
+    let bytes = std::mem::size_of_val(group);
+    let next = group.as_ptr().wrapping_add(group.len()) as *const i8;
+    let (start, end) = (b * bytes / nb, (b + 1) * bytes / nb);
+    for offset in (start..end).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(offset));
     }
-    let mut out = [[0f32; 4]; 2];
-    for j in 0..2 {
-        for r in 0..4 {
-            out[j][r] = hsum(acc[j][r]) + offsets[j][r];
-        }
-    }
+}
+
+fn lanes(v: __m256) -> [f32; GROUP_ROWS] {
+    let mut out = [0f32; GROUP_ROWS];
+    // SAFETY: `out` is 8 writable f32; AVX is implied by every caller's target features.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
     out
+}
+
+/// The grouped kernels for one instruction set: `$q4_1_sum` and `$q8_0_sum` turn one block's
+/// weight vectors and activation block into the i32 dot product of each row's lane.
+///
+/// `q4_1_group::<A>`: one group of [`GROUP_ROWS`] `Q4_1` rows (`w`, row-major) against `A`
+/// activation rows. Each weight block is expanded once and used for every activation row,
+/// and lane `r` of an accumulator is row `r`'s sum, so no horizontal reductions are needed.
+/// `q8_0_group::<A>` does the same for `Q8_0` rows.
+macro_rules! group_kernels {
+    ($features:literal, $widest:literal, [$($rest:literal),*],
+     q4_1_sum: $q4_1_sum:expr, q8_0_sum: $q8_0_sum:expr) => {
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q4_1_group<const A: usize>(
+            w: &[BlockQ4_1],
+            x: [&[BlockQ8Act]; A],
+        ) -> [[f32; GROUP_ROWS]; A] {
+            let nb = w.len() / GROUP_ROWS;
+            let low = _mm256_set1_epi8(0x0f);
+            let mut acc = [_mm256_setzero_ps(); A];
+            for b in 0..nb {
+                let blocks = column(w, nb, b);
+                // SAFETY: each `qs` is 16 bytes.
+                let packed = unsafe { transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr())) };
+                let mut nibbles = [_mm256_setzero_si256(); 8];
+                for k in 0..4 {
+                    nibbles[k] = _mm256_and_si256(packed[k], low);
+                    nibbles[k + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k]), low);
+                }
+                let (d, m) = q4_1_scales(&blocks);
+                prefetch_share(w, b, nb);
+                for (acc, x) in acc.iter_mut().zip(x) {
+                    let x = &x[b];
+                    let sum = _mm256_cvtepi32_ps($q4_1_sum(&nibbles, &x.qs));
+                    *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
+                    *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), *acc);
+                }
+            }
+            acc.map(|v| lanes(v))
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q8_0_group<const A: usize>(
+            w: &[BlockQ8_0],
+            x: [&[BlockQ8Act]; A],
+        ) -> [[f32; GROUP_ROWS]; A] {
+            let nb = w.len() / GROUP_ROWS;
+            let mut acc = [_mm256_setzero_ps(); A];
+            for b in 0..nb {
+                let blocks = column(w, nb, b);
+                // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
+                let (first, second) = unsafe {
+                    (
+                        transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
+                        transpose_rows(column_ptrs(&blocks, |w| {
+                            w.qs.as_ptr().add(16) as *const u8
+                        })),
+                    )
+                };
+                let signed = [
+                    first[0], first[1], first[2], first[3], second[0], second[1], second[2],
+                    second[3],
+                ];
+                let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
+                let d = f16x8([
+                    blocks[0].d,
+                    blocks[1].d,
+                    blocks[2].d,
+                    blocks[3].d,
+                    blocks[4].d,
+                    blocks[5].d,
+                    blocks[6].d,
+                    blocks[7].d,
+                ]);
+                prefetch_share(w, b, nb);
+                for (acc, x) in acc.iter_mut().zip(x) {
+                    let x = &x[b];
+                    let sum = _mm256_cvtepi32_ps($q8_0_sum(&signed, &magnitude, &x.qs));
+                    *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
+                }
+            }
+            acc.map(|v| lanes(v))
+        }
+
+        /// `out[j][r]` = row `r` of the [`GROUP_ROWS`]-row group `w` · activation row `j` of
+        /// `x` (as [`super::quant::gemm_q4_1_group_scalar`]).
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemm_q4_1_group(
+            w: &[BlockQ4_1],
+            x: &[BlockQ8Act],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            over_activation_rows!(q4_1_group, w, x, out, $widest, [$($rest),*])
+        }
+
+        /// As [`gemm_q4_1_group`] for `Q8_0` weights.
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemm_q8_0_group(
+            w: &[BlockQ8_0],
+            x: &[BlockQ8Act],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            over_activation_rows!(q8_0_group, w, x, out, $widest, [$($rest),*])
+        }
+    };
+}
+
+/// Runs a grouped kernel over every activation row of `x`, `$widest` at a time.
+macro_rules! over_activation_rows {
+    ($kernel:ident, $w:expr, $x:expr, $out:expr, $widest:literal, [$($rest:literal),*]) => {{
+        let (w, x, out) = ($w, $x, $out);
+        let nb = w.len() / GROUP_ROWS;
+        if nb == 0 {
+            out.fill([0.0; GROUP_ROWS]);
+            return;
+        }
+        let act = |j: usize| &x[j * nb..(j + 1) * nb];
+        let mut j = 0;
+        // SAFETY (every call): the caller guarantees the CPU features.
+        while j + $widest <= out.len() {
+            let r = unsafe { $kernel::<$widest>(w, std::array::from_fn(|i| act(j + i))) };
+            out[j..j + $widest].copy_from_slice(&r);
+            j += $widest;
+        }
+        match out.len() - j {
+            $($rest => out[j..].copy_from_slice(&unsafe {
+                $kernel::<$rest>(w, std::array::from_fn(|i| act(j + i)))
+            }),)*
+            _ => {}
+        }
+    }};
+}
+
+/// Sums a lane's eight byte products in 16 bits before widening:
+/// 8 × 2 × 15 × 128 = 30720 fits in an i16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1_sum(nibbles: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+    let mut sum = _mm256_maddubs_epi16(nibbles[0], broadcast_word(x, 0));
+    for (k, nib) in nibbles.iter().enumerate().skip(1) {
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(*nib, broadcast_word(x, k)));
+    }
+    _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+}
+
+/// Signed weights take the sign trick; byte-pair sums (up to 2 × 128 × 127) are widened
+/// one product at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_0_sum(signed: &[__m256i; 8], magnitude: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+    let mut sum = _mm256_setzero_si256();
+    for k in 0..8 {
+        let xs = _mm256_sign_epi8(broadcast_word(x, k), signed[k]);
+        let pairs = _mm256_maddubs_epi16(magnitude[k], xs);
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    sum
+}
+
+group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum, q8_0_sum: q8_0_sum);
+
+/// The grouped kernels with AVX-512 VNNI on 256-bit vectors: `vpdpbusd` multiplies and
+/// accumulates four byte pairs per lane in one instruction, and the 32 vector registers
+/// hold eight activation rows' accumulators next to a group's expanded weights. The i32
+/// sums are the same as the AVX2 kernels', so the results are identical.
+pub mod vnni {
+    use super::*;
+
+    /// Whether this CPU can run the kernels in this module.
+    pub fn available() -> bool {
+        super::available()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn q4_1_sum(nibbles: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+        let mut sum = _mm256_setzero_si256();
+        for (k, nib) in nibbles.iter().enumerate() {
+            sum = _mm256_dpbusd_epi32(sum, *nib, broadcast_word(x, k));
+        }
+        sum
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn q8_0_sum(signed: &[__m256i; 8], magnitude: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+        let mut sum = _mm256_setzero_si256();
+        for k in 0..8 {
+            let xs = _mm256_sign_epi8(broadcast_word(x, k), signed[k]);
+            sum = _mm256_dpbusd_epi32(sum, magnitude[k], xs);
+        }
+        sum
+    }
+
+    group_kernels!(
+        "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
+        8,
+        [7, 6, 5, 4, 3, 2, 1],
+        q4_1_sum: q4_1_sum,
+        q8_0_sum: q8_0_sum
+    );
 }
 
 /// # Safety
@@ -235,6 +523,7 @@ pub unsafe fn dot_q8_0(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -294,10 +583,131 @@ pub unsafe fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
     sum
 }
 
+/// As [`super::quant::dot_strided_scalar`], bit for bit: eight rows at a time, one row per
+/// lane, each lane a single fused multiply-add chain over the values in order. Blocks of
+/// 8 × 8 values are transposed so that one vector holds value `d` of the eight rows.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    let n = q.len();
+    let row = |i: usize| &rows[i * stride..i * stride + n];
+    let mut i = 0;
+    if n.is_multiple_of(8) {
+        while i + 8 <= out.len() {
+            let r: [&[f32]; 8] = [
+                row(i),
+                row(i + 1),
+                row(i + 2),
+                row(i + 3),
+                row(i + 4),
+                row(i + 5),
+                row(i + 6),
+                row(i + 7),
+            ];
+            let mut acc = _mm256_setzero_ps();
+            for c in (0..n).step_by(8) {
+                // SAFETY: `c + 8 ≤ n` and every row is `n` long.
+                let v = r.map(|r| unsafe { _mm256_loadu_ps(r.as_ptr().add(c)) });
+                for (j, column) in transpose_8x8(v).into_iter().enumerate() {
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(q[c + j]), column, acc);
+                }
+            }
+            // SAFETY: `i + 8 ≤ out.len()`.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr().add(i),
+                    _mm256_mul_ps(acc, _mm256_set1_ps(scale)),
+                )
+            };
+            i += 8;
+        }
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(i) {
+        let mut acc = 0f32;
+        for (a, b) in q.iter().zip(row(j)) {
+            acc = a.mul_add(*b, acc);
+        }
+        *o = acc * scale;
+    }
+}
+
+/// Rows `v[0..8]` → columns: lane `i` of result `j` is lane `j` of `v[i]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose_8x8(v: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
+/// As [`super::quant::axpy_strided_scalar`]. Blocks of 64 output values stay in registers
+/// while every row is added to them, in the same order as one `axpy` per row.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_strided(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    const BLOCK: usize = 64;
+    let n = out.len();
+    let mut c0 = 0;
+    while c0 + BLOCK <= n {
+        let mut acc = [_mm256_setzero_ps(); BLOCK / 8];
+        // SAFETY: every access is within `c0..c0 + BLOCK` of `out` or of a row's slice.
+        unsafe {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * j));
+            }
+            for (i, &w) in weights.iter().enumerate() {
+                let row = &rows[i * stride + c0..i * stride + c0 + BLOCK];
+                let wv = _mm256_set1_ps(w);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.as_ptr().add(8 * j)), *acc);
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *acc);
+            }
+        }
+        c0 += BLOCK;
+    }
+    if c0 < n {
+        for (i, &w) in weights.iter().enumerate() {
+            // SAFETY: the features are this function's own.
+            unsafe { axpy(w, &rows[i * stride + c0..i * stride + n], &mut out[c0..]) };
+        }
+    }
+}
+
 /// y += a · x
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());

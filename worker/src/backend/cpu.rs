@@ -6,11 +6,14 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, QK};
+use super::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK};
 use super::{Backend, Matrix, PagedKv, WeightData};
 
-/// Four `Q4_1` weight rows × two activation rows → `[act][row]` dot products.
-pub type Q41x4x2 = fn([&[BlockQ4_1]; 4], [&[BlockQ8Act]; 2]) -> [[f32; 4]; 2];
+/// A group of [`GROUP_ROWS`] weight rows (row-major blocks) against every activation row:
+/// `out[j][r]` = weight row `r` · activation row `j`.
+pub type GroupKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; GROUP_ROWS]]);
+/// One weight row · one activation row.
+pub type DotKernel<B> = fn(&[B], &[BlockQ8Act]) -> f32;
 
 /// The innermost kernels, as plain function pointers chosen at run time.
 #[derive(Clone, Copy)]
@@ -19,12 +22,14 @@ pub struct Kernels {
     pub quantize_act: fn(&[f32], &mut [BlockQ8Act]),
     pub dot_q4_0: fn(&[BlockQ4_0], &[BlockQ8Act]) -> f32,
     pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
-    pub dot_q4_1_x4: fn([&[BlockQ4_1]; 4], &[BlockQ8Act]) -> [f32; 4],
-    pub dot_q4_1_4x2: Q41x4x2,
+    pub gemm_q4_1_group: GroupKernel<BlockQ4_1>,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
+    pub gemm_q8_0_group: GroupKernel<BlockQ8_0>,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub axpy: fn(f32, &[f32], &mut [f32]),
+    pub dot_strided: fn(&[f32], &[f32], usize, f32, &mut [f32]),
+    pub axpy_strided: fn(&[f32], &[f32], usize, &mut [f32]),
 }
 
 impl Kernels {
@@ -35,32 +40,37 @@ impl Kernels {
             quantize_act: quant::quantize_act_scalar,
             dot_q4_0: quant::dot_q4_0_scalar,
             dot_q4_1: quant::dot_q4_1_scalar,
-            dot_q4_1_x4: |w, x| {
-                [
-                    quant::dot_q4_1_scalar(w[0], x),
-                    quant::dot_q4_1_scalar(w[1], x),
-                    quant::dot_q4_1_scalar(w[2], x),
-                    quant::dot_q4_1_scalar(w[3], x),
-                ]
-            },
-            dot_q4_1_4x2: |w, x| {
-                let row = |x| [0, 1, 2, 3].map(|r| quant::dot_q4_1_scalar(w[r], x));
-                [row(x[0]), row(x[1])]
-            },
+            gemm_q4_1_group: quant::gemm_q4_1_group_scalar,
             dot_q8_0: quant::dot_q8_0_scalar,
+            gemm_q8_0_group: quant::gemm_q8_0_group_scalar,
             dot_f32: quant::dot_f32_scalar,
             dot_f16: quant::dot_f16_scalar,
             axpy: quant::axpy_scalar,
+            dot_strided: quant::dot_strided_scalar,
+            axpy_strided: quant::axpy_strided_scalar,
         }
     }
 
     /// The fastest kernels this CPU supports.
     pub fn detect() -> Kernels {
+        Kernels::supported().pop().unwrap_or_else(Kernels::scalar)
+    }
+
+    /// Every kernel set this CPU can run, slowest (the scalar reference) first.
+    pub fn supported() -> Vec<Kernels> {
+        // Only x86-64 builds add SIMD sets.
+        #[allow(unused_mut)]
+        let mut sets = vec![Kernels::scalar()];
         #[cfg(target_arch = "x86_64")]
-        if super::avx2::available() {
-            return avx2_kernels();
+        {
+            if super::avx2::available() {
+                sets.push(avx2_kernels());
+            }
+            if super::avx2::vnni::available() {
+                sets.push(avx512_vnni_kernels());
+            }
         }
-        Kernels::scalar()
+        sets
     }
 }
 
@@ -74,12 +84,30 @@ fn avx2_kernels() -> Kernels {
         quantize_act: |x, out| unsafe { avx2::quantize_act(x, out) },
         dot_q4_0: |w, x| unsafe { avx2::dot_q4_0(w, x) },
         dot_q4_1: |w, x| unsafe { avx2::dot_q4_1(w, x) },
-        dot_q4_1_x4: |w, x| unsafe { avx2::dot_q4_1_x4(w, x) },
-        dot_q4_1_4x2: |w, x| unsafe { avx2::dot_q4_1_4x2(w, x) },
+        gemm_q4_1_group: |w, x, out| unsafe { avx2::gemm_q4_1_group(w, x, out) },
         dot_q8_0: |w, x| unsafe { avx2::dot_q8_0(w, x) },
+        gemm_q8_0_group: |w, x, out| unsafe { avx2::gemm_q8_0_group(w, x, out) },
         dot_f32: |a, b| unsafe { avx2::dot_f32(a, b) },
         dot_f16: |w, x| unsafe { avx2::dot_f16(w, x) },
         axpy: |a, x, y| unsafe { avx2::axpy(a, x, y) },
+        dot_strided: |q, rows, stride, scale, out| unsafe {
+            avx2::dot_strided(q, rows, stride, scale, out)
+        },
+        axpy_strided: |w, rows, stride, out| unsafe { avx2::axpy_strided(w, rows, stride, out) },
+    }
+}
+
+/// The AVX2 set with the grouped matmul kernels on AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+fn avx512_vnni_kernels() -> Kernels {
+    use super::avx2::vnni;
+    // SAFETY (every closure below): these kernels are only selected after
+    // `vnni::available()` confirmed the CPU features they are compiled for.
+    Kernels {
+        name: "avx512-vnni",
+        gemm_q4_1_group: |w, x, out| unsafe { vnni::gemm_q4_1_group(w, x, out) },
+        gemm_q8_0_group: |w, x, out| unsafe { vnni::gemm_q8_0_group(w, x, out) },
+        ..avx2_kernels()
     }
 }
 
@@ -91,6 +119,10 @@ pub struct CpuBackend {
 /// Weight rows per parallel task of the quantised and small-batch matmuls: small enough
 /// that a tile stays in L1 while every activation row of the batch passes over it.
 const ROW_TILE: usize = 16;
+/// Groups of [`GROUP_ROWS`] weight rows per parallel task of the quantised matmul.
+const GROUPS_PER_TASK: usize = 2;
+/// Batches up to this many rows quantise their activations on the calling thread.
+const SERIAL_QUANTIZE_ROWS: usize = 4;
 /// Activation rows a weight tile is applied to at once.
 const ACT_ROWS: usize = 2;
 /// Batches up to this many rows use the dot-product path for float weights instead of GEMM.
@@ -330,9 +362,15 @@ impl CpuBackend {
         let k = &self.kernels;
         let nb = w.cols / QK;
         let mut acts = vec![BlockQ8Act::default(); n * nb];
-        acts.par_chunks_mut(nb)
-            .zip(x.par_chunks(w.cols))
-            .for_each(|(a, x)| (k.quantize_act)(x, a));
+        if n <= SERIAL_QUANTIZE_ROWS {
+            for (a, x) in acts.chunks_exact_mut(nb).zip(x.chunks_exact(w.cols)) {
+                (k.quantize_act)(x, a);
+            }
+        } else {
+            acts.par_chunks_mut(nb)
+                .zip(x.par_chunks(w.cols))
+                .for_each(|(a, x)| (k.quantize_act)(x, a));
+        }
         let acts = &acts;
         match &w.data {
             WeightData::Q4_0(b) => self.tiled(w.rows, n, out, |range, act_rows, o| {
@@ -343,39 +381,62 @@ impl CpuBackend {
                     }
                 }
             }),
-            WeightData::Q4_1(b) => self.tiled(w.rows, n, out, |range, acts_j, o| {
-                let row = |r: usize| &b[r * nb..(r + 1) * nb];
-                let act = |j: usize| &acts[j * nb..(j + 1) * nb];
-                let quads = range.len() / 4 * 4;
-                let len = range.len();
-                let (j0, pair) = (acts_j.start, acts_j.len() == 2);
-                for q in (0..quads).step_by(4) {
-                    let r = range.start + q;
-                    let w4 = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                    if pair {
-                        let [o0, o1] = (k.dot_q4_1_4x2)(w4, [act(j0), act(j0 + 1)]);
-                        o[q..q + 4].copy_from_slice(&o0);
-                        o[len + q..len + q + 4].copy_from_slice(&o1);
-                    } else {
-                        o[q..q + 4].copy_from_slice(&(k.dot_q4_1_x4)(w4, act(j0)));
-                    }
-                }
-                for (jj, j) in acts_j.enumerate() {
-                    for i in quads..len {
-                        o[jj * len + i] = (k.dot_q4_1)(row(range.start + i), act(j));
-                    }
-                }
-            }),
-            WeightData::Q8_0(b) => self.tiled(w.rows, n, out, |range, act_rows, o| {
-                for (j, o) in act_rows.zip(o.chunks_exact_mut(range.len())) {
-                    let a = &acts[j * nb..(j + 1) * nb];
-                    for (o, r) in o.iter_mut().zip(range.clone()) {
-                        *o = (k.dot_q8_0)(&b[r * nb..(r + 1) * nb], a);
-                    }
-                }
-            }),
+            WeightData::Q4_1(b) => {
+                self.grouped(b, w.rows, n, acts, out, (k.gemm_q4_1_group, k.dot_q4_1))
+            }
+            WeightData::Q8_0(b) => {
+                self.grouped(b, w.rows, n, acts, out, (k.gemm_q8_0_group, k.dot_q8_0))
+            }
             WeightData::F32(_) | WeightData::F16(_) => {
                 unreachable!("float weights take the float path")
+            }
+        }
+    }
+
+    /// `out[n × rows]` = `acts` (`n` rows) · Wᵀ for block-quantised `w`: groups of
+    /// [`GROUP_ROWS`] weight rows run in parallel, each group is read once for all
+    /// activation rows; the rows after the last whole group take the one-row kernel.
+    fn grouped<B: Sync>(
+        &self,
+        w: &[B],
+        rows: usize,
+        n: usize,
+        acts: &[BlockQ8Act],
+        out: &mut [f32],
+        (group_kernel, dot): (GroupKernel<B>, DotKernel<B>),
+    ) {
+        let nb = acts.len() / n;
+        if nb == 0 {
+            out.fill(0.0);
+            return;
+        }
+        let groups = rows / GROUP_ROWS;
+        let group_blocks = GROUP_ROWS * nb;
+        let shared = SharedOut(out.as_mut_ptr());
+        let tasks = groups.div_ceil(GROUPS_PER_TASK);
+        (0..tasks).into_par_iter().for_each_init(
+            || vec![[0f32; GROUP_ROWS]; n],
+            |sums, t| {
+                for g in t * GROUPS_PER_TASK..((t + 1) * GROUPS_PER_TASK).min(groups) {
+                    group_kernel(&w[g * group_blocks..(g + 1) * group_blocks], acts, sums);
+                    for (j, s) in sums.iter().enumerate() {
+                        // SAFETY: columns g·8..g·8 + 8 of every output row belong to group
+                        // g only, and j < n, g·8 + 8 ≤ rows keep them inside `out`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                s.as_ptr(),
+                                shared.ptr().add(j * rows + g * GROUP_ROWS),
+                                GROUP_ROWS,
+                            )
+                        };
+                    }
+                }
+            },
+        );
+        for r in groups * GROUP_ROWS..rows {
+            let row = &w[r * nb..(r + 1) * nb];
+            for (j, a) in acts.chunks_exact(nb).enumerate() {
+                out[j * rows + r] = dot(row, a);
             }
         }
     }
@@ -457,31 +518,43 @@ impl Backend for CpuBackend {
         if q.len() / (n_heads * hd) >= ATTENTION_GEMM_MIN_TOKENS {
             return self.attention_gemm(q, kv, start_pos, n_heads, out);
         }
+        // One task per token and head; the keys and values are read page by page, a page's
+        // slots of one kv head being evenly spaced.
         let group = n_heads / kv.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let k = &self.kernels;
-        out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-            let (t, h) = (idx / n_heads, idx % n_heads);
-            let kvh = h / group;
-            let qv = &q[idx * hd..(idx + 1) * hd];
-            let len = start_pos + t + 1;
-            let mut scores: Vec<f32> = (0..len)
-                .map(|p| {
-                    let off = kv.offset(p, kvh);
-                    (k.dot_f32)(qv, &kv.k[off..off + hd]) * scale
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            o.fill(0.0);
-            for (p, s) in scores.iter().enumerate() {
-                let off = kv.offset(p, kvh);
-                (k.axpy)(s / sum, &kv.v[off..off + hd], o);
-            }
-        });
+        let stride = kv.n_kv_heads * hd;
+        out.par_chunks_mut(hd).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (idx, o)| {
+                let (t, h) = (idx / n_heads, idx % n_heads);
+                let kvh = h / group;
+                let qv = &q[idx * hd..(idx + 1) * hd];
+                let len = start_pos + t + 1;
+                let pages = || {
+                    (0..len).step_by(kv.block_size).map(|p0| {
+                        let first = kv.offset(p0, kvh);
+                        (p0..(p0 + kv.block_size).min(len), first)
+                    })
+                };
+                scores.resize(len, 0.0);
+                for (range, first) in pages() {
+                    (k.dot_strided)(qv, &kv.k[first..], stride, scale, &mut scores[range]);
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for s in scores.iter_mut() {
+                    *s /= sum;
+                }
+                o.fill(0.0);
+                for (range, first) in pages() {
+                    (k.axpy_strided)(&scores[range], &kv.v[first..], stride, o);
+                }
+            },
+        );
     }
 }

@@ -10,6 +10,9 @@ use half::f16;
 /// Values per quantisation block in every block format.
 pub const QK: usize = 32;
 
+/// Weight rows the grouped matmul kernels compute together (one SIMD lane per row).
+pub const GROUP_ROWS: usize = 8;
+
 /// GGUF `Q4_0`: value = (q − 8) · d, q in 0..16. Low nibbles hold elements 0..16, high 16..32.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
@@ -291,12 +294,65 @@ pub fn dot_q8_0_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
     acc
 }
 
+/// Scalar reference of the grouped kernels: `out[j][r]` = row `r` of the
+/// [`GROUP_ROWS`]-row group `w` (row-major blocks) · activation row `j` of `x`, for
+/// `out.len()` activation rows of `w.len() / GROUP_ROWS` blocks each.
+pub fn gemm_q4_1_group_scalar(w: &[BlockQ4_1], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+    gemm_group_scalar(w, x, out, dot_q4_1_scalar)
+}
+
+pub fn gemm_q8_0_group_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+    gemm_group_scalar(w, x, out, dot_q8_0_scalar)
+}
+
+fn gemm_group_scalar<B>(
+    w: &[B],
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+    dot: fn(&[B], &[BlockQ8Act]) -> f32,
+) {
+    let nb = w.len() / GROUP_ROWS;
+    if nb == 0 {
+        out.fill([0.0; GROUP_ROWS]);
+        return;
+    }
+    for (o, x) in out.iter_mut().zip(x.chunks_exact(nb)) {
+        for (o, w) in o.iter_mut().zip(w.chunks_exact(nb)) {
+            *o = dot(w, x);
+        }
+    }
+}
+
 pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 pub fn dot_f16_scalar(w: &[f16], x: &[f32]) -> f32 {
     w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+}
+
+/// `out[i] = scale · (q · row i)` for `out.len()` rows of `q.len()` values whose starts
+/// are `stride` apart in `rows` (the keys of one kv head in a cache page). Each product is
+/// one fused multiply-add chain in order, the rounding of the GEMM that scores prefill
+/// chunks, so a position's attention is the same whether it was decoded or recomputed.
+pub fn dot_strided_scalar(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let row = &rows[i * stride..i * stride + q.len()];
+        let mut acc = 0f32;
+        for (a, b) in q.iter().zip(row) {
+            acc = a.mul_add(*b, acc);
+        }
+        *o = acc * scale;
+    }
+}
+
+/// `out += Σᵢ weights[i] · row i` for rows of `out.len()` values whose starts are `stride`
+/// apart in `rows` (the values of one kv head in a cache page).
+pub fn axpy_strided_scalar(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    for (i, &w) in weights.iter().enumerate() {
+        axpy_scalar(w, &rows[i * stride..i * stride + n], out);
+    }
 }
 
 /// y += a · x
