@@ -75,8 +75,23 @@ fn on_every_rank<R: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// Values in the slice a long all-reduce is cut into (4 MiB of f32).
+const ALL_REDUCE_SLICE_VALUES: usize = 1 << 20;
+
 fn lengths(p: usize) -> Vec<usize> {
-    vec![0, 1, p.saturating_sub(1), p + 1, 3 * p + 2, 1000, 1_000_003]
+    vec![
+        0,
+        1,
+        p.saturating_sub(1),
+        p + 1,
+        3 * p + 2,
+        1000,
+        1_000_003,
+        ALL_REDUCE_SLICE_VALUES,
+        // Two full slices and a last one too short to give every rank a value.
+        2 * ALL_REDUCE_SLICE_VALUES + p.saturating_sub(1),
+        ALL_REDUCE_SLICE_VALUES + 4 * p + 3,
+    ]
 }
 
 #[test]
@@ -232,6 +247,47 @@ fn a_dropped_rank_makes_every_other_rank_fail_naming_it() {
                     "{again}"
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn a_rank_dropped_during_a_call_is_named_without_waiting_for_the_timeout() {
+    for kind in KINDS {
+        for (p, lost) in [(2, 1), (3, 0), (4, 3)] {
+            let timeout = Duration::from_secs(20);
+            let mut ranks = ring(kind, p, timeout);
+            let lost_rank = ranks.remove(lost);
+            let started = Instant::now();
+            // The survivors start a long all-reduce (they offer their chunks and wait) while
+            // the lost rank goes away, in whichever order the threads happen to run.
+            let calls: Vec<_> = ranks
+                .iter()
+                .map(|c| {
+                    let c = c.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![1.0f32; 2 * ALL_REDUCE_SLICE_VALUES + 5];
+                        c.all_reduce_sum(&mut buf).unwrap_err()
+                    })
+                })
+                .collect();
+            drop(lost_rank);
+            for call in calls {
+                let error = call.join().unwrap();
+                assert!(
+                    matches!(&error, CollectiveError::LostRank { rank, .. } if *rank == lost),
+                    "{kind:?} p={p}: expected lost rank {lost}, got {error}"
+                );
+                assert!(
+                    error.to_string().contains(&format!("rank {lost}")),
+                    "{error}"
+                );
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "{kind:?}: failing took {:?}",
+                started.elapsed()
+            );
         }
     }
 }

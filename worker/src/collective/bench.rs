@@ -102,6 +102,7 @@ pub fn run(args: CollectiveBenchArgs) -> anyhow::Result<()> {
     if args.join {
         return join(&args, &sizes);
     }
+    let largest = *sizes.iter().max().context("--sizes is empty")?;
     let mut columns = Vec::new();
     for &kind in &args.transports {
         for &p in &args.ranks {
@@ -110,49 +111,93 @@ pub fn run(args: CollectiveBenchArgs) -> anyhow::Result<()> {
                 TransportKind::Inproc => bench_inproc(p, &sizes, args.seconds)?,
                 TransportKind::Tcp => bench_tcp_processes(p, &sizes, args.seconds)?,
             };
-            let ceiling = match kind {
-                TransportKind::Inproc => memcpy_bandwidth(p),
-                TransportKind::Tcp => loopback_tcp_bandwidth(p)?,
+            let (ceiling, cached_pair) = match kind {
+                TransportKind::Inproc => (memcpy_bandwidth(p, largest), None),
+                TransportKind::Tcp => (
+                    loopback_tcp_bandwidth(p, largest)?,
+                    Some(loopback_tcp_bandwidth(p, CACHED_PAIR_BUFFER_BYTES)?),
+                ),
             };
-            columns.push((format!("{} p={p}", kind_name(kind)), p, ceiling, times));
+            columns.push(Column {
+                name: format!("{} p={p}", kind_name(kind)),
+                world_size: p,
+                ceiling,
+                cached_pair,
+                seconds_per_op: times,
+            });
         }
     }
     println!(
         "Ring all-reduce bus bandwidth, GB/s (busbw = 2(p-1)/p x bytes / time per all-reduce)"
     );
     print!("{:>10}", "size");
-    for (name, ..) in &columns {
-        print!("{name:>14}");
+    for column in &columns {
+        print!("{:>14}", column.name);
     }
     println!();
     for (i, &bytes) in sizes.iter().enumerate() {
         print!("{:>10}", format_size(bytes));
-        for (_, p, _, times) in &columns {
-            print!("{:>14.3}", bus_bandwidth(bytes, *p, times[i]) / 1e9);
+        for column in &columns {
+            let busbw = bus_bandwidth(bytes, column.world_size, column.seconds_per_op[i]);
+            print!("{:>14.3}", busbw / 1e9);
         }
         println!();
     }
     print!("{:>10}", "ceiling");
-    for (_, _, ceiling, _) in &columns {
-        print!("{:>14.3}", ceiling / 1e9);
+    for column in &columns {
+        print!("{:>14.3}", column.ceiling / 1e9);
     }
     println!();
-    if let Some(&largest) = sizes.iter().max() {
-        let at = sizes.iter().position(|&s| s == largest).expect("present");
-        print!("{:>10}", "% ceiling");
-        for (_, p, ceiling, times) in &columns {
-            print!(
-                "{:>13.0}%",
-                100.0 * bus_bandwidth(largest, *p, times[at]) / ceiling
-            );
+    let at = sizes.iter().position(|&s| s == largest).expect("present");
+    print!("{:>10}", "% ceiling");
+    for column in &columns {
+        let busbw = bus_bandwidth(largest, column.world_size, column.seconds_per_op[at]);
+        print!("{:>13.0}%", 100.0 * busbw / column.ceiling);
+    }
+    println!("   (at {})", format_size(largest));
+    if columns.iter().any(|c| c.cached_pair.is_some()) {
+        print!("{:>10}", "pair, 1MiB");
+        for column in &columns {
+            match column.cached_pair {
+                Some(bandwidth) => print!("{:>14.3}", bandwidth / 1e9),
+                None => print!("{:>14}", "-"),
+            }
+        }
+        println!();
+        print!("{:>10}", "% of that");
+        for column in &columns {
+            let busbw = bus_bandwidth(largest, column.world_size, column.seconds_per_op[at]);
+            match column.cached_pair {
+                Some(bandwidth) => print!("{:>13.0}%", 100.0 * busbw / bandwidth),
+                None => print!("{:>14}", "-"),
+            }
         }
         println!("   (at {})", format_size(largest));
     }
     println!(
-        "Ceilings, per rank with p ranks at once: in-process, memcpy bandwidth of one of p threads \
-         copying together; TCP, one of p plain loopback socket pairs streaming together."
+        "Ceilings, per rank with p ranks at once, measured in this run with buffers of the \
+         largest message ({}): in-process, memcpy bandwidth of one of p threads copying \
+         together; TCP, the throughput of one of p plain loopback socket pairs streaming \
+         together (all ring links share the loopback and the cores). \"pair, 1MiB\", for \
+         reference: the same pairs sending and receiving one cache-resident 1 MiB buffer over \
+         and over. Ring and ceilings alike: fastest of {ROUNDS} rounds.",
+        format_size(largest)
     );
     Ok(())
+}
+
+/// Per-rank buffer of the informational cache-resident socket-pair figure.
+const CACHED_PAIR_BUFFER_BYTES: usize = 1 << 20;
+
+/// One ring size on one transport.
+struct Column {
+    name: String,
+    world_size: usize,
+    /// Bytes per second of the matching plain data movement.
+    ceiling: f64,
+    /// TCP only: the plain pairs' throughput with a cache-resident buffer.
+    cached_pair: Option<f64>,
+    seconds_per_op: Vec<f64>,
 }
 
 fn kind_name(kind: TransportKind) -> &'static str {
@@ -222,27 +267,38 @@ fn checked_all_reduce(collective: &dyn Collective, bytes: usize) -> anyhow::Resu
     Ok(buf)
 }
 
+/// Timed rounds per measurement; the fastest counts, for the ring and the ceilings alike,
+/// because other work on a shared machine only ever slows a round down.
+const ROUNDS: u64 = 3;
+
 /// Checks then times all-reduce of `bytes` on every rank; rank 0 picks the iteration count so
-/// all ranks run the same number of calls. Returns seconds per all-reduce.
+/// all ranks run the same number of calls. Returns seconds per all-reduce in the fastest of
+/// [`ROUNDS`] rounds.
 fn measure(collective: &dyn Collective, bytes: usize, seconds: f64) -> anyhow::Result<f64> {
     let mut buf = checked_all_reduce(collective, bytes)?;
     let started = Instant::now();
     collective.all_reduce_sum(&mut buf)?;
     let one = started.elapsed().as_secs_f64().max(1e-7);
-    let mut count = ((seconds / one) as u64)
-        .clamp(3, 20_000)
+    let mut count = ((seconds / ROUNDS as f64 / one) as u64)
+        .clamp(2, 10_000)
         .to_le_bytes()
         .to_vec();
     collective.broadcast_bytes(&mut count, 0)?;
     let count = u64::from_le_bytes(count.as_slice().try_into().context("iteration count")?);
-    collective.all_reduce_sum(&mut [0.0])?;
-    // Values grow by a factor p per call; that does not change the timing.
-    let started = Instant::now();
-    for _ in 0..count {
-        collective.all_reduce_sum(&mut buf)?;
+    let mut fastest = f64::INFINITY;
+    for _ in 0..ROUNDS {
+        // A one-value all-reduce lines the ranks up before the clock starts and after the
+        // last call, so the round times whole all-reduces on every rank.
+        collective.all_reduce_sum(&mut [0.0])?;
+        // Values grow by a factor p per call; that does not change the timing.
+        let started = Instant::now();
+        for _ in 0..count {
+            collective.all_reduce_sum(&mut buf)?;
+        }
+        collective.all_reduce_sum(&mut [0.0])?;
+        fastest = fastest.min(started.elapsed().as_secs_f64() / count as f64);
     }
-    collective.all_reduce_sum(&mut [0.0])?;
-    Ok(started.elapsed().as_secs_f64() / count as f64)
+    Ok(fastest)
 }
 
 fn bench_inproc(world_size: usize, sizes: &[usize], seconds: f64) -> anyhow::Result<Vec<f64>> {
@@ -420,11 +476,12 @@ fn join_generation(
     args: &CollectiveBenchArgs,
 ) -> anyhow::Result<()> {
     let collective = collective_from_env()?;
+    let threads = tp_bench::threads_per_rank(collective.world_size());
     if let Some(generation) = tp_bench::generate(
         model,
         Some(collective),
         policy,
-        1,
+        threads,
         &args.prompt,
         args.decode_tokens,
     )? {
@@ -506,14 +563,16 @@ fn bench_generation(
         args.policy
     );
     println!(
-        "{:>4} {:>8} {:>12} {:>14} {:>14}",
-        "TP", "ranks as", "ms/token", "comm share", "same tokens"
+        "{:>4} {:>8} {:>8} {:>10} {:>12} {:>14} {:>12}",
+        "TP", "ranks as", "threads", "ms/token", "in collect.", "transfer only", "same tokens"
     );
     println!(
-        "{:>4} {:>8} {:>12.2} {:>14} {:>14}",
+        "{:>4} {:>8} {:>8} {:>10.2} {:>12} {:>14} {:>12}",
         1,
         "-",
+        tp_bench::threads_per_rank(1),
         per_token(&baseline),
+        "-",
         "-",
         "baseline"
     );
@@ -540,8 +599,9 @@ fn bench_generation(
                     )?
                 }
             };
-            let share =
-                100.0 * generation.decode_comm_seconds / generation.decode_seconds.max(1e-9);
+            let decode_seconds = generation.decode_seconds.max(1e-9);
+            let share = 100.0 * generation.decode_comm_seconds / decode_seconds;
+            let transfer_share = 100.0 * generation.decode_transfer_seconds / decode_seconds;
             let same = if generation.tokens == baseline.tokens {
                 "yes"
             } else {
@@ -552,95 +612,146 @@ fn bench_generation(
                 TransportKind::Tcp => "procs",
             };
             println!(
-                "{p:>4} {ranks_as:>8} {:>12.2} {:>13.1}% {same:>14}",
+                "{p:>4} {ranks_as:>8} {:>8} {:>10.2} {:>11.1}% {:>13.1}% {same:>12}",
+                tp_bench::threads_per_rank(p),
                 per_token(&generation),
-                share
+                share,
+                transfer_share
             );
         }
     }
+    println!(
+        "Shares of decode time. \"in collect.\": rank 0's time inside collectives, including \
+         waiting for slower ranks to finish computing (with more ranks than cores, or other \
+         work on the machine, that wait dominates). \"transfer only\": the same collectives \
+         replayed back to back after the decode, the cost of the communication itself."
+    );
     Ok(())
 }
 
-/// Memcpy bandwidth of one thread while `threads` threads copy at once (the in-process
-/// ring's pattern: every rank copies at the same time), bytes per second.
-fn memcpy_bandwidth(threads: usize) -> f64 {
-    let per_thread: Vec<f64> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let src = vec![1u8; 64 << 20];
-                    let mut dst = vec![0u8; 64 << 20];
-                    dst.copy_from_slice(&src);
-                    let started = Instant::now();
-                    let mut copies = 0;
-                    while started.elapsed() < Duration::from_millis(500) {
-                        dst.copy_from_slice(std::hint::black_box(&src));
-                        copies += 1;
-                    }
-                    std::hint::black_box(&dst);
-                    (copies * src.len()) as f64 / started.elapsed().as_secs_f64()
+/// The in-process ceiling: memcpy bandwidth of one thread while `threads` threads each copy a
+/// buffer of `bytes` at once, as the ranks of an in-process ring all move data at once (on a
+/// machine with fewer cores than ranks they share the cores the same way), bytes per second.
+/// Fastest of [`ROUNDS`] rounds.
+fn memcpy_bandwidth(threads: usize, bytes: usize) -> f64 {
+    let mut buffers: Vec<(Vec<u8>, Vec<u8>)> = (0..threads)
+        .map(|_| (vec![1u8; bytes], vec![0u8; bytes]))
+        .collect();
+    let mut fastest = 0.0f64;
+    for _ in 0..ROUNDS {
+        let start = std::sync::Barrier::new(threads);
+        let per_thread: Vec<f64> = std::thread::scope(|scope| {
+            let handles: Vec<_> = buffers
+                .iter_mut()
+                .map(|(src, dst)| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        start.wait();
+                        let started = Instant::now();
+                        let mut copies = 0;
+                        while started.elapsed() < Duration::from_millis(200) {
+                            dst.copy_from_slice(std::hint::black_box(src));
+                            copies += 1;
+                        }
+                        std::hint::black_box(&dst);
+                        (copies * bytes) as f64 / started.elapsed().as_secs_f64()
+                    })
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("copy thread"))
-            .collect()
-    });
-    per_thread.iter().sum::<f64>() / threads as f64
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("copy thread"))
+                .collect()
+        });
+        fastest = fastest.max(per_thread.iter().sum::<f64>() / threads as f64);
+    }
+    fastest
 }
 
-/// Bandwidth of one plain loopback TCP stream while `links` streams run at once (the TCP
-/// ring's pattern: every rank sends to its successor at the same time), with the ring's
-/// socket settings, bytes per second.
-fn loopback_tcp_bandwidth(links: usize) -> anyhow::Result<f64> {
-    const PER_LINK: usize = 512 << 20;
-    let listeners = (0..links)
-        .map(|_| tcp::listen("127.0.0.1:0".parse()?).map_err(anyhow::Error::from))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let per_link: Vec<anyhow::Result<f64>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = listeners
-            .iter()
-            .map(|listener| {
-                let addr = listener.local_addr();
-                let writer = scope.spawn(move || -> anyhow::Result<()> {
-                    let mut stream = TcpStream::connect(addr?)?;
+/// The TCP ceiling: throughput of one plain loopback socket pair (a writer thread sending a
+/// `message_bytes` buffer with one `write_all`, a reader thread reading it into its own buffer
+/// of that size, over and over, nothing else) while `links` such pairs stream at once, bytes
+/// per second.
+///
+/// Every rank of a TCP ring sends to its successor at the same time, and on one host all `p`
+/// links share the loopback device and the cores that do its copying, so the fair comparison
+/// for one ring link is one of `p` concurrent plain pairs, not a pair running alone; and like
+/// the ring, the pair reads its message from memory and lands it in memory. The pairs start
+/// together and the figure is their total bytes over the time until the last finishes,
+/// divided by `links`. Both the kernel's default socket settings and the ring's (larger
+/// buffers, no Nagle) are tried and the faster counts, fastest of [`ROUNDS`] rounds.
+fn loopback_tcp_bandwidth(links: usize, message_bytes: usize) -> anyhow::Result<f64> {
+    let mut buffers: Vec<(Vec<u8>, Vec<u8>)> = (0..links)
+        .map(|_| (vec![7u8; message_bytes], vec![0u8; message_bytes]))
+        .collect();
+    let mut fastest = 0.0f64;
+    for _ in 0..ROUNDS {
+        for ring_settings in [false, true] {
+            fastest = fastest.max(loopback_pairs_once(&mut buffers, ring_settings)?);
+        }
+    }
+    Ok(fastest)
+}
+
+fn loopback_pairs_once(
+    buffers: &mut [(Vec<u8>, Vec<u8>)],
+    ring_settings: bool,
+) -> anyhow::Result<f64> {
+    const MIN_BYTES_PER_LINK: usize = 256 << 20;
+    let links = buffers.len();
+    let message_bytes = buffers[0].0.len();
+    let messages = MIN_BYTES_PER_LINK.div_ceil(message_bytes);
+    let pairs = (0..links)
+        .map(|_| {
+            let addr = "127.0.0.1:0".parse()?;
+            let listener = if ring_settings {
+                tcp::listen(addr)?
+            } else {
+                std::net::TcpListener::bind(addr)?
+            };
+            let writer = TcpStream::connect(listener.local_addr()?)?;
+            let (reader, _) = listener.accept()?;
+            if ring_settings {
+                for stream in [&writer, &reader] {
                     stream.set_nodelay(true)?;
-                    let block = vec![7u8; 1 << 20];
-                    for _ in 0..PER_LINK / block.len() {
-                        stream.write_all(&block)?;
-                    }
-                    Ok(())
-                });
-                scope.spawn(move || -> anyhow::Result<f64> {
-                    let (mut stream, _) = listener.accept()?;
-                    let mut buf = vec![0u8; 1 << 20];
-                    let started = Instant::now();
-                    let mut received = 0;
-                    while received < PER_LINK {
-                        match stream.read(&mut buf)? {
-                            0 => bail!("the loopback writer closed early"),
-                            n => received += n,
-                        }
-                    }
-                    let elapsed = started.elapsed().as_secs_f64();
-                    writer
-                        .join()
-                        .map_err(|_| anyhow::anyhow!("the loopback writer panicked"))??;
-                    Ok(received as f64 / elapsed)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a reader panicked")))
-            })
-            .collect()
-    });
-    let per_link = per_link.into_iter().collect::<anyhow::Result<Vec<f64>>>()?;
-    Ok(per_link.iter().sum::<f64>() / links as f64)
+                    let socket = socket2::SockRef::from(stream);
+                    socket.set_send_buffer_size(4 << 20)?;
+                    socket.set_recv_buffer_size(4 << 20)?;
+                }
+            }
+            Ok((writer, reader))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let start = std::sync::Barrier::new(2 * links + 1);
+    let started = std::thread::scope(|scope| -> anyhow::Result<Instant> {
+        let mut handles = Vec::new();
+        for ((mut writer, mut reader), (src, dst)) in pairs.into_iter().zip(buffers.iter_mut()) {
+            let start = &start;
+            handles.push(scope.spawn(move || -> anyhow::Result<()> {
+                start.wait();
+                for _ in 0..messages {
+                    writer.write_all(src)?;
+                }
+                Ok(())
+            }));
+            handles.push(scope.spawn(move || -> anyhow::Result<()> {
+                start.wait();
+                for _ in 0..messages {
+                    reader.read_exact(dst)?;
+                }
+                Ok(())
+            }));
+        }
+        start.wait();
+        let started = Instant::now();
+        for handle in handles {
+            handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("a loopback thread panicked"))??;
+        }
+        Ok(started)
+    })?;
+    Ok((messages * message_bytes) as f64 / started.elapsed().as_secs_f64())
 }
 
 #[cfg(test)]

@@ -61,6 +61,40 @@ impl<T: Transport> RingCollective<T> {
     }
 }
 
+impl<T: Transport> RingCollective<T> {
+    fn ring_all_reduce(&self, transport: &mut T, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (p, r, len) = (self.world_size, self.rank, buf.len());
+        for step in 0..p - 1 {
+            let send = self.chunk(len, (r + p - step) % p);
+            let recv = self.chunk(len, (r + 2 * p - step - 1) % p);
+            let (send, recv) = split_disjoint(buf, send, recv);
+            let recv_bytes = recv.len() * 4;
+            let mut filled = 0;
+            let mut on_piece = |bytes: &[u8]| {
+                let n = bytes.len() / 4;
+                add_into(&mut recv[filled..filled + n], bytes);
+                filled += n;
+            };
+            let incoming = Incoming {
+                len: recv_bytes,
+                on_piece: &mut on_piece,
+            };
+            transport.exchange(Some(bytemuck::cast_slice(send)), Some(incoming))?;
+        }
+        // Rank r now holds the complete sum of chunk r + 1.
+        for step in 0..p - 1 {
+            let send = self.chunk(len, (r + 1 + p - step) % p);
+            let recv = self.chunk(len, (r + p - step) % p);
+            let (send, recv) = split_disjoint(buf, send, recv);
+            transport.exchange_into(
+                Some(bytemuck::cast_slice(send)),
+                bytemuck::cast_slice_mut(recv),
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Borrows `send` for reading and `recv` for writing out of one buffer; the ranges never
 /// overlap because they are different chunks.
 fn split_disjoint<E>(buf: &mut [E], send: Range<usize>, recv: Range<usize>) -> (&[E], &mut [E]) {
@@ -73,7 +107,17 @@ fn split_disjoint<E>(buf: &mut [E], send: Range<usize>, recv: Range<usize>) -> (
     }
 }
 
+/// Adds the little-endian f32 values in `bytes` into `dst`.
 fn add_into(dst: &mut [f32], bytes: &[u8]) {
+    // Received f32 data is almost always aligned; read in place, this loop vectorises.
+    if cfg!(target_endian = "little")
+        && let Ok(values) = bytemuck::try_cast_slice::<u8, f32>(bytes)
+    {
+        for (d, s) in dst.iter_mut().zip(values) {
+            *d += s;
+        }
+        return;
+    }
     for (d, s) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
         *d += f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
     }
@@ -91,42 +135,18 @@ impl<T: Transport> Collective for RingCollective<T> {
     /// Reduce-scatter then all-gather: the buffer is cut into `p` chunks and each of the
     /// 2(p−1) steps sends one chunk to the successor while receiving another from the
     /// predecessor, so every rank moves 2(p−1)/p of the buffer whatever `p` is.
+    ///
+    /// A long buffer is all-reduced slice by slice (every rank cuts it the same way): a chunk
+    /// reduced in one step is then still in cache when the next step sends it on, instead of
+    /// being fetched from memory again.
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CollectiveError> {
-        let (p, r) = (self.world_size, self.rank);
-        if p == 1 || buf.is_empty() {
+        if self.world_size == 1 || buf.is_empty() {
             return Ok(());
         }
-        let len = buf.len();
         self.with_transport(|transport| {
-            for step in 0..p - 1 {
-                let send = self.chunk(len, (r + p - step) % p);
-                let recv = self.chunk(len, (r + 2 * p - step - 1) % p);
-                let (send, recv) = split_disjoint(buf, send, recv);
-                let recv_bytes = recv.len() * 4;
-                let mut filled = 0;
-                let mut on_piece = |bytes: &[u8]| {
-                    let n = bytes.len() / 4;
-                    add_into(&mut recv[filled..filled + n], bytes);
-                    filled += n;
-                };
-                let incoming = Incoming {
-                    len: recv_bytes,
-                    on_piece: &mut on_piece,
-                };
-                transport.exchange(Some(bytemuck::cast_slice(send)), Some(incoming))?;
-            }
-            // Rank r now holds the complete sum of chunk r + 1.
-            for step in 0..p - 1 {
-                let send = self.chunk(len, (r + 1 + p - step) % p);
-                let recv = self.chunk(len, (r + p - step) % p);
-                let (send, recv) = split_disjoint(buf, send, recv);
-                exchange_copy(
-                    transport,
-                    bytemuck::cast_slice(send),
-                    bytemuck::cast_slice_mut(recv),
-                )?;
-            }
-            Ok(())
+            let slice_len = (transport.all_reduce_slice_bytes() / 4).max(self.world_size);
+            buf.chunks_mut(slice_len)
+                .try_for_each(|slice| self.ring_all_reduce(transport, slice))
         })
     }
 
@@ -152,9 +172,8 @@ impl<T: Transport> Collective for RingCollective<T> {
                     send_chunk * n..(send_chunk + 1) * n,
                     recv_chunk * n..(recv_chunk + 1) * n,
                 );
-                exchange_copy(
-                    transport,
-                    bytemuck::cast_slice(send),
+                transport.exchange_into(
+                    Some(bytemuck::cast_slice(send)),
                     bytemuck::cast_slice_mut(recv),
                 )?;
             }
@@ -187,7 +206,7 @@ impl<T: Transport> Collective for RingCollective<T> {
                 }
                 return Ok(());
             }
-            receive_into(transport, &mut head)?;
+            transport.exchange_into(None, &mut head)?;
             if forwards {
                 transport.exchange(Some(&head), None)?;
             }
@@ -204,7 +223,7 @@ impl<T: Transport> Collective for RingCollective<T> {
             let mut start = inline;
             while start < total {
                 let end = (start + BROADCAST_SEGMENT_BYTES).min(total);
-                receive_into(transport, &mut buf[start..end])?;
+                transport.exchange_into(None, &mut buf[start..end])?;
                 if forwards {
                     transport.exchange(Some(&buf[start..end]), None)?;
                 }
@@ -215,39 +234,21 @@ impl<T: Transport> Collective for RingCollective<T> {
     }
 }
 
-/// Sends `send` while receiving a frame of `recv.len()` bytes straight into `recv`.
-fn exchange_copy<T: Transport>(
-    transport: &mut T,
-    send: &[u8],
-    recv: &mut [u8],
-) -> Result<(), CollectiveError> {
-    let mut filled = 0;
-    let len = recv.len();
-    let mut on_piece = |bytes: &[u8]| {
-        recv[filled..filled + bytes.len()].copy_from_slice(bytes);
-        filled += bytes.len();
-    };
-    transport.exchange(
-        Some(send),
-        Some(Incoming {
-            len,
-            on_piece: &mut on_piece,
-        }),
-    )
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-fn receive_into<T: Transport>(transport: &mut T, recv: &mut [u8]) -> Result<(), CollectiveError> {
-    let mut filled = 0;
-    let len = recv.len();
-    let mut on_piece = |bytes: &[u8]| {
-        recv[filled..filled + bytes.len()].copy_from_slice(bytes);
-        filled += bytes.len();
-    };
-    transport.exchange(
-        None,
-        Some(Incoming {
-            len,
-            on_piece: &mut on_piece,
-        }),
-    )
+    #[test]
+    fn add_into_reads_aligned_and_unaligned_bytes_alike() {
+        let values: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut bytes = vec![0u8];
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        let mut aligned = vec![1.0f32; values.len()];
+        add_into(&mut aligned, bytemuck::cast_slice(&values));
+        let mut unaligned = vec![1.0f32; values.len()];
+        add_into(&mut unaligned, &bytes[1..]);
+        let expected: Vec<f32> = values.iter().map(|v| v + 1.0).collect();
+        assert_eq!(aligned, expected);
+        assert_eq!(unaligned, expected);
+    }
 }

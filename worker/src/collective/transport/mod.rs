@@ -37,6 +37,35 @@ pub trait Transport: Send {
         incoming: Option<Incoming<'_>>,
     ) -> Result<(), CollectiveError>;
 
+    /// As [`Transport::exchange`], receiving a frame of exactly `incoming.len()` bytes
+    /// straight into `incoming`. Transports that can read into the destination without an
+    /// intermediate buffer override this.
+    fn exchange_into(
+        &mut self,
+        outgoing: Option<&[u8]>,
+        incoming: &mut [u8],
+    ) -> Result<(), CollectiveError> {
+        let len = incoming.len();
+        let mut filled = 0;
+        let mut on_piece = |bytes: &[u8]| {
+            incoming[filled..filled + bytes.len()].copy_from_slice(bytes);
+            filled += bytes.len();
+        };
+        self.exchange(
+            outgoing,
+            Some(Incoming {
+                len,
+                on_piece: &mut on_piece,
+            }),
+        )
+    }
+
+    /// Long all-reduces run slice by slice (see [`crate::collective::RingCollective`]); this
+    /// is the slice length in bytes that suits the transport.
+    fn all_reduce_slice_bytes(&self) -> usize {
+        4 * 1024 * 1024
+    }
+
     /// Best effort: tells the successor about `error` (so ranks further round the ring fail
     /// naming the rank that was really lost) and closes both links.
     fn abort(&mut self, error: &CollectiveError);

@@ -20,6 +20,9 @@ use crate::collective::CollectiveError;
 
 const SOCKET_BUFFER_BYTES: usize = 4 * 1024 * 1024;
 const INBOX_BYTES: usize = 1024 * 1024;
+/// Most bytes read from the predecessor at once: small enough to stay in cache until the
+/// reduction reads them.
+const READ_BYTES: usize = 1024 * 1024;
 const HEADER_BYTES: usize = 8;
 const FRAME_DATA: u32 = 1;
 const FRAME_ABORT: u32 = 2;
@@ -96,11 +99,65 @@ enum FrameHeader {
     Abort(usize),
 }
 
+/// Where a received frame goes.
+enum Sink<'a> {
+    Pieces(&'a mut dyn FnMut(&[u8])),
+    /// Read straight into this buffer, bypassing the inbox once the frame has started.
+    Buffer(&'a mut [u8]),
+}
+
 struct Receiving<'a> {
-    incoming: Incoming<'a>,
+    len: usize,
+    sink: Sink<'a>,
     header: Option<FrameHeader>,
     delivered: usize,
     done: bool,
+}
+
+impl Receiving<'_> {
+    /// Reads more of the frame from the predecessor: straight into the destination when it
+    /// is a buffer and the inbox holds nothing of this frame, otherwise into the inbox.
+    /// `Ok(false)` when nothing was ready.
+    fn read_from(
+        &mut self,
+        stream: &mut TcpStream,
+        inbox: &mut Inbox,
+        predecessor: usize,
+    ) -> Result<bool, CollectiveError> {
+        if let (Some(FrameHeader::Data), Sink::Buffer(buf)) = (&self.header, &mut self.sink)
+            && inbox.start == inbox.end
+            && self.delivered < self.len
+        {
+            return match read_some(stream, &mut buf[self.delivered..self.len], predecessor)? {
+                0 => Ok(false),
+                n => {
+                    self.delivered += n;
+                    Ok(true)
+                }
+            };
+        }
+        inbox.fill(stream, predecessor)
+    }
+}
+
+/// One non-blocking read; `Ok(0)` when nothing was ready.
+fn read_some(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    predecessor: usize,
+) -> Result<usize, CollectiveError> {
+    match stream.read(buf) {
+        Ok(0) => Err(CollectiveError::LostRank {
+            rank: predecessor,
+            reason: "its connection closed (the process exited or left the ring)".into(),
+        }),
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(CollectiveError::LostRank {
+            rank: predecessor,
+            reason: e.to_string(),
+        }),
+    }
 }
 
 impl TcpTransport {
@@ -338,23 +395,11 @@ impl Inbox {
             self.end -= self.start;
             self.start = 0;
         }
-        match stream.read(&mut self.buf[self.end..]) {
-            Ok(0) => Err(CollectiveError::LostRank {
-                rank: predecessor,
-                reason: "its connection closed (the process exited or left the ring)".into(),
-            }),
-            Ok(n) => {
-                self.end += n;
-                Ok(true)
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                Ok(false)
-            }
-            Err(e) => Err(CollectiveError::LostRank {
-                rank: predecessor,
-                reason: e.to_string(),
-            }),
-        }
+        // Small reads keep the bytes in cache for the reduction that consumes them.
+        let end = self.buf.len().min(self.end + READ_BYTES);
+        let n = read_some(stream, &mut self.buf[self.end..end], predecessor)?;
+        self.end += n;
+        Ok(n > 0)
     }
 
     /// Hands buffered bytes of the current frame over; `Ok(true)` once the frame is complete.
@@ -375,9 +420,9 @@ impl Inbox {
                     let len = u32::from_le_bytes(header[4..].try_into().expect("4 bytes")) as usize;
                     self.start += HEADER_BYTES;
                     rx.header = Some(match kind {
-                        FRAME_DATA if len == rx.incoming.len => FrameHeader::Data,
+                        FRAME_DATA if len == rx.len => FrameHeader::Data,
                         FRAME_DATA => {
-                            return Err(frame_length_mismatch(predecessor, len, rx.incoming.len));
+                            return Err(frame_length_mismatch(predecessor, len, rx.len));
                         }
                         FRAME_ABORT if len <= self.buf.len() => FrameHeader::Abort(len),
                         _ => {
@@ -396,7 +441,7 @@ impl Inbox {
                     return Err(error);
                 }
                 Some(FrameHeader::Data) => {
-                    let remaining = rx.incoming.len - rx.delivered;
+                    let remaining = rx.len - rx.delivered;
                     if remaining == 0 {
                         return Ok(true);
                     }
@@ -407,7 +452,13 @@ impl Inbox {
                     if take == 0 {
                         return Ok(false);
                     }
-                    (rx.incoming.on_piece)(&self.buf[self.start..self.start + take]);
+                    let bytes = &self.buf[self.start..self.start + take];
+                    match &mut rx.sink {
+                        Sink::Pieces(on_piece) => on_piece(bytes),
+                        Sink::Buffer(buf) => {
+                            buf[rx.delivered..rx.delivered + take].copy_from_slice(bytes);
+                        }
+                    }
                     self.start += take;
                     rx.delivered += take;
                 }
@@ -538,7 +589,7 @@ fn receive_until_done(
 ) -> Result<(), CollectiveError> {
     let mut last_progress = Instant::now();
     while !inbox.deliver(rx, predecessor)? {
-        if inbox.fill(stream, predecessor)? {
+        if rx.read_from(stream, inbox, predecessor)? {
             last_progress = Instant::now();
             continue;
         }
@@ -554,19 +605,12 @@ fn receive_until_done(
     Ok(())
 }
 
-impl Transport for TcpTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn exchange(
+impl TcpTransport {
+    /// Sends `outgoing` as one frame while receiving `rx`, overlapping the two directions.
+    fn transfer(
         &mut self,
         outgoing: Option<&[u8]>,
-        incoming: Option<Incoming<'_>>,
+        rx: &mut Option<Receiving<'_>>,
     ) -> Result<(), CollectiveError> {
         let (successor, predecessor) = (self.successor(), self.predecessor());
         let Self {
@@ -595,14 +639,8 @@ impl Transport for TcpTransport {
                 total: HEADER_BYTES + payload.len(),
             });
         }
-        let mut rx = incoming.map(|incoming| Receiving {
-            incoming,
-            header: None,
-            delivered: 0,
-            done: false,
-        });
         if payload.len() >= THREADED_SEND_MIN_BYTES
-            && let Some(mut rx) = rx
+            && let Some(rx) = rx.as_mut()
         {
             // A second thread writes while this one reads and reduces, so the two kernel
             // copies and the reduction of a large frame run in parallel.
@@ -617,7 +655,7 @@ impl Transport for TcpTransport {
                     send_until_done(to_successor, owed, payload, successor, op_timeout, &stop)
                 });
                 let received =
-                    receive_until_done(from_predecessor, inbox, &mut rx, predecessor, op_timeout);
+                    receive_until_done(from_predecessor, inbox, rx, predecessor, op_timeout);
                 if received.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
@@ -634,7 +672,7 @@ impl Transport for TcpTransport {
             let mut progressed = send_some(&mut links.to_successor, owed, payload, successor)?;
             if let Some(rx) = rx.as_mut().filter(|rx| !rx.done) {
                 rx.done = inbox.deliver(rx, predecessor)?;
-                if !rx.done && inbox.fill(&mut links.from_predecessor, predecessor)? {
+                if !rx.done && rx.read_from(&mut links.from_predecessor, inbox, predecessor)? {
                     progressed = true;
                     rx.done = inbox.deliver(rx, predecessor)?;
                 }
@@ -666,6 +704,134 @@ impl Transport for TcpTransport {
                 });
             }
         }
+    }
+}
+
+impl TcpTransport {
+    /// A broken link to the successor often means the successor gave up because a rank
+    /// further round the ring was lost; its notice of that travels the long way round and
+    /// arrives from the predecessor. Before blaming the successor, read on from the
+    /// predecessor for a moment (skipping the rest of the current frame) and report the loss
+    /// the predecessor's abort notice names, if one comes.
+    fn blame_upstream(
+        &mut self,
+        error: CollectiveError,
+        rx: Option<Receiving<'_>>,
+    ) -> CollectiveError {
+        let successor = self.successor();
+        let predecessor = self.predecessor();
+        if self.world_size <= 2
+            || !matches!(error, CollectiveError::LostRank { rank, .. } if rank == successor)
+        {
+            return error;
+        }
+        let Some(links) = self.links.as_mut() else {
+            return error;
+        };
+        let inbox = &mut self.inbox;
+        let (mut skip, mut abort_len) =
+            match rx.and_then(|rx| rx.header.map(|h| (h, rx.len - rx.delivered))) {
+                Some((FrameHeader::Data, left)) => (left, None),
+                Some((FrameHeader::Abort(len), _)) => (0, Some(len)),
+                None => (0, None),
+            };
+        let deadline = Instant::now() + self.op_timeout.min(ABORT_GRACE);
+        loop {
+            let available = inbox.end - inbox.start;
+            if skip > 0 && available > 0 {
+                let n = available.min(skip);
+                inbox.start += n;
+                skip -= n;
+                continue;
+            }
+            if skip == 0 {
+                match abort_len {
+                    Some(len) if available >= len => {
+                        return decode_abort(
+                            &inbox.buf[inbox.start..inbox.start + len],
+                            predecessor,
+                        );
+                    }
+                    Some(_) => {}
+                    None if available >= HEADER_BYTES => {
+                        let header = &inbox.buf[inbox.start..inbox.start + HEADER_BYTES];
+                        let kind = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+                        let len =
+                            u32::from_le_bytes(header[4..].try_into().expect("4 bytes")) as usize;
+                        if kind != FRAME_ABORT || len > inbox.buf.len() {
+                            // The predecessor carries on normally: the successor really went.
+                            return error;
+                        }
+                        inbox.start += HEADER_BYTES;
+                        abort_len = Some(len);
+                        continue;
+                    }
+                    None => {}
+                }
+            }
+            match inbox.fill(&mut links.from_predecessor, predecessor) {
+                Ok(true) => {}
+                Ok(false) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return error;
+                    }
+                    wait_for(&[(&links.from_predecessor, PollFlags::IN)], left);
+                }
+                Err(_) => return error,
+            }
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn exchange(
+        &mut self,
+        outgoing: Option<&[u8]>,
+        incoming: Option<Incoming<'_>>,
+    ) -> Result<(), CollectiveError> {
+        let rx = incoming.map(|incoming| Receiving {
+            len: incoming.len,
+            sink: Sink::Pieces(incoming.on_piece),
+            header: None,
+            delivered: 0,
+            done: false,
+        });
+        let mut rx = rx;
+        let result = self.transfer(outgoing, &mut rx);
+        result.map_err(|error| self.blame_upstream(error, rx))
+    }
+
+    fn exchange_into(
+        &mut self,
+        outgoing: Option<&[u8]>,
+        incoming: &mut [u8],
+    ) -> Result<(), CollectiveError> {
+        let rx = Receiving {
+            len: incoming.len(),
+            sink: Sink::Buffer(incoming),
+            header: None,
+            delivered: 0,
+            done: false,
+        };
+        let mut rx = Some(rx);
+        let result = self.transfer(outgoing, &mut rx);
+        result.map_err(|error| self.blame_upstream(error, rx))
+    }
+
+    /// Slices of 1 MiB keep every frame of a long all-reduce below
+    /// [`THREADED_SEND_MIN_BYTES`]: with the ring's ranks already occupying the cores, one
+    /// thread per rank polling both sockets moves data faster than a second sending thread.
+    fn all_reduce_slice_bytes(&self) -> usize {
+        1024 * 1024
     }
 
     fn abort(&mut self, error: &CollectiveError) {
