@@ -188,6 +188,8 @@ pub trait Engine: Send + Sync + 'static {
     fn load(&self) -> LoadSnapshot;
     /// Stop accepting; everything queued or running still completes.
     fn begin_drain(&self);
+    /// Why the engine stopped serving for good (it then reports [`EngineState::Drained`]).
+    fn failure(&self) -> Option<String>;
     fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, SubmitError>;
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError>;
 }

@@ -106,6 +106,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             policy,
             threads: args.threads,
             collective: None,
+            backend: None,
         },
     )?;
     let load_time = loaded.elapsed();

@@ -211,6 +211,7 @@ fn corrupt_files_are_clear_errors() {
         policy: PrecisionPolicy::Fp32,
         threads: 1,
         collective: None,
+        backend: None,
     };
     let err = format!("{:#}", Model::load(&cut, opts()).err().unwrap());
     assert!(err.contains("beyond the end of the file"), "{err}");
@@ -312,6 +313,7 @@ fn tensor_parallel_shards_reproduce_the_whole_model() {
                             },
                             threads: 1,
                             collective: Some(collective),
+                            backend: None,
                         };
                         let model = Model::load(path, opts).unwrap();
                         assert_eq!(model.shard().world, world);

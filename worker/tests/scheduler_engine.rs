@@ -20,7 +20,10 @@ const DEADLINE: Duration = Duration::from_secs(180);
 fn model_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/setup/model.sh");
+        let script = PathBuf::from(
+            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+        )
+        .join("../tests/setup/model.sh");
         let out = Command::new("bash")
             .arg(&script)
             .output()
@@ -49,6 +52,7 @@ fn start(cfg: EngineConfig) -> Arc<EngineHandle> {
             policy: PrecisionPolicy::Int8,
             threads: 0,
             collective: None,
+            backend: None,
         },
     )
     .expect("loading SmolLM2");
@@ -540,6 +544,7 @@ fn submits_during_warm_up_are_refused() {
             policy: PrecisionPolicy::Int8,
             threads: 1,
             collective: None,
+            backend: None,
         },
     )
     .expect("loading SmolLM2");

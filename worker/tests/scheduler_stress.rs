@@ -33,6 +33,7 @@ fn start(model_dir: &std::path::Path, cfg: EngineConfig) -> Arc<EngineHandle> {
             },
             threads: 1,
             collective: None,
+            backend: None,
         },
     )
     .expect("loading the test model");

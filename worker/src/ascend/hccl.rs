@@ -59,7 +59,7 @@ impl HcclSettings {
         let identity = PodIdentity {
             rank_override: number(RANK_ENV)?,
             pod_ip: set("POD_IP"),
-            local_index: number("LOCAL_RANK")?.unwrap_or(0),
+            local_index: number("LOCAL_RANK")?,
         };
         let connect_timeout =
             hccl_env::connect_timeout(lookup("HCCL_CONNECT_TIMEOUT").as_deref(), false)
@@ -87,6 +87,23 @@ impl HcclSettings {
         let rank = table
             .find_rank(&self.identity)
             .map_err(|e| AscendError::Config(e.to_string()))?;
+        self.plan_rank(table, rank)
+    }
+
+    /// Waits for the rank table to complete and plans every rank this process runs (all of
+    /// its server's devices unless `LOCAL_RANK` or `NPUFLEET_RANK` picks one).
+    pub fn local_plans(&self) -> Result<Vec<HcclPlan>, AscendError> {
+        let table = rank_table::wait_for_completed(&self.rank_table, self.connect_timeout)
+            .map_err(|e| AscendError::Config(e.to_string()))?;
+        table
+            .local_ranks(&self.identity)
+            .map_err(|e| AscendError::Config(e.to_string()))?
+            .into_iter()
+            .map(|rank| self.plan_rank(&table, rank))
+            .collect()
+    }
+
+    fn plan_rank(&self, table: &RankTable, rank: usize) -> Result<HcclPlan, AscendError> {
         let physical = table
             .servers
             .iter()
@@ -105,18 +122,50 @@ impl HcclSettings {
     }
 }
 
-/// Joins the HCCL communicator described by this pod's environment and rank table.
-pub fn hccl_collective_from_env() -> anyhow::Result<Arc<dyn Collective>> {
+/// A rank this process runs on an NPU: its device and its communicator.
+pub struct LocalNpuRank {
+    pub device: i32,
+    pub collective: Arc<dyn Collective>,
+}
+
+/// Joins the HCCL communicator described by this pod's environment and rank table, once for
+/// every rank this process runs, in rank order.
+pub fn join_local_ranks() -> anyhow::Result<Vec<LocalNpuRank>> {
     let settings = HcclSettings::from_env(|name| std::env::var(name).ok())?;
-    let plan = settings.plan()?;
-    tracing::info!(
-        rank = plan.rank,
-        world_size = plan.world_size,
-        device = plan.device,
-        rank_table = %plan.rank_table.display(),
-        "joining the HCCL communicator"
-    );
-    Ok(Arc::new(HcclCollective::new(plan, settings.exec_timeout)?))
+    let plans = settings.local_plans()?;
+    // HcclCommInitClusterInfo returns only once every rank has joined, so local ranks join
+    // concurrently.
+    std::thread::scope(|scope| {
+        let joining: Vec<_> = plans
+            .into_iter()
+            .map(|plan| {
+                let exec_timeout = settings.exec_timeout;
+                scope.spawn(move || -> anyhow::Result<LocalNpuRank> {
+                    tracing::info!(
+                        rank = plan.rank,
+                        world_size = plan.world_size,
+                        device = plan.device,
+                        rank_table = %plan.rank_table.display(),
+                        "joining the HCCL communicator"
+                    );
+                    let device = plan.device;
+                    let collective = HcclCollective::new(plan, exec_timeout)?;
+                    Ok(LocalNpuRank {
+                        device,
+                        collective: Arc::new(collective),
+                    })
+                })
+            })
+            .collect();
+        joining
+            .into_iter()
+            .map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|_| anyhow::bail!("an HCCL set-up thread panicked"))
+            })
+            .collect()
+    })
 }
 
 /// Where this rank sits: the rank table HCCL reads, this rank, and the device it runs on.
@@ -485,7 +534,7 @@ mod tests {
         assert_eq!(s.connect_timeout, Duration::from_secs(120));
         assert_eq!(s.exec_timeout, Duration::from_secs(1836));
         assert_eq!(s.identity.rank_override, None);
-        assert_eq!(s.identity.local_index, 0);
+        assert_eq!(s.identity.local_index, None);
     }
 
     #[test]

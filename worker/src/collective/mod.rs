@@ -11,7 +11,7 @@ pub mod tp_bench;
 pub mod transport;
 
 pub use ring::RingCollective;
-pub use setup::{RingSettings, collective_from_env, connect_ring};
+pub use setup::{RingSettings, collective_from_env, connect_ring, join_local_ranks};
 
 /// Why a collective failed. Always names the rank that could not be reached.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -204,8 +204,9 @@ pub struct PodIdentity {
     pub rank_override: Option<usize>,
     /// `POD_IP`: matched against each server's `container_ip` (then `server_id`, `host_ip`).
     pub pod_ip: Option<String>,
-    /// `LOCAL_RANK`: which of the matched server's devices (in rank_id order) this process drives.
-    pub local_index: usize,
+    /// `LOCAL_RANK`: which one of the matched server's devices this process drives; `None`
+    /// runs them all.
+    pub local_index: Option<usize>,
 }
 
 impl RankTable {
@@ -213,20 +214,52 @@ impl RankTable {
         self.servers.iter().map(|s| s.devices.len()).sum()
     }
 
-    /// The rank_id this process takes. An explicit override wins because a process outside
-    /// Kubernetes (or several ranks sharing one pod IP) has no other unambiguous identity;
-    /// otherwise the pod IP picks the server, as ascend-operator writes the pod IP into
-    /// `container_ip`, and the local index picks the device.
+    /// The rank_id this process takes; see [`RankTable::local_ranks`].
     pub fn find_rank(&self, identity: &PodIdentity) -> Result<usize, RankTableError> {
+        let index = identity.local_index.unwrap_or(0);
         if let Some(rank) = identity.rank_override {
-            if rank >= self.world_size() {
-                return Err(RankTableError::Identity(format!(
-                    "NPUFLEET_RANK={rank} but the rank table has ranks 0..{}",
-                    self.world_size() - 1
-                )));
-            }
-            return Ok(rank);
+            return self.checked_rank(rank);
         }
+        let server = self.server_of(identity)?;
+        server.devices.get(index).map(|d| d.rank_id).ok_or_else(|| {
+            RankTableError::Identity(format!(
+                "LOCAL_RANK={index} but server {} has {} devices",
+                server.server_id,
+                server.devices.len()
+            ))
+        })
+    }
+
+    /// Every rank_id this process runs, ascending. An explicit override wins because a process
+    /// outside Kubernetes (or several ranks sharing one pod IP) has no other unambiguous
+    /// identity; otherwise the pod IP picks the server, as ascend-operator writes the pod IP
+    /// into `container_ip`, and the process runs all of that server's devices unless
+    /// `LOCAL_RANK` picks one.
+    pub fn local_ranks(&self, identity: &PodIdentity) -> Result<Vec<usize>, RankTableError> {
+        if identity.rank_override.is_some() || identity.local_index.is_some() {
+            return Ok(vec![self.find_rank(identity)?]);
+        }
+        let mut ranks: Vec<usize> = self
+            .server_of(identity)?
+            .devices
+            .iter()
+            .map(|d| d.rank_id)
+            .collect();
+        ranks.sort_unstable();
+        Ok(ranks)
+    }
+
+    fn checked_rank(&self, rank: usize) -> Result<usize, RankTableError> {
+        if rank >= self.world_size() {
+            return Err(RankTableError::Identity(format!(
+                "NPUFLEET_RANK={rank} but the rank table has ranks 0..{}",
+                self.world_size() - 1
+            )));
+        }
+        Ok(rank)
+    }
+
+    fn server_of(&self, identity: &PodIdentity) -> Result<&Server, RankTableError> {
         let Some(pod_ip) = identity.pod_ip.as_deref() else {
             return Err(RankTableError::Identity(
                 "cannot tell which rank this is: set POD_IP (from the downward API) or NPUFLEET_RANK".into(),
@@ -245,20 +278,7 @@ impl RankTable {
                 .collect();
             match matches.as_slice() {
                 [] => continue,
-                [server] => {
-                    return server
-                        .devices
-                        .get(identity.local_index)
-                        .map(|d| d.rank_id)
-                        .ok_or_else(|| {
-                            RankTableError::Identity(format!(
-                                "LOCAL_RANK={} but server {} has {} devices",
-                                identity.local_index,
-                                server.server_id,
-                                server.devices.len()
-                            ))
-                        });
-                }
+                [server] => return Ok(server),
                 _ => {
                     return Err(RankTableError::Identity(format!(
                         "POD_IP {pod_ip} matches {} servers of the rank table; set NPUFLEET_RANK",
@@ -353,19 +373,22 @@ mod tests {
             pod_ip: Some(pod_ip.into()),
             local_index,
         };
-        assert_eq!(table.find_rank(&who("172.16.0.5", 0)), Ok(0));
-        assert_eq!(table.find_rank(&who("172.16.0.5", 1)), Ok(1));
-        assert_eq!(table.find_rank(&who("10.0.0.12", 0)), Ok(2));
+        assert_eq!(table.find_rank(&who("172.16.0.5", Some(0))), Ok(0));
+        assert_eq!(table.find_rank(&who("172.16.0.5", Some(1))), Ok(1));
+        assert_eq!(table.find_rank(&who("10.0.0.12", Some(0))), Ok(2));
+        assert_eq!(table.local_ranks(&who("172.16.0.5", None)), Ok(vec![0, 1]));
+        assert_eq!(table.local_ranks(&who("172.16.0.5", Some(1))), Ok(vec![1]));
+        assert_eq!(table.local_ranks(&who("10.0.0.12", None)), Ok(vec![2]));
         assert!(
             table
-                .find_rank(&who("172.16.0.5", 2))
+                .find_rank(&who("172.16.0.5", Some(2)))
                 .unwrap_err()
                 .to_string()
                 .contains("LOCAL_RANK=2")
         );
         assert!(
             table
-                .find_rank(&who("1.2.3.4", 0))
+                .local_ranks(&who("1.2.3.4", None))
                 .unwrap_err()
                 .to_string()
                 .contains("POD_IP 1.2.3.4")
@@ -373,9 +396,10 @@ mod tests {
         let explicit = PodIdentity {
             rank_override: Some(2),
             pod_ip: Some("172.16.0.5".into()),
-            local_index: 0,
+            local_index: None,
         };
         assert_eq!(table.find_rank(&explicit), Ok(2));
+        assert_eq!(table.local_ranks(&explicit), Ok(vec![2]));
         let out_of_range = PodIdentity {
             rank_override: Some(3),
             ..Default::default()

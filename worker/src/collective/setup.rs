@@ -56,8 +56,7 @@ impl RingSettings {
                     .parse::<usize>()
                     .with_context(|| format!("LOCAL_RANK must be a number, got {v:?}"))
             })
-            .transpose()?
-            .unwrap_or(0);
+            .transpose()?;
         let port_base = lookup(RING_PORT_ENV)
             .filter(|v| !v.trim().is_empty())
             .map(|v| {
@@ -110,11 +109,24 @@ pub fn connect_ring(settings: &RingSettings) -> anyhow::Result<Arc<dyn Collectiv
             .expect("one rank");
         return Ok(Arc::new(RingCollective::new(transport)));
     }
+    tracing::info!(
+        rank,
+        world_size = endpoints.len(),
+        "joining the tensor-parallel ring"
+    );
+    join_tcp(settings, rank, endpoints)
+}
+
+/// Listens on `rank`'s endpoint and connects it to its ring neighbours over TCP.
+fn join_tcp(
+    settings: &RingSettings,
+    rank: usize,
+    endpoints: Vec<SocketAddr>,
+) -> anyhow::Result<Arc<dyn Collective>> {
     let own = endpoints[rank];
     let bind = SocketAddr::new(settings.bind_ip.unwrap_or(own.ip()), own.port());
     let listener =
         tcp::listen(bind).with_context(|| format!("rank {rank} cannot listen on {bind}"))?;
-    tracing::info!(rank, world_size = endpoints.len(), %bind, "joining the tensor-parallel ring");
     let transport = tcp::TcpTransport::establish(
         listener,
         &tcp::TcpRingSetup {
@@ -125,6 +137,47 @@ pub fn connect_ring(settings: &RingSettings) -> anyhow::Result<Arc<dyn Collectiv
         },
     )?;
     Ok(Arc::new(RingCollective::new(transport)))
+}
+
+/// Joins the ring with every rank this process runs (see [`RankTable::local_ranks`]): all
+/// of a one-server group talk through shared memory, the ranks of a group spanning servers
+/// each over TCP. Returns one collective per local rank, in rank order.
+///
+/// [`RankTable::local_ranks`]: super::rank_table::RankTable::local_ranks
+pub fn join_local_ranks(settings: &RingSettings) -> anyhow::Result<Vec<Arc<dyn Collective>>> {
+    let table = rank_table::wait_for_completed(&settings.rank_table, settings.connect_timeout)?;
+    let ranks = table.local_ranks(&settings.identity)?;
+    let world_size = table.world_size();
+    if ranks.len() == world_size {
+        return Ok(inproc::ring(world_size, settings.op_timeout)
+            .into_iter()
+            .map(|transport| Arc::new(RingCollective::new(transport)) as Arc<dyn Collective>)
+            .collect());
+    }
+    let endpoints = table.ring_endpoints(settings.port_base)?;
+    tracing::info!(
+        ?ranks,
+        world_size,
+        "joining the tensor-parallel ring over TCP"
+    );
+    // Every rank's set-up waits for its neighbours, so the local ranks connect concurrently.
+    std::thread::scope(|scope| {
+        let joining: Vec<_> = ranks
+            .iter()
+            .map(|&rank| {
+                let endpoints = endpoints.clone();
+                scope.spawn(move || join_tcp(settings, rank, endpoints))
+            })
+            .collect();
+        joining
+            .into_iter()
+            .map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|_| anyhow::bail!("a ring set-up thread panicked"))
+            })
+            .collect()
+    })
 }
 
 /// [`connect_ring`] with settings from this process's environment.

@@ -6,6 +6,7 @@
 
 mod forward;
 pub mod gguf;
+mod group;
 mod kv_cache;
 pub mod testmodel;
 pub mod tokenizer;
@@ -147,6 +148,20 @@ pub struct LoadOptions {
     pub threads: usize,
     /// `None` runs the whole model in this process (tensor-parallel degree 1).
     pub collective: Option<Arc<dyn Collective>>,
+    /// Where the kernels run; `None` is the CPU with `threads` threads.
+    pub backend: Option<Box<dyn Backend>>,
+}
+
+impl LoadOptions {
+    /// The whole model on the CPU.
+    pub fn cpu(policy: PrecisionPolicy, threads: usize) -> LoadOptions {
+        LoadOptions {
+            policy,
+            threads,
+            collective: None,
+            backend: None,
+        }
+    }
 }
 
 pub struct Model {
@@ -155,6 +170,8 @@ pub struct Model {
     tokenizer: Tokenizer,
     backend: Box<dyn Backend>,
     collective: Option<Arc<dyn Collective>>,
+    /// Set on rank 0 once it leads its group (see [`Model::leading`]).
+    leader: Option<Arc<group::Leader>>,
     policy: PrecisionPolicy,
 }
 
@@ -232,14 +249,55 @@ impl Model {
             tokenizer.vocab_size(),
             config.vocab_size
         );
+        let backend = match opts.backend {
+            Some(backend) => backend,
+            None => Box::new(CpuBackend::new(opts.threads)?),
+        };
         Ok(Model {
             config,
             weights,
             tokenizer,
-            backend: Box::new(CpuBackend::new(opts.threads)?),
+            backend,
             collective: opts.collective,
+            leader: None,
             policy: opts.policy,
         })
+    }
+
+    /// Makes rank 0 of a tensor-parallel group drive the others: from now on every
+    /// [`Model::forward`] first sends its plan to the ranks running [`Model::follow`], and an
+    /// idle leader keeps them waiting with heartbeats. Without this, every rank calls
+    /// `forward` itself in lock step.
+    pub fn leading(mut self) -> Result<Model> {
+        let collective = self
+            .collective
+            .clone()
+            .context("only a tensor-parallel rank can lead a group")?;
+        ensure!(
+            collective.rank() == 0,
+            "rank {} cannot lead its group: rank 0 leads",
+            collective.rank()
+        );
+        if collective.world_size() > 1 {
+            self.leader = Some(group::Leader::start(collective));
+        }
+        Ok(self)
+    }
+
+    /// A follower's whole life: runs the leader's steps against `kv` until the leader stops
+    /// the group (`Ok`) or the ring fails (the error names the lost rank).
+    pub fn follow(&self, kv: &mut KvCache) -> Result<(), ForwardError> {
+        group::follow(self, kv)
+    }
+
+    /// Tells the followers to exit. Later forward passes fail.
+    pub fn stop_group(&self) -> Result<(), CollectiveError> {
+        self.leader.as_ref().map_or(Ok(()), |leader| leader.stop())
+    }
+
+    /// Why this leader's group can no longer run, once a collective has failed.
+    pub fn group_failure(&self) -> Option<CollectiveError> {
+        self.leader.as_ref().and_then(|leader| leader.failure())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -283,6 +341,22 @@ impl Model {
     /// One engine step over a batch of prefill chunks and decode tokens; see [`SequenceChunk`].
     /// Returns the last-token logits of each chunk with `want_logits`, in batch order.
     pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SequenceChunk<'_>],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        match &self.leader {
+            Some(leader) if !batch.is_empty() => {
+                // A plan the followers would refuse must not reach them.
+                self.validate(kv, batch)?;
+                leader.run(&group::plan_of(batch), || self.forward_local(kv, batch))
+            }
+            _ => self.forward_local(kv, batch),
+        }
+    }
+
+    /// The step on this rank alone (a leader's followers are not told).
+    fn forward_local(
         &self,
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],

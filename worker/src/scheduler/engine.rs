@@ -9,7 +9,7 @@ use anyhow::bail;
 
 use super::blocks::{BlockManager, SequenceBlocks};
 use super::stop::StopOutcome;
-use super::{EngineConfig, KvCacheSize, Sequence, Shared, SharedState, check_config};
+use super::{EngineConfig, Sequence, Shared, SharedState, check_config};
 use crate::api::{FinishReason, GenerationEvent, LoadSnapshot, RequestTimings, Usage};
 use crate::model::{
     KvCache, Model, PrecisionPolicy, SequenceChunk, StreamDecoder, Tokenizer, WeightPrecision,
@@ -70,10 +70,7 @@ impl EngineCore {
     pub(super) fn plan(model: &Model, cfg: &EngineConfig) -> anyhow::Result<Limits> {
         check_config(cfg)?;
         let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
-        let num_blocks = match cfg.kv_cache {
-            KvCacheSize::Blocks(blocks) => blocks,
-            KvCacheSize::Bytes(bytes) => bytes / block_bytes,
-        };
+        let num_blocks = super::kv_cache_blocks(model, cfg);
         if num_blocks == 0 {
             bail!(
                 "the KV cache has room for no block (one block of {} positions takes {block_bytes} bytes)",
@@ -146,17 +143,22 @@ impl EngineCore {
                 self.serve();
             }
         }));
-        if let Err(panic) = outcome {
-            let message = panic
+        let panicked = outcome.err().map(|panic| {
+            panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+                .unwrap_or_else(|| "unknown panic".into())
+        });
+        // A lost tensor-parallel rank ends the group for good: the operator recreates it.
+        let group_lost = self.model.group_failure().map(|err| err.to_string());
+        if let Some(message) = panicked.or(group_lost) {
             tracing::error!(%message, "the engine stopped");
             let failure = GenerationEvent::Failed {
                 message: format!("the engine stopped: {message}"),
             };
             let mut state = self.shared.lock();
+            state.failure = Some(message);
             state.warming_up = false;
             state.draining = true;
             state.drained = true;
@@ -209,6 +211,9 @@ impl EngineCore {
                 .collect();
             if let Err(err) = self.model.forward(&mut self.kv, &batch) {
                 tracing::warn!(error = %err, "warm-up forward pass failed");
+                if self.model.group_failure().is_some() {
+                    return false;
+                }
             }
             self.shared.lock().warmup_done = iteration + 1;
         }
@@ -299,6 +304,9 @@ impl EngineCore {
             }
             drop(state);
             self.step(&plan);
+            if self.model.group_failure().is_some() {
+                return;
+            }
             let mut state = shared.lock();
             self.counters.steps_total += 1;
             self.counters.last_batch_size = plan.len();

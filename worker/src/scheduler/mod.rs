@@ -91,6 +91,15 @@ pub fn precision_name(policy: PrecisionPolicy) -> &'static str {
     }
 }
 
+/// How many KV-cache blocks `cfg` gives `model`. Every rank of a tensor-parallel group holds
+/// the same number of KV heads, so the followers size their caches to match the leader's.
+pub fn kv_cache_blocks(model: &Model, cfg: &EngineConfig) -> usize {
+    match cfg.kv_cache {
+        KvCacheSize::Blocks(blocks) => blocks,
+        KvCacheSize::Bytes(bytes) => bytes / model.new_kv_cache(1, cfg.block_size).bytes().max(1),
+    }
+}
+
 /// Starts the engine thread. The engine warms up in the background; [`Engine::state`]
 /// reports progress until it is ready.
 pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle>> {
@@ -104,6 +113,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
             draining: false,
             drained: false,
             shutdown: false,
+            failure: None,
             next_order: 0,
             stats: LoadSnapshot {
                 queue_limit: cfg.queue_limit,
@@ -189,6 +199,8 @@ struct SharedState {
     draining: bool,
     drained: bool,
     shutdown: bool,
+    /// Why the engine stopped for good, if it did.
+    failure: Option<String>,
     next_order: u64,
     /// Published by the engine thread after every step (`waiting` is filled in on read).
     stats: LoadSnapshot,
@@ -402,6 +414,12 @@ impl Engine for EngineHandle {
             waiting: state.waiting.len(),
             ..state.stats
         }
+    }
+
+    fn failure(&self) -> Option<String> {
+        // A lost rank is noticed by the group's heartbeat even while the engine idles.
+        let failure = self.shared.lock().failure.clone();
+        failure.or_else(|| self.model.group_failure().map(|err| err.to_string()))
     }
 
     fn begin_drain(&self) {

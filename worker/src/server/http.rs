@@ -172,6 +172,25 @@ async fn not_found(request: Request) -> Response {
     (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
 }
 
+/// The HTTP surface of a process whose ranks follow rank 0 in another pod: its probes pass
+/// while the ranks run (the process exits when they end), and inference lives on rank 0.
+pub fn follower_router() -> Router {
+    let following = || async { (StatusCode::OK, axum::Json(json!({"status": "following"}))) };
+    Router::new()
+        .route("/v2/health/live", get(following))
+        .route("/v2/health/ready", get(following))
+        .route("/health", get(following))
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                axum::Json(json!({
+                    "error": "this pod runs tensor-parallel ranks that follow rank 0; \
+                              send inference requests to the group's rank-0 pod"
+                })),
+            )
+        })
+}
+
 /// Mirrors readiness, as vLLM's `/health` does for load balancers.
 async fn health(State(state): State<HttpState>) -> Response {
     let shared = &state.shared;

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod oip;
 pub mod openai;
 pub mod proto;
+pub mod ranks;
 pub mod rest;
 pub mod shared;
 pub mod telemetry;
@@ -30,7 +31,7 @@ use tonic_health::ServingStatus;
 
 use crate::api::{Engine, EngineState};
 use crate::ascend::{AcceleratorKind, Selected};
-use crate::model::{LoadOptions, Model, PrecisionPolicy};
+use crate::model::PrecisionPolicy;
 use crate::scheduler::{EngineConfig, KvCacheSize};
 use crate::server::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::server::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
@@ -198,21 +199,34 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if model_name.is_empty() {
         anyhow::bail!("--served-model-name must not be empty");
     }
-    let engine = start_engine(&args, &model_name)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(serve(args, engine, model_name))
+    match start_ranks(&args, &model_name)? {
+        (ranks::Role::Leader { model, followers }, config) => {
+            let engine =
+                crate::scheduler::start(*model, config).context("cannot start the engine")?;
+            let served = runtime.block_on(serve(args, engine, model_name));
+            // Dropping the runtime drops the last engine handle, and with it the model, which
+            // tells this process's followers (and every other rank) that the group is done.
+            drop(runtime);
+            let followed = followers.join();
+            served.and(followed)
+        }
+        (ranks::Role::Follower(followers), _) => {
+            runtime.block_on(follow(args.http_addr, followers))
+        }
+    }
 }
 
-/// Builds the engine: loads the model and starts warm-up in the background.
-fn start_engine(args: &ServeArgs, model_name: &str) -> anyhow::Result<Arc<dyn Engine>> {
+/// Loads this process's ranks; the engine configuration goes to rank 0's engine.
+fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Role, EngineConfig)> {
     let engine_args = &args.engine;
     let prefix_templates = engine_args.prefix_templates()?;
-    match crate::ascend::select_backend(engine_args.accelerator)
-        .context("cannot use the requested accelerator")?
-    {
+    let selected = crate::ascend::select_backend(engine_args.accelerator)
+        .context("cannot use the requested accelerator")?;
+    match &selected {
         Selected::Cpu {
             fallback_reason: Some(reason),
         } => tracing::warn!(%reason, "no usable NPU; computing on the CPU"),
@@ -231,17 +245,6 @@ fn start_engine(args: &ServeArgs, model_name: &str) -> anyhow::Result<Arc<dyn En
             int8_max_prompt_tokens: engine_args.auto_int8_max_prompt_tokens,
         },
     };
-    let started = Instant::now();
-    let model = Model::load(
-        &args.model,
-        LoadOptions {
-            policy,
-            threads: engine_args.threads,
-            collective: None,
-        },
-    )
-    .with_context(|| format!("cannot load the model '{}'", args.model.display()))?;
-    tracing::info!(elapsed = ?started.elapsed(), "model loaded");
     let config = EngineConfig {
         model_name: model_name.to_string(),
         max_batch_size: engine_args.max_batch_size,
@@ -256,8 +259,57 @@ fn start_engine(args: &ServeArgs, model_name: &str) -> anyhow::Result<Arc<dyn En
         prefix_templates,
         ignore_eos: engine_args.ignore_eos,
     };
-    let engine = crate::scheduler::start(model, config).context("cannot start the engine")?;
-    Ok(engine)
+    let started = Instant::now();
+    let role = ranks::start(&args.model, &selected, policy, engine_args.threads, &config)
+        .with_context(|| format!("cannot load the model '{}'", args.model.display()))?;
+    match &role {
+        ranks::Role::Leader { model, followers } => tracing::info!(
+            elapsed = ?started.elapsed(),
+            backend = %model.backend_name(),
+            rank = model.shard().rank,
+            world_size = model.shard().world,
+            local_followers = ?followers.ranks(),
+            "model loaded"
+        ),
+        ranks::Role::Follower(followers) => tracing::info!(
+            elapsed = ?started.elapsed(),
+            ranks = ?followers.ranks(),
+            "model shards loaded; following rank 0 in another pod"
+        ),
+    }
+    Ok((role, config))
+}
+
+/// A process without rank 0: answers health probes while its ranks follow the leader, and
+/// exits when the leader stops the group (0) or a rank is lost (an error naming it). A
+/// termination signal does not end it early: the leader may still be draining requests that
+/// need these ranks.
+async fn follow(http_addr: SocketAddr, followers: ranks::Followers) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(http_addr)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
+    tracing::info!(http = %listener.local_addr()?, "serving health while following rank 0");
+    let http = tokio::spawn(async move { axum::serve(listener, http::follower_router()).await });
+    let mut ticks = tokio::time::interval(Duration::from_millis(100));
+    let mut signal = std::pin::pin!(termination_signal());
+    let mut signalled = false;
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                if followers.finished() {
+                    break;
+                }
+            }
+            received = &mut signal, if !signalled => {
+                tracing::info!(signal = received?, "staying until rank 0 stops the group");
+                signalled = true;
+            }
+        }
+    }
+    http.abort();
+    tokio::task::spawn_blocking(move || followers.join())
+        .await
+        .context("joining the follower ranks")?
 }
 
 /// Serves `engine` until a termination signal, then drains.
@@ -332,6 +384,9 @@ pub async fn serve(
             result.context("the HTTP server task failed")??;
             anyhow::bail!("the HTTP server stopped unexpectedly");
         }
+        failure = engine_failure(&shared) => {
+            anyhow::bail!("the engine stopped: {failure}");
+        }
     };
     tracing::info!(signal, "draining");
     shared.begin_shutdown();
@@ -346,6 +401,9 @@ pub async fn serve(
             "drain timeout of {:?} passed; closing with requests unanswered",
             drain_timeout
         );
+    }
+    if let Some(failure) = shared.engine.failure() {
+        anyhow::bail!("the engine stopped while draining: {failure}");
     }
     let _ = stop_tx.send(true);
     let grace = deadline
@@ -382,6 +440,18 @@ async fn termination_signal() -> anyhow::Result<&'static str> {
         _ = terminate.recv() => "SIGTERM",
         _ = interrupt.recv() => "SIGINT",
     })
+}
+
+/// Resolves with the reason once the engine has stopped for good (for example, a lost
+/// tensor-parallel rank), so the process exits and its group is recreated.
+async fn engine_failure(shared: &Shared) -> String {
+    let mut ticks = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        ticks.tick().await;
+        if let Some(failure) = shared.engine.failure() {
+            return failure;
+        }
+    }
 }
 
 /// Waits until the engine has nothing queued or running and every response has been handed

@@ -9,7 +9,9 @@ use npufleet_worker::model::{
 };
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // Read at run time: build outputs are shared between checkouts, so a path compiled in
+    // could name another checkout.
+    Path::new(&std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
         .parent()
         .expect("worker sits in the repository")
         .to_path_buf()
@@ -42,6 +44,7 @@ pub fn load(path: &Path, policy: PrecisionPolicy) -> Model {
             policy,
             threads: 2,
             collective: None,
+            backend: None,
         },
     )
     .expect("model loads")
