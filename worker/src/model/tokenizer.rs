@@ -336,6 +336,15 @@ pub fn render_chat_template(
     let mut env = minijinja::Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // Hugging Face transformers and llama.cpp render chat templates with these two on; a
+    // template with newlines after its block tags would otherwise render different prompts.
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .context("configuring the chat template syntax")?,
+    );
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
@@ -451,5 +460,28 @@ impl StreamDecoder {
     /// Whatever is left, with an unfinished character replaced.
     pub fn finish(self) -> String {
         String::from_utf8_lossy(&self.pending).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::render_chat_template;
+    use crate::api::ChatMessage;
+
+    #[test]
+    fn block_tags_on_their_own_lines_leave_no_blank_lines() {
+        let template = "{% for message in messages %}\n  {{ message.role }}: {{ message.content }}\n{% endfor %}\n{% if add_generation_prompt %}\nassistant:{% endif %}";
+        let messages = [
+            ChatMessage {
+                role: "system".into(),
+                content: "be brief".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            },
+        ];
+        let text = render_chat_template(template, &messages, true, "", "").unwrap();
+        assert_eq!(text, "  system: be brief\n  user: hi\nassistant:");
     }
 }
