@@ -10,7 +10,9 @@ use anyhow::{Context, Result, bail};
 pub fn repo_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
+        // Read at run time: build outputs are shared between checkouts, so a path compiled in
+        // could name another checkout.
+        Path::new(&std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
             .parent()
             .expect("tests crate sits inside the workspace")
             .to_path_buf()

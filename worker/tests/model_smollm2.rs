@@ -151,8 +151,10 @@ fn numpy_reference(prompts: &[Vec<u32>]) -> Vec<Vec<RefStep>> {
     let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let prompts_file = tmp.join("llama-numpy-prompts.json");
     std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/llama_numpy.py");
+    let script = std::path::Path::new(
+        &std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    )
+    .join("tests/reference/llama_numpy.py");
     let out = Command::new(python)
         .arg(script)
         .arg(smollm2_path())

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let check = std::env::args().any(|a| a == "--check");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root =
+        Path::new(&std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
+            .join("..");
     let targets: Vec<PathBuf> = ["crds/generated", "charts/npufleet/crds"]
         .into_iter()
         .map(|dir| Path::new(dir).join(npufleet_crds::CRD_FILE))
