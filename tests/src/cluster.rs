@@ -581,7 +581,39 @@ impl Cluster {
             for p in self.processes.lock().expect("processes").iter() {
                 msg.push_str(&format!("\n--- {} ---\n{}", p.name(), p.log_tail(15)));
             }
+            // Worker pods run by node agents log under the scratch directory.
+            for entry in walk_logs(self.scratch()) {
+                let text = std::fs::read_to_string(&entry).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                msg.push_str(&format!(
+                    "\n--- {} ---\n{}",
+                    entry.display(),
+                    tail.join("\n")
+                ));
+            }
             anyhow::anyhow!(msg)
         })
     }
+}
+
+/// The `*.log` files of the node agents' directories (`agent-*` below `dir`).
+fn walk_logs(dir: &Path) -> Vec<PathBuf> {
+    let mut logs = Vec::new();
+    for sub in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if !sub.path().is_dir() || !sub.file_name().to_string_lossy().starts_with("agent") {
+            continue;
+        }
+        for file in std::fs::read_dir(sub.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if file.path().extension().is_some_and(|e| e == "log") {
+                logs.push(file.path());
+            }
+        }
+    }
+    logs.sort();
+    logs
 }

@@ -2,6 +2,8 @@
 //! routing across them (nothing routes Service traffic on a machine without kube-proxy).
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -73,5 +75,93 @@ impl Router {
         if let Some(n) = self.in_flight.lock().await.get_mut(address) {
             *n = n.saturating_sub(1);
         }
+    }
+}
+
+/// Closed-loop clients: each sends one request through the [`Router`], waits for the answer,
+/// and repeats until stopped. Counts what was sent, what failed and which address answered.
+#[derive(Default)]
+pub struct Load {
+    pub router: Router,
+    sent: AtomicU64,
+    failed: AtomicU64,
+    failures: Mutex<Vec<String>>,
+    answered_by: Mutex<HashMap<String, u64>>,
+    stop: AtomicBool,
+}
+
+impl Load {
+    /// Starts `clients` loops posting `body` to `path` on the picked worker's HTTP port.
+    pub fn start(
+        self: &Arc<Self>,
+        clients: u32,
+        path: &'static str,
+        body: serde_json::Value,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .expect("HTTP client");
+        (0..clients)
+            .map(|_| tokio::spawn(self.clone().client_loop(http.clone(), path, body.clone())))
+            .collect()
+    }
+
+    async fn client_loop(
+        self: Arc<Self>,
+        http: reqwest::Client,
+        path: &str,
+        body: serde_json::Value,
+    ) {
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some(address) = self.router.pick(Duration::from_millis(250)).await else {
+                continue;
+            };
+            self.sent.fetch_add(1, Ordering::Relaxed);
+            let response = http
+                .post(format!("http://{address}:8000{path}"))
+                .json(&body)
+                .send()
+                .await;
+            let outcome = match response {
+                Ok(r) if r.status().is_success() => r
+                    .json::<serde_json::Value>()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Ok(r) => Err(format!("{address}: HTTP {}", r.status())),
+                Err(e) => Err(format!("{address}: {e}")),
+            };
+            self.router.release(&address).await;
+            match outcome {
+                Ok(()) => *self.answered_by.lock().await.entry(address).or_default() += 1,
+                Err(failure) => {
+                    self.failed.fetch_add(1, Ordering::Relaxed);
+                    self.failures.lock().await.push(failure);
+                }
+            }
+        }
+    }
+
+    /// Ends the loops after their current request.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    pub async fn failures(&self) -> Vec<String> {
+        self.failures.lock().await.clone()
+    }
+
+    /// Answered requests per worker address.
+    pub async fn answered_by(&self) -> HashMap<String, u64> {
+        self.answered_by.lock().await.clone()
     }
 }

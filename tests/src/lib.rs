@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod crd;
 pub mod fleet;
 pub mod node_agent;
+pub mod operator;
 pub mod paths;
 pub mod process;
 pub mod wait;

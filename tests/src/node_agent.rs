@@ -7,6 +7,10 @@
 //! pod's HTTP readiness probe), and on deletion runs a preStop sleep, sends SIGTERM, waits
 //! out the grace period, and removes the pod. It keeps the Node's Lease and Ready condition fresh. Only the
 //! worker binary can run: a pod whose command is anything else fails with a message.
+//!
+//! ConfigMap volumes (the HCCL rank table) are projected into a directory per pod and kept in
+//! step with the ConfigMap, as the kubelet does; with no mount namespace, environment values
+//! that point into a ConfigMap volume's mount path are pointed at that directory instead.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::Ipv4Addr;
@@ -17,7 +21,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -69,6 +73,14 @@ struct RunningPod {
     address: Ipv4Addr,
     process: Process,
     ready: bool,
+    config_volumes: Vec<ConfigVolume>,
+}
+
+/// A ConfigMap volume of a running pod and the directory it is projected into.
+#[derive(Clone)]
+struct ConfigVolume {
+    config_map: String,
+    dir: PathBuf,
 }
 
 struct Shared {
@@ -243,8 +255,8 @@ impl Shared {
             .pop()
             .context("the node agent ran out of pod addresses")?;
         let started = self.spawn(pod, address);
-        let process = match started {
-            Ok(process) => process,
+        let (process, config_volumes) = match started {
+            Ok(started) => started,
             Err(error) => {
                 self.free.lock().expect("free addresses").push(address);
                 self.patch_pod_status(
@@ -266,6 +278,7 @@ impl Shared {
                 address,
                 process,
                 ready: false,
+                config_volumes,
             },
         );
         let now = Timestamp::now();
@@ -285,7 +298,30 @@ impl Shared {
         .await
     }
 
-    fn spawn(&self, pod: &Pod, address: Ipv4Addr) -> Result<Process> {
+    /// Writes every key of each ConfigMap volume into its directory, atomically per file, so a
+    /// reader polling the file never sees half of it. A ConfigMap that does not exist yet
+    /// leaves the directory as it is, as the kubelet keeps retrying.
+    async fn project(&self, namespace: &str, volumes: &[ConfigVolume]) -> Result<()> {
+        let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), namespace);
+        for volume in volumes {
+            let Some(config_map) = api.get_opt(&volume.config_map).await? else {
+                continue;
+            };
+            for (key, value) in config_map.data.iter().flatten() {
+                let path = volume.dir.join(key);
+                if std::fs::read_to_string(&path).is_ok_and(|current| current == *value) {
+                    continue;
+                }
+                let staged = volume.dir.join(format!(".{key}.new"));
+                std::fs::write(&staged, value)
+                    .and_then(|()| std::fs::rename(&staged, &path))
+                    .with_context(|| format!("projecting {}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn spawn(&self, pod: &Pod, address: Ipv4Addr) -> Result<(Process, Vec<ConfigVolume>)> {
         let spec = pod.spec.as_ref().context("pod has no spec")?;
         let [container] = spec.containers.as_slice() else {
             bail!(
@@ -312,12 +348,44 @@ impl Shared {
         cmd.args(container.args.iter().flatten());
         cmd.env_clear();
         cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
+        let volumes_dir = self.config.log_dir.join("volumes").join(format!(
+            "{}_{}",
+            pod.namespace().unwrap_or_default(),
+            pod.name_any()
+        ));
+        let mut config_volumes = Vec::new();
+        let mut mounts = Vec::new();
+        for mount in container.volume_mounts.iter().flatten() {
+            let config_map = spec
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == mount.name)
+                .and_then(|v| v.config_map.as_ref());
+            if let Some(config_map) = config_map {
+                let dir = volumes_dir.join(&mount.name);
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                mounts.push((mount.mount_path.clone(), dir.clone()));
+                config_volumes.push(ConfigVolume {
+                    config_map: config_map.name.clone(),
+                    dir,
+                });
+            }
+        }
         for var in container.env.iter().flatten() {
-            let value = match (&var.value, &var.value_from) {
+            let mut value = match (&var.value, &var.value_from) {
                 (Some(value), _) => value.clone(),
                 (None, Some(from)) => field_value(pod, from, address)?,
                 (None, None) => String::new(),
             };
+            for (mount_path, dir) in &mounts {
+                if let Some(rest) = value.strip_prefix(mount_path.as_str())
+                    && (rest.is_empty() || rest.starts_with('/'))
+                {
+                    value = format!("{}{rest}", dir.display());
+                }
+            }
             cmd.env(&var.name, value);
         }
         // Every worker listens on its own address: the ports stay the pod's own.
@@ -335,7 +403,7 @@ impl Shared {
             pod.namespace().unwrap_or_default(),
             pod.name_any()
         ));
-        Process::start(&pod_key(pod), cmd, &log)
+        Ok((Process::start(&pod_key(pod), cmd, &log)?, config_volumes))
     }
 
     async fn patch_pod_status(&self, pod: &Pod, status: serde_json::Value) -> Result<()> {
@@ -470,14 +538,27 @@ async fn probe_pods(shared: Arc<Shared>) {
         .expect("HTTP client");
     loop {
         tokio::time::sleep(PROBE_INTERVAL).await;
-        let running: Vec<(String, Pod, Ipv4Addr, bool)> = shared
+        let running: Vec<(String, Pod, Ipv4Addr, bool, Vec<ConfigVolume>)> = shared
             .pods
             .lock()
             .expect("pods")
             .iter()
-            .map(|(k, p)| (k.clone(), p.pod.clone(), p.address, p.ready))
+            .map(|(k, p)| {
+                let volumes = p.config_volumes.clone();
+                (k.clone(), p.pod.clone(), p.address, p.ready, volumes)
+            })
             .collect();
-        for (key, pod, address, was_ready) in running {
+        for (key, pod, address, was_ready, volumes) in running {
+            if let Err(error) = shared
+                .project(&pod.namespace().unwrap_or_default(), &volumes)
+                .await
+            {
+                tracing::warn!(
+                    pod = key,
+                    error = format!("{error:#}"),
+                    "projecting volumes"
+                );
+            }
             let exited = shared
                 .pods
                 .lock()

@@ -6,19 +6,14 @@
 //! burst, back to 1, with every request answered.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
-use npufleet_operator::autoscaler::policy::PolicyConfig;
-use npufleet_operator::autoscaler::{self, Autoscaler};
-use npufleet_operator::external_metrics::MetricsStore;
-use npufleet_operator::metrics::Metrics;
-use npufleet_operator::{Context as OperatorContext, Settings};
-use npufleet_tests::fleet::{Router, serving_addresses};
+use npufleet_tests::fleet::{Load, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -27,47 +22,6 @@ use tokio::sync::Mutex;
 const MANAGER: &str = "autoscaling-builtin-test";
 const TARGET_QUEUE: u32 = 2;
 const CLIENTS: u32 = 6;
-
-struct Load {
-    sent: AtomicU64,
-    failed: AtomicU64,
-    failures: Mutex<Vec<String>>,
-    router: Router,
-    stop: AtomicBool,
-}
-
-/// One closed-loop client: a chat completion, wait for the answer, repeat.
-async fn client_loop(load: Arc<Load>, http: reqwest::Client, model: String) {
-    while !load.stop.load(Ordering::Relaxed) {
-        let Some(address) = load.router.pick(Duration::from_millis(250)).await else {
-            continue;
-        };
-        load.sent.fetch_add(1, Ordering::Relaxed);
-        let response = http
-            .post(format!("http://{address}:8000/v1/chat/completions"))
-            .json(&json!({
-                "model": model,
-                "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-                "max_tokens": 24,
-            }))
-            .send()
-            .await;
-        let outcome = match response {
-            Ok(r) if r.status().is_success() => r
-                .json::<serde_json::Value>()
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string()),
-            Ok(r) => Err(format!("{address}: HTTP {}", r.status())),
-            Err(e) => Err(format!("{address}: {e}")),
-        };
-        load.router.release(&address).await;
-        if let Err(failure) = outcome {
-            load.failed.fetch_add(1, Ordering::Relaxed);
-            load.failures.lock().await.push(failure);
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failures() -> Result<()>
@@ -86,27 +40,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         )
         .await?;
 
-        let operator = Arc::new(OperatorContext::new(
-            client.clone(),
-            Settings::default(),
-            Metrics::new()?,
-            None,
-        ));
-        let reconcile = tokio::spawn(npufleet_operator::run(operator));
-        let store = MetricsStore::default();
-        // Shorter windows than the defaults so that the scale-down shows within a test.
-        let settings = autoscaler::Settings {
-            policy: PolicyConfig {
-                stable_window: Duration::from_secs(8),
-                panic_window: Duration::from_secs(2),
-                scale_down_delay: Duration::from_secs(4),
-                ..PolicyConfig::default()
-            },
-            ..autoscaler::Settings::default()
-        };
-        let (scaler, watches) = Autoscaler::new(client.clone(), Some(&ns), settings, store)?;
-        let watches = tokio::spawn(watches);
-        let scaling = tokio::spawn(scaler.run());
+        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
 
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
         let service: InferenceService = serde_json::from_value(json!({
@@ -122,14 +56,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;
-        wait::until("InferenceService create", Duration::from_secs(30), || async {
-            Ok(Some(
-                services
-                    .patch("chat", &PatchParams::apply(MANAGER).force(), &Patch::Apply(&service))
-                    .await?,
-            ))
-        })
-        .await?;
+        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
 
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         wait::until("the first replica serving", Duration::from_secs(180), || async {
@@ -141,13 +68,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         // Watch the desired count while the load runs.
         let max_desired = Arc::new(AtomicU32::new(1));
         let first_scale_up: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let load = Arc::new(Load {
-            sent: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            failures: Mutex::default(),
-            router: Router::default(),
-            stop: AtomicBool::new(false),
-        });
+        let load = Arc::new(Load::default());
         let watcher = {
             let (services, pods, load) = (services.clone(), pods.clone(), load.clone());
             let (max_desired, first_scale_up) = (max_desired.clone(), first_scale_up.clone());
@@ -168,11 +89,16 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             })
         };
 
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
         let burst_started = Instant::now();
-        let clients: Vec<_> = (0..CLIENTS)
-            .map(|_| tokio::spawn(client_loop(load.clone(), http.clone(), "smollm2".into())))
-            .collect();
+        let clients = load.start(
+            CLIENTS,
+            "/v1/chat/completions",
+            json!({
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
+                "max_tokens": 24,
+            }),
+        );
 
         let needed = CLIENTS.div_ceil(TARGET_QUEUE);
         wait::until("every needed replica serving under load", Duration::from_secs(240), || async {
@@ -183,13 +109,13 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         let scaled_up_in = burst_started.elapsed();
         // Keep the load on the full fleet until every client has been served by it again,
         // then end the burst.
-        let sent_at_full_fleet = load.sent.load(Ordering::Relaxed);
+        let sent_at_full_fleet = load.sent();
         wait::until("the full fleet to answer another round", Duration::from_secs(120), || async {
-            let sent = load.sent.load(Ordering::Relaxed);
+            let sent = load.sent();
             Ok((sent >= sent_at_full_fleet + 2 * u64::from(CLIENTS)).then_some(()))
         })
         .await?;
-        load.stop.store(true, Ordering::Relaxed);
+        load.stop();
         for client in clients {
             client.await?;
         }
@@ -208,8 +134,8 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             .await
             .context("the service never scaled up")?
             .duration_since(burst_started);
-        let sent = load.sent.load(Ordering::Relaxed);
-        let failed = load.failed.load(Ordering::Relaxed);
+        let sent = load.sent();
+        let failed = load.failed();
         eprintln!(
             "burst: {CLIENTS} clients for {:.1} s, {sent} requests, {failed} failed; first scale-up decision {:.2} s after the burst began; {needed} replicas serving after {:.1} s; max desired {}",
             burst.as_secs_f64(),
@@ -217,7 +143,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             scaled_up_in.as_secs_f64(),
             max_desired.load(Ordering::Relaxed),
         );
-        assert_eq!(failed, 0, "failed requests: {:?}", load.failures.lock().await);
+        assert_eq!(failed, 0, "failed requests: {:?}", load.failures().await);
         assert!(sent >= u64::from(CLIENTS), "only {sent} requests");
         // Closed-loop clients never put more than CLIENTS requests in the system: anything
         // above CLIENTS / target would be a cascade while replicas warm up.
@@ -225,9 +151,6 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         // Loose enough for a busy two-core machine; the figure itself is printed above.
         assert!(first_up < Duration::from_secs(10), "first scale-up after {first_up:?}");
 
-        scaling.abort();
-        watches.abort();
-        reconcile.abort();
         Ok(())
     }
     .await;

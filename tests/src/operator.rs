@@ -1,0 +1,89 @@
+//! The operator's controller and built-in autoscaler running inside a test process, against
+//! one namespace, with scaling windows short enough for a test to watch a scale-down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use npufleet_crds::InferenceService;
+use npufleet_operator::autoscaler::policy::PolicyConfig;
+use npufleet_operator::autoscaler::{self, Autoscaler};
+use npufleet_operator::external_metrics::MetricsStore;
+use npufleet_operator::metrics::Metrics;
+use npufleet_operator::{Context, Settings};
+use tokio::task::JoinHandle;
+
+use crate::wait;
+
+/// Stops the controller and the autoscaler when dropped.
+pub struct RunningOperator {
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RunningOperator {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Starts the controller and the built-in autoscaler for `namespace`.
+pub fn start_with_builtin_autoscaler(client: &Client, namespace: &str) -> Result<RunningOperator> {
+    let operator = Arc::new(Context::new(
+        client.clone(),
+        Settings::default(),
+        Metrics::new()?,
+        None,
+    ));
+    let settings = autoscaler::Settings {
+        policy: PolicyConfig {
+            stable_window: Duration::from_secs(8),
+            panic_window: Duration::from_secs(2),
+            scale_down_delay: Duration::from_secs(4),
+            ..PolicyConfig::default()
+        },
+        ..autoscaler::Settings::default()
+    };
+    let (scaler, watches) = Autoscaler::new(
+        client.clone(),
+        Some(namespace),
+        settings,
+        MetricsStore::default(),
+    )?;
+    Ok(RunningOperator {
+        tasks: vec![
+            tokio::spawn(npufleet_operator::run(operator)),
+            tokio::spawn(watches),
+            tokio::spawn(scaler.run()),
+        ],
+    })
+}
+
+/// Applies `service` with server-side apply as `manager`, retrying while the CRD is new.
+pub async fn apply(
+    services: &Api<InferenceService>,
+    manager: &str,
+    service: &InferenceService,
+) -> Result<()> {
+    let name = service.metadata.name.clone().unwrap_or_default();
+    wait::until(
+        "InferenceService apply",
+        Duration::from_secs(30),
+        || async {
+            Ok(Some(
+                services
+                    .patch(
+                        &name,
+                        &PatchParams::apply(manager).force(),
+                        &Patch::Apply(service),
+                    )
+                    .await?,
+            ))
+        },
+    )
+    .await?;
+    Ok(())
+}

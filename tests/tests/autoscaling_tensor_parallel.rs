@@ -1,0 +1,184 @@
+//! A tensor-parallel service (2 ranks, one pod each) under the built-in autoscaler on the real
+//! control plane: each replica group is two real worker processes joined by the TCP ring
+//! through the operator's `hccl.json`, and a load burst takes the service from one group to
+//! two and back. Groups come and go whole, every group serves, and no request fails.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
+use npufleet_crds::InferenceService;
+use npufleet_tests::fleet::{Load, serving_addresses};
+use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::{cluster, paths, wait};
+use serde_json::json;
+
+const MANAGER: &str = "autoscaling-tp-test";
+const TARGET_QUEUE: u32 = 3;
+const CLIENTS: u32 = 6;
+
+/// Group index → ranks of its live (non-terminating) pods.
+async fn groups(pods: &Api<Pod>) -> Result<BTreeMap<String, Vec<String>>> {
+    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for pod in pods.list(&ListParams::default()).await?.items {
+        if pod.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let labels = pod.labels();
+        let group = labels.get("npufleet.io/group").cloned().unwrap_or_default();
+        let rank = labels.get("npufleet.io/rank").cloned().unwrap_or_default();
+        groups.entry(group).or_default().push(rank);
+    }
+    for ranks in groups.values_mut() {
+        ranks.sort();
+    }
+    Ok(groups)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let ns = c.namespace(&client, "autoscaling-tp").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let worker = paths::workspace_bin("npufleet-worker")?;
+        // A random-weight model whose 8 heads and 4 KV heads split over 2 ranks.
+        let model = c.scratch().join("tp-model.gguf");
+        let generated = std::process::Command::new(&worker)
+            .args(["gen-test-model", "--layers", "2", "--dim", "128", "--heads", "8"])
+            .args(["--kv-heads", "4", "--context", "2048", "--out"])
+            .arg(&model)
+            .output()?;
+        ensure!(
+            generated.status.success(),
+            "gen-test-model: {}",
+            String::from_utf8_lossy(&generated.stderr)
+        );
+        let node = "agent-tp-0";
+        let _agent = NodeAgent::start(
+            client.clone(),
+            NodeAgentConfig::new(node, worker, c.scratch().join("agent-tp"), 42),
+        )
+        .await?;
+
+        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
+
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+        let service: InferenceService = serde_json::from_value(json!({
+            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "tp", "namespace": ns},
+            "spec": {
+                "model": {"name": "tiny", "source": {"imagePath": model.display().to_string()}},
+                "replicas": 1,
+                "accelerator": {"type": "cpu", "devicesPerPod": 1},
+                "parallelism": {"tensor": 2},
+                "engine": {"warmupIterations": 1, "drainSeconds": 60},
+                "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": TARGET_QUEUE},
+                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "template": {"env": [
+                    {"name": "NPUFLEET_THREADS", "value": "1"},
+                    {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
+                ]},
+            }
+        }))?;
+        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
+
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        wait::until("the first group serving", Duration::from_secs(180), || async {
+            let serving = serving_addresses(&pods).await?;
+            Ok((serving.len() == 1).then_some(()))
+        })
+        .await?;
+        let first = groups(&pods).await?;
+        ensure!(
+            first.values().all(|ranks| ranks == &["0", "1"]) && first.len() == 1,
+            "one group of ranks 0 and 1 expected, got {first:?}"
+        );
+
+        let load = Arc::new(Load::default());
+        let max_desired = Arc::new(AtomicU32::new(1));
+        let max_groups = Arc::new(AtomicU32::new(1));
+        let watcher = {
+            let (services, pods, load) = (services.clone(), pods.clone(), load.clone());
+            let (max_desired, max_groups) = (max_desired.clone(), max_groups.clone());
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(service) = services.get("tp").await {
+                        let desired = u32::try_from(service.spec.replicas).unwrap_or(0);
+                        max_desired.fetch_max(desired, Ordering::Relaxed);
+                    }
+                    if let Ok(groups) = groups(&pods).await {
+                        max_groups.fetch_max(groups.len() as u32, Ordering::Relaxed);
+                    }
+                    if let Ok(addresses) = serving_addresses(&pods).await {
+                        load.router.set_addresses(addresses).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+
+        let burst_started = Instant::now();
+        let clients = load.start(
+            CLIENTS,
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 48}),
+        );
+        let needed = CLIENTS.div_ceil(TARGET_QUEUE);
+        wait::until("both groups serving under load", Duration::from_secs(240), || async {
+            let serving = serving_addresses(&pods).await?.len() as u32;
+            if serving >= needed { Ok(Some(())) } else { anyhow::bail!("{serving} serving") }
+        })
+        .await?;
+        let scaled_up_in = burst_started.elapsed();
+        let both = groups(&pods).await?;
+        ensure!(
+            both.len() == 2 && both.values().all(|ranks| ranks == &["0", "1"]),
+            "two whole groups expected, got {both:?}"
+        );
+        // Keep the burst on until both groups' leaders have answered.
+        wait::until("every group to answer", Duration::from_secs(120), || async {
+            let serving = serving_addresses(&pods).await?;
+            let answered = load.answered_by().await;
+            let all = serving.iter().all(|a| answered.get(a).is_some_and(|&n| n > 0));
+            Ok(all.then_some(()))
+        })
+        .await?;
+        load.stop();
+        for client in clients {
+            client.await?;
+        }
+
+        wait::until("the scale-down back to one group", Duration::from_secs(180), || async {
+            let desired = services.get("tp").await?.spec.replicas;
+            let live = pods.list(&ListParams::default()).await?.items.len();
+            if desired == 1 && live == 2 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
+        })
+        .await?;
+        let last = groups(&pods).await?;
+        ensure!(last.len() == 1, "one group expected after the scale-down, got {last:?}");
+        watcher.abort();
+
+        let (sent, failed) = (load.sent(), load.failed());
+        let answered = load.answered_by().await;
+        eprintln!(
+            "TP-2 burst: {CLIENTS} clients, {sent} requests, {failed} failed; {needed} groups serving after {:.1} s; answered per group leader {answered:?}; max desired {}",
+            scaled_up_in.as_secs_f64(),
+            max_desired.load(Ordering::Relaxed),
+        );
+        assert_eq!(failed, 0, "failed requests: {:?}", load.failures().await);
+        assert!(answered.len() >= 2, "only {answered:?} answered");
+        assert_eq!(max_desired.load(Ordering::Relaxed), needed);
+        assert_eq!(max_groups.load(Ordering::Relaxed), needed);
+
+        Ok::<(), anyhow::Error>(())
+    }
+    .await;
+    c.diagnose(result.context("the TP-2 autoscaling test"))
+}
