@@ -108,7 +108,9 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             let (services, pods, load) = (services.clone(), pods.clone(), load.clone());
             let (max_desired, max_groups) = (max_desired.clone(), max_groups.clone());
             tokio::spawn(async move {
+                let mut samples = tokio::time::interval(Duration::from_millis(100));
                 loop {
+                    samples.tick().await;
                     if let Ok(service) = services.get("tp").await {
                         let desired = u32::try_from(service.spec.replicas).unwrap_or(0);
                         max_desired.fetch_max(desired, Ordering::Relaxed);
@@ -119,7 +121,6 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
                     if let Ok(addresses) = serving_addresses(&pods).await {
                         load.router.set_addresses(addresses).await;
                     }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             })
         };

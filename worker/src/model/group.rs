@@ -97,9 +97,12 @@ impl Drop for Leader {
     }
 }
 
+/// Sends a heartbeat whenever the leader has been silent for [`IDLE_HEARTBEAT`], sleeping until
+/// the next one is due; ends once the leader is gone or its group closed.
 fn heartbeat(leader: Weak<Leader>) {
+    let mut due = IDLE_HEARTBEAT;
     loop {
-        std::thread::sleep(IDLE_HEARTBEAT / 4);
+        std::thread::sleep(due);
         let Some(leader) = leader.upgrade() else {
             return;
         };
@@ -107,13 +110,15 @@ fn heartbeat(leader: Weak<Leader>) {
         if state.closed.is_some() {
             return;
         }
-        if state.last_sent.elapsed() >= IDLE_HEARTBEAT {
+        due = IDLE_HEARTBEAT.saturating_sub(state.last_sent.elapsed());
+        if due.is_zero() {
             if let Err(err) = step::lead(leader.collective.as_ref(), &StepPlan::Idle) {
                 tracing::error!(error = %err, "the tensor-parallel group is lost");
                 state.closed = Some(err);
                 return;
             }
             state.last_sent = Instant::now();
+            due = IDLE_HEARTBEAT;
         }
     }
 }

@@ -349,7 +349,7 @@ impl Model {
             Some(leader) if !batch.is_empty() => {
                 // A plan the followers would refuse must not reach them.
                 self.validate(kv, batch)?;
-                leader.run(&group::plan_of(batch), || self.forward_local(kv, batch))
+                leader.run(&group::plan_of(batch), || self.run_validated(kv, batch))
             }
             _ => self.forward_local(kv, batch),
         }
@@ -365,6 +365,14 @@ impl Model {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
+        self.run_validated(kv, batch)
+    }
+
+    fn run_validated(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SequenceChunk<'_>],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
         let mut result = None;
         self.backend
             .run(&mut || result = Some(forward::forward(self, kv, batch)));
