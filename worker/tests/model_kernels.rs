@@ -3,7 +3,7 @@
 
 use npufleet_worker::backend::cpu::{CpuBackend, GroupKernel, Kernels};
 use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
-use npufleet_worker::backend::{Backend, Matrix, PagedKv, WeightData};
+use npufleet_worker::backend::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
 
 /// A fixed generator so failures reproduce.
 struct Rng(u64);
@@ -339,51 +339,86 @@ fn matmul_every_storage_and_batch_size() {
 fn paged_attention_matches_contiguous_reference() {
     let mut rng = Rng(13);
     let (n_heads, n_kv, hd, bs) = (4, 2, 16, 4);
-    // Decode-sized chunks take the dot-product path, longer ones the GEMM path.
-    for (start, t) in [(5usize, 3usize), (0, 9), (3, 70)] {
-        let blocks = (start + t).div_ceil(bs);
-        // Pages deliberately out of order, with one unused page in between.
-        let table: Vec<u32> = (0..blocks as u32)
-            .map(|b| (b * 7 + 3) % (blocks as u32 + 1))
-            .collect();
-        let slot = n_kv * hd;
-        let (k, v) = (
-            rng.vec((blocks + 1) * bs * slot, 1.0),
-            rng.vec((blocks + 1) * bs * slot, 1.0),
-        );
-        let q = rng.vec(t * n_heads * hd, 1.0);
-        let kv = PagedKv {
-            k: &k,
-            v: &v,
-            block_table: &table,
-            block_size: bs,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-        };
-        for kernels in Kernels::supported() {
-            let be = CpuBackend::with_kernels(2, kernels).unwrap();
-            let mut out = vec![0f32; q.len()];
-            be.attention(&q, &kv, start, n_heads, &mut out);
-            for i in 0..t {
+    let slot = n_kv * hd;
+    // One call carries every chunk of a step: decode-sized chunks take the dot-product path,
+    // longer ones the GEMM path.
+    let shapes = [(5usize, 1usize), (5, 3), (0, 9), (17, 1), (3, 70), (0, 1)];
+    struct Pages {
+        start: usize,
+        t: usize,
+        table: Vec<u32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+    }
+    let pages: Vec<Pages> = shapes
+        .iter()
+        .map(|&(start, t)| {
+            let blocks = (start + t).div_ceil(bs);
+            // Pages deliberately out of order, with one unused page in between.
+            let table = (0..blocks as u32)
+                .map(|b| (b * 7 + 3) % (blocks as u32 + 1))
+                .collect();
+            let k = rng.vec((blocks + 1) * bs * slot, 1.0);
+            let v = rng.vec((blocks + 1) * bs * slot, 1.0);
+            Pages {
+                start,
+                t,
+                table,
+                k,
+                v,
+            }
+        })
+        .collect();
+    let total: usize = shapes.iter().map(|s| s.1).sum();
+    let q = rng.vec(total * n_heads * hd, 1.0);
+    let mut chunks = Vec::new();
+    for p in &pages {
+        let at = chunks.last().map_or(0, |c: &AttentionChunk<'_>| c.rows.end);
+        chunks.push(AttentionChunk {
+            rows: at..at + p.t,
+            start_pos: p.start,
+            kv: PagedKv {
+                k: &p.k,
+                v: &p.v,
+                block_table: &p.table,
+                block_size: bs,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+            },
+        });
+    }
+    for kernels in Kernels::supported() {
+        let be = CpuBackend::with_kernels(2, kernels).unwrap();
+        let mut out = vec![0f32; q.len()];
+        be.attention(&q, &chunks, n_heads, &mut out);
+        for (p, c) in pages.iter().zip(&chunks) {
+            for i in 0..p.t {
+                let row = c.rows.start + i;
                 for h in 0..n_heads {
                     let kvh = h / (n_heads / n_kv);
-                    let qv = &q[(i * n_heads + h) * hd..][..hd];
-                    let len = start + i + 1;
-                    let at = |p: usize| ((table[p / bs] as usize * bs + p % bs) * n_kv + kvh) * hd;
+                    let qv = &q[(row * n_heads + h) * hd..][..hd];
+                    let len = p.start + i + 1;
+                    let at = |pos: usize| {
+                        ((p.table[pos / bs] as usize * bs + pos % bs) * n_kv + kvh) * hd
+                    };
                     let s: Vec<f32> = (0..len)
-                        .map(|p| {
-                            quant::dot_f32_scalar(qv, &k[at(p)..at(p) + hd]) / (hd as f32).sqrt()
+                        .map(|pos| {
+                            quant::dot_f32_scalar(qv, &p.k[at(pos)..at(pos) + hd])
+                                / (hd as f32).sqrt()
                         })
                         .collect();
                     let m = s.iter().copied().fold(f32::MIN, f32::max);
                     let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
                     let z: f32 = e.iter().sum();
                     for d in 0..hd {
-                        let want: f32 = (0..len).map(|p| e[p] / z * v[at(p) + d]).sum();
-                        let got = out[(i * n_heads + h) * hd + d];
+                        let want: f32 = (0..len).map(|pos| e[pos] / z * p.v[at(pos) + d]).sum();
+                        let got = out[(row * n_heads + h) * hd + d];
                         assert!(
                             (want - got).abs() < 1e-5,
-                            "start {start} t {t}: token {i} head {h} dim {d}: {got} vs {want}"
+                            "start {} t {}: token {i} head {h} dim {d}: {got} vs {want} ({})",
+                            p.start,
+                            p.t,
+                            be.name()
                         );
                     }
                 }

@@ -15,7 +15,7 @@ use super::bindings::types::{
 use super::device::{Acl, DeviceBuffer, Scratch, Stream};
 use super::error::{AscendError, acl_check};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Matrix, PagedKv, WeightData};
+use crate::backend::{AttentionChunk, Backend, Matrix, WeightData};
 
 /// Directory of single-operator models (`atc --singleop`) for the GEMM operator, handed to
 /// `aclopSetModelDir`; CANN runs `aclblasGemmEx` only for operator shapes it has a model for.
@@ -378,12 +378,11 @@ impl Backend for AclBackend {
     fn attention(
         &self,
         q: &[f32],
-        kv: &PagedKv<'_>,
-        start_pos: usize,
+        chunks: &[AttentionChunk<'_>],
         n_heads: usize,
         out: &mut [f32],
     ) {
-        self.host.attention(q, kv, start_pos, n_heads, out)
+        self.host.attention(q, chunks, n_heads, out)
     }
 }
 

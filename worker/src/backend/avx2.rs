@@ -290,16 +290,16 @@ fn lanes(v: __m256) -> [f32; GROUP_ROWS] {
     out
 }
 
-/// The grouped kernels for one instruction set: `$q4_1_sum` and `$q8_0_sum` turn one block's
-/// weight vectors and activation block into the i32 dot product of each row's lane.
+/// The grouped kernels for one instruction set: `$q4_1_sum` turns one block's weight
+/// vectors and activation block into the i32 dot product of each row's lane, and the
+/// module's own `q8_0_group::<A>` does the same job for `Q8_0` rows.
 ///
 /// `q4_1_group::<A>`: one group of [`GROUP_ROWS`] `Q4_1` rows (`w`, row-major) against `A`
 /// activation rows. Each weight block is expanded once and used for every activation row,
 /// and lane `r` of an accumulator is row `r`'s sum, so no horizontal reductions are needed.
-/// `q8_0_group::<A>` does the same for `Q8_0` rows.
 macro_rules! group_kernels {
     ($features:literal, $widest:literal, [$($rest:literal),*],
-     q4_1_sum: $q4_1_sum:expr, q8_0_sum: $q8_0_sum:expr) => {
+     q4_1_sum: $q4_1_sum:expr) => {
         /// # Safety
         /// The CPU must support the module's target features.
         #[inline]
@@ -329,53 +329,7 @@ macro_rules! group_kernels {
                     *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), *acc);
                 }
             }
-            acc.map(|v| lanes(v))
-        }
-
-        /// # Safety
-        /// The CPU must support the module's target features.
-        #[inline]
-        #[target_feature(enable = $features)]
-        unsafe fn q8_0_group<const A: usize>(
-            w: &[BlockQ8_0],
-            x: [&[BlockQ8Act]; A],
-        ) -> [[f32; GROUP_ROWS]; A] {
-            let nb = w.len() / GROUP_ROWS;
-            let mut acc = [_mm256_setzero_ps(); A];
-            for b in 0..nb {
-                let blocks = column(w, nb, b);
-                // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
-                let (first, second) = unsafe {
-                    (
-                        transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
-                        transpose_rows(column_ptrs(&blocks, |w| {
-                            w.qs.as_ptr().add(16) as *const u8
-                        })),
-                    )
-                };
-                let signed = [
-                    first[0], first[1], first[2], first[3], second[0], second[1], second[2],
-                    second[3],
-                ];
-                let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
-                let d = f16x8([
-                    blocks[0].d,
-                    blocks[1].d,
-                    blocks[2].d,
-                    blocks[3].d,
-                    blocks[4].d,
-                    blocks[5].d,
-                    blocks[6].d,
-                    blocks[7].d,
-                ]);
-                prefetch_share(w, b, nb);
-                for (acc, x) in acc.iter_mut().zip(x) {
-                    let x = &x[b];
-                    let sum = _mm256_cvtepi32_ps($q8_0_sum(&signed, &magnitude, &x.qs));
-                    *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
-                }
-            }
-            acc.map(|v| lanes(v))
+            acc.map(lanes)
         }
 
         /// `out[j][r]` = row `r` of the [`GROUP_ROWS`]-row group `w` · activation row `j` of
@@ -459,12 +413,51 @@ fn q8_0_sum(signed: &[__m256i; 8], magnitude: &[__m256i; 8], x: &[i8; QK]) -> __
     sum
 }
 
-group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum, q8_0_sum: q8_0_sum);
+/// `Q8_0` rows of a group against `A` activation rows, as `q4_1_group`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_group<const A: usize>(
+    w: &[BlockQ8_0],
+    x: [&[BlockQ8Act]; A],
+) -> [[f32; GROUP_ROWS]; A] {
+    let nb = w.len() / GROUP_ROWS;
+    let mut acc = [_mm256_setzero_ps(); A];
+    for b in 0..nb {
+        let blocks = column(w, nb, b);
+        // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
+        let (first, second) = unsafe {
+            (
+                transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
+                transpose_rows(column_ptrs(&blocks, |w| {
+                    w.qs.as_ptr().add(16) as *const u8
+                })),
+            )
+        };
+        let signed = [
+            first[0], first[1], first[2], first[3], second[0], second[1], second[2],
+            second[3],
+        ];
+        let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
+        let d = f16x8(blocks.map(|b| b.d));
+        prefetch_share(w, b, nb);
+        for (acc, x) in acc.iter_mut().zip(x) {
+            let x = &x[b];
+            let sum = _mm256_cvtepi32_ps(q8_0_sum(&signed, &magnitude, &x.qs));
+            *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
+        }
+    }
+    acc.map(lanes)
+}
+
+group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
 
 /// The grouped kernels with AVX-512 VNNI on 256-bit vectors: `vpdpbusd` multiplies and
 /// accumulates four byte pairs per lane in one instruction, and the 32 vector registers
-/// hold eight activation rows' accumulators next to a group's expanded weights. The i32
-/// sums are the same as the AVX2 kernels', so the results are identical.
+/// hold eight activation rows' accumulators next to a group's expanded weights. The `Q4_1`
+/// i32 sums are the same as the AVX2 kernels', so those results are identical.
 pub mod vnni {
     use super::*;
 
@@ -487,23 +480,52 @@ pub mod vnni {
         sum
     }
 
+    /// `Q8_0` rows shifted to unsigned bytes (q + 128) once per block, so every activation
+    /// row takes plain `vpdpbusd`s with no sign fix-up; the shift adds 128·Σx, which the
+    /// activation block's `s` (= d·Σx) takes back out, as the `Q4_1` offset does.
+    ///
+    /// # Safety
+    /// The CPU must support the module's target features.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    fn q8_0_sum(signed: &[__m256i; 8], magnitude: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
-        let mut sum = _mm256_setzero_si256();
-        for k in 0..8 {
-            let xs = _mm256_sign_epi8(broadcast_word(x, k), signed[k]);
-            sum = _mm256_dpbusd_epi32(sum, magnitude[k], xs);
+    unsafe fn q8_0_group<const A: usize>(
+        w: &[BlockQ8_0],
+        x: [&[BlockQ8Act]; A],
+    ) -> [[f32; GROUP_ROWS]; A] {
+        let nb = w.len() / GROUP_ROWS;
+        let shift = _mm256_set1_epi8(i8::MIN);
+        let mut acc = [_mm256_setzero_ps(); A];
+        for b in 0..nb {
+            let blocks = column(w, nb, b);
+            // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
+            let (first, second) = unsafe {
+                (
+                    transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
+                    transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr().add(16) as *const u8)),
+                )
+            };
+            let unsigned = [
+                first[0], first[1], first[2], first[3], second[0], second[1], second[2], second[3],
+            ]
+            .map(|v| _mm256_xor_si256(v, shift));
+            let d = f16x8(blocks.map(|b| b.d));
+            let offset = _mm256_mul_ps(d, _mm256_set1_ps(-128.0));
+            prefetch_share(w, b, nb);
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let x = &x[b];
+                let sum = _mm256_cvtepi32_ps(q4_1_sum(&unsigned, &x.qs));
+                *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
+                *acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.s), *acc);
+            }
         }
-        sum
+        acc.map(lanes)
     }
 
     group_kernels!(
         "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
         8,
         [7, 6, 5, 4, 3, 2, 1],
-        q4_1_sum: q4_1_sum,
-        q8_0_sum: q8_0_sum
+        q4_1_sum: q4_1_sum
     );
 }
 

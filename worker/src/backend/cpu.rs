@@ -7,7 +7,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK};
-use super::{Backend, Matrix, PagedKv, WeightData};
+use super::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
 
 /// A group of [`GROUP_ROWS`] weight rows (row-major blocks) against every activation row:
 /// `out[j][r]` = weight row `r` · activation row `j`.
@@ -509,52 +509,89 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         q: &[f32],
-        kv: &PagedKv<'_>,
-        start_pos: usize,
+        chunks: &[AttentionChunk<'_>],
         n_heads: usize,
         out: &mut [f32],
     ) {
-        let hd = kv.head_dim;
-        if q.len() / (n_heads * hd) >= ATTENTION_GEMM_MIN_TOKENS {
-            return self.attention_gemm(q, kv, start_pos, n_heads, out);
+        let Some(first) = chunks.first() else { return };
+        let (hd, n_kv) = (first.kv.head_dim, first.kv.n_kv_heads);
+        let row_len = n_heads * hd;
+        assert_eq!(q.len(), out.len(), "attention output shape");
+        let mut decode_rows = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            if c.rows.len() >= ATTENTION_GEMM_MIN_TOKENS {
+                let range = c.rows.start * row_len..c.rows.end * row_len;
+                self.attention_gemm(
+                    &q[range.clone()],
+                    &c.kv,
+                    c.start_pos,
+                    n_heads,
+                    &mut out[range],
+                );
+            } else {
+                decode_rows.extend(c.rows.clone().map(|row| (i, row)));
+            }
         }
-        // One task per token and head; the keys and values are read page by page, a page's
-        // slots of one kv head being evenly spaced.
-        let group = n_heads / kv.n_kv_heads;
+        // The short chunks (decode steps) of every sequence share one parallel pass, one
+        // task per token and kv head: the heads of a group read the same keys while they
+        // are still in cache, and a step pays for one fork-join instead of one per sequence.
+        let group = n_heads / n_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let k = &self.kernels;
-        let stride = kv.n_kv_heads * hd;
-        out.par_chunks_mut(hd).enumerate().for_each_init(
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..decode_rows.len() * n_kv).into_par_iter().for_each_init(
             Vec::new,
-            |scores: &mut Vec<f32>, (idx, o)| {
-                let (t, h) = (idx / n_heads, idx % n_heads);
-                let kvh = h / group;
-                let qv = &q[idx * hd..(idx + 1) * hd];
-                let len = start_pos + t + 1;
-                let pages = || {
-                    (0..len).step_by(kv.block_size).map(|p0| {
-                        let first = kv.offset(p0, kvh);
-                        (p0..(p0 + kv.block_size).min(len), first)
-                    })
-                };
-                scores.resize(len, 0.0);
-                for (range, first) in pages() {
-                    (k.dot_strided)(qv, &kv.k[first..], stride, scale, &mut scores[range]);
-                }
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                for s in scores.iter_mut() {
-                    *s /= sum;
-                }
-                o.fill(0.0);
-                for (range, first) in pages() {
-                    (k.axpy_strided)(&scores[range], &kv.v[first..], stride, o);
+            |scores: &mut Vec<f32>, task| {
+                let ((chunk, row), kvh) = (decode_rows[task / n_kv], task % n_kv);
+                let c = &chunks[chunk];
+                let len = c.start_pos + (row - c.rows.start) + 1;
+                for h in kvh * group..(kvh + 1) * group {
+                    let at = row * row_len + h * hd;
+                    // SAFETY: head h of row `row` is written by this task only, and
+                    // `at + hd ≤ out.len()` since `row` is inside a chunk's rows.
+                    let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(at), hd) };
+                    attend_one(k, &q[at..at + hd], &c.kv, kvh, len, scale, scores, o);
                 }
             },
         );
+    }
+}
+
+/// One query vector's attention over the first `len` positions of kv head `kvh`; the keys
+/// and values are read page by page, a page's slots of one kv head being evenly spaced.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    k: &Kernels,
+    qv: &[f32],
+    kv: &PagedKv<'_>,
+    kvh: usize,
+    len: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let stride = kv.n_kv_heads * kv.head_dim;
+    let pages = || {
+        (0..len).step_by(kv.block_size).map(|p0| {
+            let first = kv.offset(p0, kvh);
+            (p0..(p0 + kv.block_size).min(len), first)
+        })
+    };
+    scores.resize(len, 0.0);
+    for (range, first) in pages() {
+        (k.dot_strided)(qv, &kv.k[first..], stride, scale, &mut scores[range]);
+    }
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    for s in scores.iter_mut() {
+        *s /= sum;
+    }
+    o.fill(0.0);
+    for (range, first) in pages() {
+        (k.axpy_strided)(&scores[range], &kv.v[first..], stride, o);
     }
 }

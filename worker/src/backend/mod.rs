@@ -10,6 +10,8 @@ pub mod avx2;
 pub mod cpu;
 pub mod quant;
 
+use std::ops::Range;
+
 use half::f16;
 
 use quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
@@ -201,15 +203,25 @@ pub trait Backend: Send + Sync {
     fn run(&self, work: &mut (dyn FnMut() + Send));
     /// `out[n × w.rows] = x[n × w.cols] · Wᵀ`.
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]);
-    /// Causal attention of `q` (`t × n_heads × head_dim`, token `i` at position
-    /// `start_pos + i`) over positions `0..=start_pos + i` of `kv`; grouped-query heads share
-    /// kv head `h / (n_heads / n_kv_heads)`. Writes `out` in the shape of `q`.
+    /// Causal attention for every chunk of a step in one call, so the backend can spread
+    /// all of them over its threads at once. `q` and `out` are stacked rows of
+    /// `n_heads × head_dim`; each chunk's token `i` (row `rows.start + i`, at position
+    /// `start_pos + i`) attends over positions `0..=start_pos + i` of its own `kv`.
+    /// Grouped-query heads share kv head `h / (n_heads / n_kv_heads)`.
     fn attention(
         &self,
         q: &[f32],
-        kv: &PagedKv<'_>,
-        start_pos: usize,
+        chunks: &[AttentionChunk<'_>],
         n_heads: usize,
         out: &mut [f32],
     );
+}
+
+/// One sequence's part of a batched [`Backend::attention`] call.
+pub struct AttentionChunk<'a> {
+    /// The chunk's rows in the stacked queries and outputs.
+    pub rows: Range<usize>,
+    /// Position of the chunk's first token.
+    pub start_pos: usize,
+    pub kv: PagedKv<'a>,
 }

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::weights::Linear;
 use super::{ForwardError, KvCache, Model, SequenceChunk, WeightPrecision};
-use crate::backend::Backend;
+use crate::backend::{AttentionChunk, Backend};
 
 pub(super) fn forward(
     m: &Model,
@@ -49,16 +49,16 @@ pub(super) fn forward(
                 &v[kv_rows],
             );
         }
-        for (c, r) in batch.iter().zip(&rows.chunks) {
-            let q_rows = r.start * nh * hd..r.end * nh * hd;
-            be.attention(
-                &q[q_rows.clone()],
-                &kv.paged(l, c.block_table),
-                c.start_pos,
-                nh,
-                &mut att[q_rows],
-            );
-        }
+        let chunks: Vec<AttentionChunk<'_>> = batch
+            .iter()
+            .zip(&rows.chunks)
+            .map(|(c, r)| AttentionChunk {
+                rows: r.clone(),
+                start_pos: c.start_pos,
+                kv: kv.paged(l, c.block_table),
+            })
+            .collect();
+        be.attention(&q, &chunks, nh, &mut att);
         linear(be, &lw.wo, &att, &rows.segments, &mut out);
         m.all_reduce(&mut out)?;
         add(&mut x, &out);
