@@ -336,6 +336,54 @@ fn matmul_every_storage_and_batch_size() {
 }
 
 #[test]
+fn matmuls_sharing_an_input_equal_separate_matmuls() {
+    let mut rng = Rng(21);
+    let cols = 64;
+    let matrix = |rows: usize, rng: &mut Rng| Matrix::f32(rows, cols, rng.vec(rows * cols, 0.3));
+    let (a, b, c) = (
+        matrix(40, &mut rng),
+        matrix(24, &mut rng),
+        matrix(13, &mut rng),
+    );
+    let q4_1 = |m: &Matrix| Matrix {
+        rows: m.rows,
+        cols,
+        data: WeightData::Q4_1(quant::quantize_q4_1(&m.to_f32())),
+    };
+    // One pass over mixed block formats and a row count off the group size; float and
+    // Q4_0 matrices take the one-at-a-time path.
+    let sets = [
+        vec![q4_1(&a), b.to_q8_0().unwrap(), q4_1(&c)],
+        vec![a.clone(), b.to_q8_0().unwrap()],
+        vec![
+            Matrix {
+                rows: 13,
+                cols,
+                data: WeightData::Q4_0(quant::quantize_q4_0(&c.to_f32())),
+            },
+            q4_1(&a),
+        ],
+    ];
+    for kernels in Kernels::supported() {
+        let be = CpuBackend::with_kernels(2, kernels).unwrap();
+        for n in [1, 3, 9] {
+            let x = rng.vec(n * cols, 1.0);
+            for set in &sets {
+                let ws: Vec<&Matrix> = set.iter().collect();
+                let mut outs: Vec<Vec<f32>> = set.iter().map(|w| vec![0f32; n * w.rows]).collect();
+                let mut parts: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                be.matmul_shared_input(&ws, &x, n, &mut parts);
+                for (w, got) in set.iter().zip(&outs) {
+                    let mut alone = vec![0f32; n * w.rows];
+                    be.matmul(w, &x, n, &mut alone);
+                    assert_eq!(got, &alone, "{} n={n} ({})", w.type_name(), be.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn paged_attention_matches_contiguous_reference() {
     let mut rng = Rng(13);
     let (n_heads, n_kv, hd, bs) = (4, 2, 16, 4);

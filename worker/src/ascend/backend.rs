@@ -375,13 +375,7 @@ impl Backend for AclBackend {
         }
     }
 
-    fn attention(
-        &self,
-        q: &[f32],
-        chunks: &[AttentionChunk<'_>],
-        n_heads: usize,
-        out: &mut [f32],
-    ) {
+    fn attention(&self, q: &[f32], chunks: &[AttentionChunk<'_>], n_heads: usize, out: &mut [f32]) {
         self.host.attention(q, chunks, n_heads, out)
     }
 }

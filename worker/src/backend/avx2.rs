@@ -431,14 +431,11 @@ unsafe fn q8_0_group<const A: usize>(
         let (first, second) = unsafe {
             (
                 transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
-                transpose_rows(column_ptrs(&blocks, |w| {
-                    w.qs.as_ptr().add(16) as *const u8
-                })),
+                transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr().add(16) as *const u8)),
             )
         };
         let signed = [
-            first[0], first[1], first[2], first[3], second[0], second[1], second[2],
-            second[3],
+            first[0], first[1], first[2], first[3], second[0], second[1], second[2], second[3],
         ];
         let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
         let d = f16x8(blocks.map(|b| b.d));

@@ -358,19 +358,27 @@ impl CpuBackend {
         });
     }
 
-    fn matmul_quantized(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
-        let k = &self.kernels;
-        let nb = w.cols / QK;
+    /// Activation rows quantised per block for the int8 kernels.
+    fn quantize_rows(&self, x: &[f32], n: usize, cols: usize) -> Vec<BlockQ8Act> {
+        let quantize = self.kernels.quantize_act;
+        let nb = cols / QK;
         let mut acts = vec![BlockQ8Act::default(); n * nb];
         if n <= SERIAL_QUANTIZE_ROWS {
-            for (a, x) in acts.chunks_exact_mut(nb).zip(x.chunks_exact(w.cols)) {
-                (k.quantize_act)(x, a);
+            for (a, x) in acts.chunks_exact_mut(nb).zip(x.chunks_exact(cols)) {
+                quantize(x, a);
             }
         } else {
             acts.par_chunks_mut(nb)
-                .zip(x.par_chunks(w.cols))
-                .for_each(|(a, x)| (k.quantize_act)(x, a));
+                .zip(x.par_chunks(cols))
+                .for_each(|(a, x)| quantize(x, a));
         }
+        acts
+    }
+
+    fn matmul_quantized(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
+        let k = &self.kernels;
+        let nb = w.cols / QK;
+        let acts = self.quantize_rows(x, n, w.cols);
         let acts = &acts;
         match &w.data {
             WeightData::Q4_0(b) => self.tiled(w.rows, n, out, |range, act_rows, o| {
@@ -381,11 +389,9 @@ impl CpuBackend {
                     }
                 }
             }),
-            WeightData::Q4_1(b) => {
-                self.grouped(b, w.rows, n, acts, out, (k.gemm_q4_1_group, k.dot_q4_1))
-            }
-            WeightData::Q8_0(b) => {
-                self.grouped(b, w.rows, n, acts, out, (k.gemm_q8_0_group, k.dot_q8_0))
+            WeightData::Q4_1(_) | WeightData::Q8_0(_) => {
+                let job = GroupedJob::of(w, out).expect("grouped block format");
+                self.grouped(&[job], n, acts)
             }
             WeightData::F32(_) | WeightData::F16(_) => {
                 unreachable!("float weights take the float path")
@@ -393,39 +399,44 @@ impl CpuBackend {
         }
     }
 
-    /// `out[n × rows]` = `acts` (`n` rows) · Wᵀ for block-quantised `w`: groups of
-    /// [`GROUP_ROWS`] weight rows run in parallel, each group is read once for all
-    /// activation rows; the rows after the last whole group take the one-row kernel.
-    fn grouped<B: Sync>(
-        &self,
-        w: &[B],
-        rows: usize,
-        n: usize,
-        acts: &[BlockQ8Act],
-        out: &mut [f32],
-        (group_kernel, dot): (GroupKernel<B>, DotKernel<B>),
-    ) {
+    /// `out = acts · Wᵀ` for every job's block-quantised `w`: groups of [`GROUP_ROWS`]
+    /// weight rows of all the jobs run as one parallel pass, each group read once for all
+    /// `n` activation rows; the rows after a matrix's last whole group take the one-row kernel.
+    fn grouped(&self, jobs: &[GroupedJob<'_>], n: usize, acts: &[BlockQ8Act]) {
         let nb = acts.len() / n;
         if nb == 0 {
-            out.fill(0.0);
+            for job in jobs {
+                // SAFETY: the job's output is `n × rows` long and borrowed for the call.
+                unsafe { std::slice::from_raw_parts_mut(job.out.ptr(), n * job.rows) }.fill(0.0);
+            }
             return;
         }
-        let groups = rows / GROUP_ROWS;
-        let group_blocks = GROUP_ROWS * nb;
-        let shared = SharedOut(out.as_mut_ptr());
-        let tasks = groups.div_ceil(GROUPS_PER_TASK);
-        (0..tasks).into_par_iter().for_each_init(
+        let k = &self.kernels;
+        // Task `t` of the pass is task `t - first[i]` of job `i`.
+        let mut first = Vec::with_capacity(jobs.len() + 1);
+        first.push(0);
+        for job in jobs {
+            let tasks = (job.rows / GROUP_ROWS).div_ceil(GROUPS_PER_TASK);
+            first.push(first[first.len() - 1] + tasks);
+        }
+        let total = first[jobs.len()];
+        (0..total).into_par_iter().for_each_init(
             || vec![[0f32; GROUP_ROWS]; n],
             |sums, t| {
-                for g in t * GROUPS_PER_TASK..((t + 1) * GROUPS_PER_TASK).min(groups) {
-                    group_kernel(&w[g * group_blocks..(g + 1) * group_blocks], acts, sums);
+                let i = first.partition_point(|&f| f <= t) - 1;
+                let job = &jobs[i];
+                let groups = job.rows / GROUP_ROWS;
+                let local = t - first[i];
+                for g in local * GROUPS_PER_TASK..((local + 1) * GROUPS_PER_TASK).min(groups) {
+                    job.weights.group(k, g, nb, acts, sums);
                     for (j, s) in sums.iter().enumerate() {
                         // SAFETY: columns g·8..g·8 + 8 of every output row belong to group
-                        // g only, and j < n, g·8 + 8 ≤ rows keep them inside `out`.
+                        // g of this job only, and j < n, g·8 + 8 ≤ rows keep them inside
+                        // the job's output.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 s.as_ptr(),
-                                shared.ptr().add(j * rows + g * GROUP_ROWS),
+                                job.out.ptr().add(j * job.rows + g * GROUP_ROWS),
                                 GROUP_ROWS,
                             )
                         };
@@ -433,11 +444,71 @@ impl CpuBackend {
                 }
             },
         );
-        for r in groups * GROUP_ROWS..rows {
-            let row = &w[r * nb..(r + 1) * nb];
-            for (j, a) in acts.chunks_exact(nb).enumerate() {
-                out[j * rows + r] = dot(row, a);
+        for job in jobs {
+            for r in job.rows / GROUP_ROWS * GROUP_ROWS..job.rows {
+                for (j, a) in acts.chunks_exact(nb).enumerate() {
+                    // SAFETY: row j, column r is inside the job's `n × rows` output, and
+                    // the parallel pass above has finished.
+                    unsafe {
+                        job.out
+                            .write(j * job.rows + r, job.weights.dot(k, r, nb, a))
+                    };
+                }
             }
+        }
+    }
+}
+
+/// One matrix of a [`CpuBackend::grouped`] pass and where its `n × rows` output goes.
+struct GroupedJob<'a> {
+    weights: GroupedWeights<'a>,
+    rows: usize,
+    out: SharedOut,
+}
+
+impl<'a> GroupedJob<'a> {
+    /// `None` for formats without grouped kernels.
+    fn of(w: &'a Matrix, out: &mut [f32]) -> Option<GroupedJob<'a>> {
+        let weights = match &w.data {
+            WeightData::Q4_1(b) => GroupedWeights::Q4_1(b),
+            WeightData::Q8_0(b) => GroupedWeights::Q8_0(b),
+            _ => return None,
+        };
+        Some(GroupedJob {
+            weights,
+            rows: w.rows,
+            out: SharedOut(out.as_mut_ptr()),
+        })
+    }
+}
+
+enum GroupedWeights<'a> {
+    Q4_1(&'a [BlockQ4_1]),
+    Q8_0(&'a [BlockQ8_0]),
+}
+
+impl GroupedWeights<'_> {
+    /// Group `g` (rows `g·8..g·8 + 8`) against every activation row.
+    fn group(
+        &self,
+        k: &Kernels,
+        g: usize,
+        nb: usize,
+        acts: &[BlockQ8Act],
+        sums: &mut [[f32; GROUP_ROWS]],
+    ) {
+        let blocks = g * GROUP_ROWS * nb..(g + 1) * GROUP_ROWS * nb;
+        match self {
+            GroupedWeights::Q4_1(w) => (k.gemm_q4_1_group)(&w[blocks], acts, sums),
+            GroupedWeights::Q8_0(w) => (k.gemm_q8_0_group)(&w[blocks], acts, sums),
+        }
+    }
+
+    /// Row `r` · one activation row.
+    fn dot(&self, k: &Kernels, r: usize, nb: usize, act: &[BlockQ8Act]) -> f32 {
+        match self {
+            GroupedWeights::Q4_1(w) => (k.dot_q4_1)(&w[r * nb..(r + 1) * nb], act),
+            GroupedWeights::Q8_0(w) => (k.dot_q8_0)(&w[r * nb..(r + 1) * nb], act),
         }
     }
 }
@@ -506,13 +577,33 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn attention(
-        &self,
-        q: &[f32],
-        chunks: &[AttentionChunk<'_>],
-        n_heads: usize,
-        out: &mut [f32],
-    ) {
+    fn matmul_shared_input(&self, ws: &[&Matrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), outs.len(), "one output per matrix");
+        let cols = ws.first().map_or(0, |w| w.cols);
+        let jobs: Option<Vec<GroupedJob<'_>>> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, out)| {
+                assert_eq!(out.len(), n * w.rows, "matmul output shape");
+                (w.cols == cols).then(|| GroupedJob::of(w, out)).flatten()
+            })
+            .collect();
+        match jobs {
+            // Block-quantised matrices share one activation quantisation and one pass.
+            Some(jobs) if n > 0 && cols.is_multiple_of(QK) => {
+                assert_eq!(x.len(), n * cols, "matmul input shape");
+                let acts = self.quantize_rows(x, n, cols);
+                self.grouped(&jobs, n, &acts)
+            }
+            _ => {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    self.matmul(w, x, n, out)
+                }
+            }
+        }
+    }
+
+    fn attention(&self, q: &[f32], chunks: &[AttentionChunk<'_>], n_heads: usize, out: &mut [f32]) {
         let Some(first) = chunks.first() else { return };
         let (hd, n_kv) = (first.kv.head_dim, first.kv.n_kv_heads);
         let row_len = n_heads * hd;

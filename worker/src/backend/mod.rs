@@ -203,18 +203,19 @@ pub trait Backend: Send + Sync {
     fn run(&self, work: &mut (dyn FnMut() + Send));
     /// `out[n × w.rows] = x[n × w.cols] · Wᵀ`.
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]);
+    /// `outs[i][n × ws[i].rows] = x · Wᵢᵀ` for matrices that read the same input (the Q/K/V
+    /// projections, gate and up), which a backend may compute as one pass.
+    fn matmul_shared_input(&self, ws: &[&Matrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, n, out)
+        }
+    }
     /// Causal attention for every chunk of a step in one call, so the backend can spread
     /// all of them over its threads at once. `q` and `out` are stacked rows of
     /// `n_heads × head_dim`; each chunk's token `i` (row `rows.start + i`, at position
     /// `start_pos + i`) attends over positions `0..=start_pos + i` of its own `kv`.
     /// Grouped-query heads share kv head `h / (n_heads / n_kv_heads)`.
-    fn attention(
-        &self,
-        q: &[f32],
-        chunks: &[AttentionChunk<'_>],
-        n_heads: usize,
-        out: &mut [f32],
-    );
+    fn attention(&self, q: &[f32], chunks: &[AttentionChunk<'_>], n_heads: usize, out: &mut [f32]);
 }
 
 /// One sequence's part of a batched [`Backend::attention`] call.

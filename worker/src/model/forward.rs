@@ -3,6 +3,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use super::weights::Linear;
 use super::{ForwardError, KvCache, Model, SequenceChunk, WeightPrecision};
 use crate::backend::{AttentionChunk, Backend};
@@ -17,6 +19,7 @@ pub(super) fn forward(
     let (nh, nkv) = (w.n_heads, w.n_kv_heads);
     let rows = Rows::of(batch);
     let n = rows.positions.len();
+    let rotations = Rotations::new(&rows.positions, hd, cfg.rope_theta);
     let ffn = w
         .layers
         .first()
@@ -34,11 +37,15 @@ pub(super) fn forward(
     let (mut gate, mut up) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
     for (l, lw) in w.layers.iter().enumerate() {
         rms_norm(&x, &lw.attn_norm, eps, &mut xb);
-        linear(be, &lw.wq, &xb, &rows.segments, &mut q);
-        linear(be, &lw.wk, &xb, &rows.segments, &mut k);
-        linear(be, &lw.wv, &xb, &rows.segments, &mut v);
-        rope(&mut q, &rows.positions, hd, cfg.rope_theta);
-        rope(&mut k, &rows.positions, hd, cfg.rope_theta);
+        linear_shared_input(
+            be,
+            [&lw.wq, &lw.wk, &lw.wv],
+            &xb,
+            &rows.segments,
+            [&mut q, &mut k, &mut v],
+        );
+        rotations.apply(&mut q);
+        rotations.apply(&mut k);
         for (c, r) in batch.iter().zip(&rows.chunks) {
             let kv_rows = r.start * nkv * hd..r.end * nkv * hd;
             kv.store(
@@ -63,9 +70,14 @@ pub(super) fn forward(
         m.all_reduce(&mut out)?;
         add(&mut x, &out);
         rms_norm(&x, &lw.ffn_norm, eps, &mut xb);
-        linear(be, &lw.w_gate, &xb, &rows.segments, &mut gate);
-        linear(be, &lw.w_up, &xb, &rows.segments, &mut up);
-        swiglu(&mut gate, &up);
+        linear_shared_input(
+            be,
+            [&lw.w_gate, &lw.w_up],
+            &xb,
+            &rows.segments,
+            [&mut gate, &mut up],
+        );
+        swiglu(&mut gate, &up, ffn);
         linear(be, &lw.w_down, &gate, &rows.segments, &mut out);
         m.all_reduce(&mut out)?;
         add(&mut x, &out);
@@ -144,43 +156,93 @@ fn linear(
     }
 }
 
+/// Rows per task of the element-wise steps: a decode step's few rows stay on the calling
+/// thread, a batch's many rows spread over the pool the forward pass runs in.
+const ELEMENTWISE_ROWS: usize = 8;
+
+/// [`linear`] for layers that read the same input, handed to the backend together.
+fn linear_shared_input<const L: usize>(
+    be: &dyn Backend,
+    ws: [&Linear; L],
+    x: &[f32],
+    segments: &[(Range<usize>, WeightPrecision)],
+    mut outs: [&mut [f32]; L],
+) {
+    let cols = ws.first().map_or(0, |w| w.get(WeightPrecision::Full).cols);
+    for (r, p) in segments {
+        let ms = ws.map(|w| w.get(*p));
+        let mut parts: Vec<&mut [f32]> = outs
+            .iter_mut()
+            .zip(&ms)
+            .map(|(out, m)| &mut out[r.start * m.rows..r.end * m.rows])
+            .collect();
+        be.matmul_shared_input(&ms, &x[r.start * cols..r.end * cols], r.len(), &mut parts);
+    }
+}
+
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
-    for (x, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-        let scale = 1.0 / (ms + eps).sqrt();
-        for ((o, x), w) in o.iter_mut().zip(x).zip(weight) {
-            *o = x * scale * w;
-        }
-    }
+    x.par_chunks(dim)
+        .zip(out.par_chunks_mut(dim))
+        .with_min_len(ELEMENTWISE_ROWS)
+        .for_each(|(x, o)| {
+            let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let scale = 1.0 / (ms + eps).sqrt();
+            for ((o, x), w) in o.iter_mut().zip(x).zip(weight) {
+                *o = x * scale * w;
+            }
+        });
 }
 
 /// Rotary embedding on adjacent pairs `(2i, 2i+1)` of every head, frequency θ^(−2i/head_dim).
-fn rope(x: &mut [f32], positions: &[usize], head_dim: usize, theta: f32) {
-    let row_len = x.len() / positions.len().max(1);
-    let inv_freq: Vec<f32> = (0..head_dim / 2)
-        .map(|i| theta.powf(-((2 * i) as f32) / head_dim as f32))
-        .collect();
-    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
-        let rot: Vec<(f32, f32)> = inv_freq
-            .iter()
-            .map(|f| (pos as f32 * f).sin_cos())
+/// The angles depend only on the positions, so every layer reuses one table.
+struct Rotations {
+    head_dim: usize,
+    /// `(sin, cos)` of pair `i` at row `r`: `[r * head_dim / 2 + i]`.
+    sin_cos: Vec<(f32, f32)>,
+}
+
+impl Rotations {
+    fn new(positions: &[usize], head_dim: usize, theta: f32) -> Rotations {
+        let inv_freq: Vec<f32> = (0..head_dim / 2)
+            .map(|i| theta.powf(-((2 * i) as f32) / head_dim as f32))
             .collect();
-        for head in row.chunks_exact_mut(head_dim) {
-            for (pair, &(sin, cos)) in head.chunks_exact_mut(2).zip(&rot) {
-                let (a, b) = (pair[0], pair[1]);
-                pair[0] = a * cos - b * sin;
-                pair[1] = a * sin + b * cos;
-            }
-        }
+        let sin_cos = positions
+            .iter()
+            .flat_map(|&pos| inv_freq.iter().map(move |f| (pos as f32 * f).sin_cos()))
+            .collect();
+        Rotations { head_dim, sin_cos }
+    }
+
+    fn apply(&self, x: &mut [f32]) {
+        let pairs = self.head_dim / 2;
+        let rows = self.sin_cos.len() / pairs.max(1);
+        let row_len = (x.len() / rows.max(1)).max(1);
+        x.par_chunks_mut(row_len)
+            .zip(self.sin_cos.par_chunks(pairs.max(1)))
+            .with_min_len(ELEMENTWISE_ROWS)
+            .for_each(|(row, rot)| {
+                for head in row.chunks_exact_mut(self.head_dim) {
+                    for (pair, &(sin, cos)) in head.chunks_exact_mut(2).zip(rot) {
+                        let (a, b) = (pair[0], pair[1]);
+                        pair[0] = a * cos - b * sin;
+                        pair[1] = a * sin + b * cos;
+                    }
+                }
+            });
     }
 }
 
-/// `gate = silu(gate) · up`
-fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+/// `gate = silu(gate) · up`, row by row.
+fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
+    gate.par_chunks_mut(width.max(1))
+        .zip(up.par_chunks(width.max(1)))
+        .with_min_len(ELEMENTWISE_ROWS)
+        .for_each(|(g, u)| {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        });
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

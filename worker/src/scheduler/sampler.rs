@@ -108,15 +108,26 @@ impl Sampler {
 /// The highest logit's id; the lowest id wins a tie. NaN logits are never chosen over
 /// numbers.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_value = f32::NEG_INFINITY;
-    for (id, &value) in logits.iter().enumerate() {
-        if value > best_value {
-            best = id;
-            best_value = value;
+    // Two passes, the maximum and then its first position, so that each loop is a plain
+    // lane-wise compare the compiler vectorises: greedy decoding runs this over the whole
+    // vocabulary for every sequence of every step. NaN never wins either comparison.
+    const LANES: usize = 16;
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if max == f32::NEG_INFINITY {
+        return 0;
+    }
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 /// The ids of the `n` largest logits, largest first, ties broken by lower id.
@@ -158,6 +169,14 @@ mod tests {
         let mut sampler = Sampler::new(&params(0.0, 0, 1.0, 1));
         assert_eq!(sampler.sample(&[0.1, 3.0, -1.0, 3.0]), 1);
         assert_eq!(argmax(&[f32::NAN, -5.0, f32::NAN]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN]), 0);
+        // Past one vector of lanes: the first of two equal maxima, whichever lane holds it.
+        let mut long: Vec<f32> = (0..100).map(|i| (i % 7) as f32).collect();
+        long[37] = 9.0;
+        long[21] = 9.0;
+        assert_eq!(argmax(&long), 21);
+        long.push(10.0);
+        assert_eq!(argmax(&long), 100);
     }
 
     #[test]
