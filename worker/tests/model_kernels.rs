@@ -195,17 +195,39 @@ fn float_kernels_match_scalar() {
             for (p, q) in y1.iter().zip(&y2) {
                 assert!(close(*p, *q, 1e-6), "axpy n={n}");
             }
-            // Eleven rows of n values, n + 3 apart, as the keys or values of one kv head.
+            // Eleven rows of n values, n + 3 apart, as the keys or values of one kv head,
+            // scored for one to five query heads (more than one pass of heads).
             let stride = n + 3;
             let rows = rng.vec(10 * stride + n, 1.0);
-            let (mut s1, mut s2) = ([0f32; 11], [0f32; 11]);
-            (scalar.dot_strided)(&a, &rows, stride, 0.125, &mut s1);
-            (fast.dot_strided)(&a, &rows, stride, 0.125, &mut s2);
-            for (i, (p, q)) in s1.iter().zip(&s2).enumerate() {
-                let direct = quant::dot_f32_scalar(&a, &rows[i * stride..i * stride + n]) * 0.125;
-                assert!(close(*p, direct, 1e-6), "dot_strided scalar n={n} row {i}");
-                assert_eq!(p, q, "dot_strided n={n} row {i}");
+            let keys = quant::StridedRows {
+                data: &rows,
+                stride,
+                count: 11,
+            };
+            for heads in 1..=5 {
+                let qs = rng.vec(heads * n, 1.0);
+                // Each head's scores 13 apart: the kernels leave the gaps alone.
+                let (mut s1, mut s2) = (vec![7f32; heads * 13], vec![7f32; heads * 13]);
+                (scalar.dot_strided)(&qs, heads, keys, 0.125, &mut s1, 13);
+                (fast.dot_strided)(&qs, heads, keys, 0.125, &mut s2, 13);
+                assert_eq!(s1, s2, "dot_strided n={n} heads={heads}");
+                for h in 0..heads {
+                    for i in 0..13 {
+                        let got = s1[h * 13 + i];
+                        if i >= 11 {
+                            assert_eq!(got, 7.0, "dot_strided wrote a gap");
+                            continue;
+                        }
+                        let q = &qs[h * n..(h + 1) * n];
+                        let direct = quant::dot_f32_scalar(q, keys.row(i, n)) * 0.125;
+                        assert!(
+                            close(got, direct, 1e-6),
+                            "dot_strided n={n} head {h} row {i}"
+                        );
+                    }
+                }
             }
+            let s1: Vec<f32> = (0..11).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
             let (mut y1, mut y2) = (b.clone(), b.clone());
             (scalar.axpy_strided)(&s1, &rows, stride, &mut y1);
             (fast.axpy_strided)(&s1, &rows, stride, &mut y2);

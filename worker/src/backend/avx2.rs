@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK};
+use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows};
 
 /// Whether this CPU can run the kernels in this module.
 pub fn available() -> bool {
@@ -604,53 +604,66 @@ pub unsafe fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
 
 /// As [`super::quant::dot_strided_scalar`], bit for bit: eight rows at a time, one row per
 /// lane, each lane a single fused multiply-add chain over the values in order. Blocks of
-/// 8 × 8 values are transposed so that one vector holds value `d` of the eight rows.
+/// 8 × 8 values are transposed so that one vector holds value `d` of the eight rows, and
+/// each transposed block serves up to [`HEADS_PER_PASS`] query heads.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_strided(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
-    let n = q.len();
-    let row = |i: usize| &rows[i * stride..i * stride + n];
+pub unsafe fn dot_strided(
+    q: &[f32],
+    heads: usize,
+    rows: StridedRows<'_>,
+    scale: f32,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let n = q.len() / heads.max(1);
     let mut i = 0;
     if n.is_multiple_of(8) {
-        while i + 8 <= out.len() {
-            let r: [&[f32]; 8] = [
-                row(i),
-                row(i + 1),
-                row(i + 2),
-                row(i + 3),
-                row(i + 4),
-                row(i + 5),
-                row(i + 6),
-                row(i + 7),
-            ];
-            let mut acc = _mm256_setzero_ps();
-            for c in (0..n).step_by(8) {
-                // SAFETY: `c + 8 ≤ n` and every row is `n` long.
-                let v = r.map(|r| unsafe { _mm256_loadu_ps(r.as_ptr().add(c)) });
-                for (j, column) in transpose_8x8(v).into_iter().enumerate() {
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(q[c + j]), column, acc);
+        while i + 8 <= rows.count {
+            let r: [&[f32]; 8] = std::array::from_fn(|j| rows.row(i + j, n));
+            for h0 in (0..heads).step_by(HEADS_PER_PASS) {
+                let pass = (heads - h0).min(HEADS_PER_PASS);
+                let mut acc = [_mm256_setzero_ps(); HEADS_PER_PASS];
+                for c in (0..n).step_by(8) {
+                    // SAFETY: `c + 8 ≤ n` and every row is `n` long.
+                    let v = r.map(|r| unsafe { _mm256_loadu_ps(r.as_ptr().add(c)) });
+                    let columns = transpose_8x8(v);
+                    for (h, acc) in acc[..pass].iter_mut().enumerate() {
+                        let qh = &q[(h0 + h) * n + c..(h0 + h) * n + c + 8];
+                        for (j, column) in columns.iter().enumerate() {
+                            *acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[j]), *column, *acc);
+                        }
+                    }
+                }
+                for (h, acc) in acc[..pass].iter().enumerate() {
+                    let at = (h0 + h) * out_stride + i;
+                    assert!(at + 8 <= out.len(), "dot_strided output");
+                    // SAFETY: checked just above.
+                    unsafe {
+                        _mm256_storeu_ps(
+                            out.as_mut_ptr().add(at),
+                            _mm256_mul_ps(*acc, _mm256_set1_ps(scale)),
+                        )
+                    };
                 }
             }
-            // SAFETY: `i + 8 ≤ out.len()`.
-            unsafe {
-                _mm256_storeu_ps(
-                    out.as_mut_ptr().add(i),
-                    _mm256_mul_ps(acc, _mm256_set1_ps(scale)),
-                )
-            };
             i += 8;
         }
     }
-    for (j, o) in out.iter_mut().enumerate().skip(i) {
-        let mut acc = 0f32;
-        for (a, b) in q.iter().zip(row(j)) {
-            acc = a.mul_add(*b, acc);
-        }
-        *o = acc * scale;
+    if i < rows.count {
+        let rest = StridedRows {
+            data: &rows.data[i * rows.stride..],
+            stride: rows.stride,
+            count: rows.count - i,
+        };
+        super::quant::dot_strided_scalar(q, heads, rest, scale, &mut out[i..], out_stride);
     }
 }
+
+/// Query heads that share one transposed block of keys in [`dot_strided`].
+const HEADS_PER_PASS: usize = 4;
 
 /// Rows `v[0..8]` → columns: lane `i` of result `j` is lane `j` of `v[i]`.
 #[inline]

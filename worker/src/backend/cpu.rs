@@ -6,7 +6,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::quant::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK};
+use super::quant::{
+    self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
+};
 use super::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
 
 /// A group of [`GROUP_ROWS`] weight rows (row-major blocks) against every activation row:
@@ -28,7 +30,7 @@ pub struct Kernels {
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub axpy: fn(f32, &[f32], &mut [f32]),
-    pub dot_strided: fn(&[f32], &[f32], usize, f32, &mut [f32]),
+    pub dot_strided: fn(&[f32], usize, StridedRows<'_>, f32, &mut [f32], usize),
     pub axpy_strided: fn(&[f32], &[f32], usize, &mut [f32]),
 }
 
@@ -90,8 +92,8 @@ fn avx2_kernels() -> Kernels {
         dot_f32: |a, b| unsafe { avx2::dot_f32(a, b) },
         dot_f16: |w, x| unsafe { avx2::dot_f16(w, x) },
         axpy: |a, x, y| unsafe { avx2::axpy(a, x, y) },
-        dot_strided: |q, rows, stride, scale, out| unsafe {
-            avx2::dot_strided(q, rows, stride, scale, out)
+        dot_strided: |q, heads, rows, scale, out, out_stride| unsafe {
+            avx2::dot_strided(q, heads, rows, scale, out, out_stride)
         },
         axpy_strided: |w, rows, stride, out| unsafe { avx2::axpy_strided(w, rows, stride, out) },
     }
@@ -636,53 +638,62 @@ impl Backend for CpuBackend {
                 let ((chunk, row), kvh) = (decode_rows[task / n_kv], task % n_kv);
                 let c = &chunks[chunk];
                 let len = c.start_pos + (row - c.rows.start) + 1;
-                for h in kvh * group..(kvh + 1) * group {
-                    let at = row * row_len + h * hd;
-                    // SAFETY: head h of row `row` is written by this task only, and
-                    // `at + hd ≤ out.len()` since `row` is inside a chunk's rows.
-                    let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(at), hd) };
-                    attend_one(k, &q[at..at + hd], &c.kv, kvh, len, scale, scores, o);
-                }
+                let at = row * row_len + kvh * group * hd;
+                let width = group * hd;
+                // SAFETY: the heads of kv head `kvh` in row `row` are written by this task
+                // only, and `at + width ≤ out.len()` since `row` is inside a chunk's rows.
+                let o = unsafe { std::slice::from_raw_parts_mut(shared.ptr().add(at), width) };
+                attend_group(k, &q[at..at + width], &c.kv, kvh, len, scale, scores, o);
             },
         );
     }
 }
 
-/// One query vector's attention over the first `len` positions of kv head `kvh`; the keys
-/// and values are read page by page, a page's slots of one kv head being evenly spaced.
+/// The attention of the query heads that share kv head `kvh` (laid end to end in `q`) over
+/// its first `len` positions. Keys and values are read page by page, a page's slots of one
+/// kv head being evenly spaced; every page's keys are scored for all the heads at once.
 #[allow(clippy::too_many_arguments)]
-fn attend_one(
+fn attend_group(
     k: &Kernels,
-    qv: &[f32],
+    q: &[f32],
     kv: &PagedKv<'_>,
     kvh: usize,
     len: usize,
     scale: f32,
     scores: &mut Vec<f32>,
-    o: &mut [f32],
+    out: &mut [f32],
 ) {
-    let stride = kv.n_kv_heads * kv.head_dim;
+    let hd = kv.head_dim;
+    let heads = q.len() / hd;
+    let stride = kv.n_kv_heads * hd;
     let pages = || {
         (0..len).step_by(kv.block_size).map(|p0| {
             let first = kv.offset(p0, kvh);
             (p0..(p0 + kv.block_size).min(len), first)
         })
     };
-    scores.resize(len, 0.0);
+    scores.resize(heads * len, 0.0);
     for (range, first) in pages() {
-        (k.dot_strided)(qv, &kv.k[first..], stride, scale, &mut scores[range]);
+        let keys = StridedRows {
+            data: &kv.k[first..],
+            stride,
+            count: range.len(),
+        };
+        (k.dot_strided)(q, heads, keys, scale, &mut scores[range.start..], len);
     }
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    for s in scores.iter_mut() {
-        *s /= sum;
-    }
-    o.fill(0.0);
-    for (range, first) in pages() {
-        (k.axpy_strided)(&scores[range], &kv.v[first..], stride, o);
+    for (s, o) in scores.chunks_exact_mut(len).zip(out.chunks_exact_mut(hd)) {
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for v in s.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for v in s.iter_mut() {
+            *v /= sum;
+        }
+        o.fill(0.0);
+        for (range, first) in pages() {
+            (k.axpy_strided)(&s[range], &kv.v[first..], stride, o);
+        }
     }
 }

@@ -331,18 +331,44 @@ pub fn dot_f16_scalar(w: &[f16], x: &[f32]) -> f32 {
     w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
 }
 
-/// `out[i] = scale · (q · row i)` for `out.len()` rows of `q.len()` values whose starts
-/// are `stride` apart in `rows` (the keys of one kv head in a cache page). Each product is
-/// one fused multiply-add chain in order, the rounding of the GEMM that scores prefill
-/// chunks, so a position's attention is the same whether it was decoded or recomputed.
-pub fn dot_strided_scalar(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
-    for (i, o) in out.iter_mut().enumerate() {
-        let row = &rows[i * stride..i * stride + q.len()];
-        let mut acc = 0f32;
-        for (a, b) in q.iter().zip(row) {
-            acc = a.mul_add(*b, acc);
+/// `count` rows whose starts are `stride` apart in `data`: the keys or values of one kv
+/// head in a cache page.
+#[derive(Clone, Copy)]
+pub struct StridedRows<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub count: usize,
+}
+
+impl<'a> StridedRows<'a> {
+    /// The first `len` values of row `i`.
+    #[inline]
+    pub fn row(&self, i: usize, len: usize) -> &'a [f32] {
+        &self.data[i * self.stride..i * self.stride + len]
+    }
+}
+
+/// `out[h · out_stride + i] = scale · (query h · row i)` for the `heads` query vectors laid
+/// end to end in `q` (the heads that share one kv head). Each product is one fused
+/// multiply-add chain in order, the rounding of the GEMM that scores prefill chunks, so a
+/// position's attention is the same whether it was decoded or recomputed.
+pub fn dot_strided_scalar(
+    q: &[f32],
+    heads: usize,
+    rows: StridedRows<'_>,
+    scale: f32,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let n = q.len() / heads.max(1);
+    for (h, q) in q.chunks_exact(n.max(1)).take(heads).enumerate() {
+        for i in 0..rows.count {
+            let mut acc = 0f32;
+            for (a, b) in q.iter().zip(rows.row(i, n)) {
+                acc = a.mul_add(*b, acc);
+            }
+            out[h * out_stride + i] = acc * scale;
         }
-        *o = acc * scale;
     }
 }
 
