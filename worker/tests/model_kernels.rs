@@ -173,6 +173,50 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
 }
 
 #[test]
+fn exponential_kernels_match_the_standard_library() {
+    let (scalar, simd) = kernel_sets();
+    // A softmax's shifted scores and SwiGLU's gates, out to where e^x leaves the normal
+    // floats, with a length that leaves a scalar tail.
+    let mut xs: Vec<f32> = (0..2001).map(|i| (i as f32 - 1000.0) * 0.1).collect();
+    xs.extend([0.0, -0.0, 1e-8, -1e-8, 88.0, -87.0, 200.0, -200.0]);
+    let ys: Vec<f32> = xs.iter().map(|x| (x * 7.3).sin()).collect();
+    for fast in &simd {
+        // Softmax shifts by the maximum, so exp's inputs are at most 0.
+        let scores: Vec<f32> = xs.iter().copied().filter(|x| *x < 80.0).collect();
+        let shift = scores.iter().copied().fold(f32::MIN, f32::max);
+        let (mut want, mut got) = (scores.clone(), scores.clone());
+        let want_sum = (scalar.exp_sum)(&mut want, shift);
+        let got_sum = (fast.exp_sum)(&mut got, shift);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(
+                (w - g).abs() <= 4e-7 * w.abs() + f32::MIN_POSITIVE,
+                "{} exp({} - {shift}): {g} vs {w}",
+                fast.name,
+                scores[i]
+            );
+        }
+        // The two sum in different orders; both must be near the exact sum.
+        let exact: f64 = want.iter().map(|&v| f64::from(v)).sum();
+        for sum in [want_sum, got_sum] {
+            let error = (f64::from(sum) - exact).abs() / exact;
+            assert!(error < 1e-5, "{} exp sum {sum} vs {exact}", fast.name);
+        }
+        let (mut want, mut got) = (xs.clone(), xs.clone());
+        (scalar.silu_mul)(&mut want, &ys);
+        (fast.silu_mul)(&mut got, &ys);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(
+                (w - g).abs() <= 1e-6 * w.abs() + 1e-30,
+                "{} silu({}) · {}: {g} vs {w}",
+                fast.name,
+                xs[i],
+                ys[i]
+            );
+        }
+    }
+}
+
+#[test]
 fn float_kernels_match_scalar() {
     let (scalar, simd) = kernel_sets();
     for fast in &simd {

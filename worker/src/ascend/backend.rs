@@ -375,6 +375,10 @@ impl Backend for AclBackend {
         }
     }
 
+    fn swiglu(&self, gate: &mut [f32], up: &[f32], width: usize) {
+        self.host.swiglu(gate, up, width)
+    }
+
     fn attention(&self, q: &[f32], chunks: &[AttentionChunk<'_>], n_heads: usize, out: &mut [f32]) {
         self.host.attention(q, chunks, n_heads, out)
     }

@@ -735,6 +735,88 @@ pub unsafe fn axpy_strided(weights: &[f32], rows: &[f32], stride: usize, out: &m
     }
 }
 
+/// e^x for eight lanes: x = n·ln2 + r with |r| ≤ ln2/2, e^r by its Taylor series to r⁷
+/// (within 2 ulp of the correctly rounded value), 2^n put into the exponent bits. Results
+/// stay normal floats: inputs above 88.37 give e^88.37 (softmax and SiLU only need that
+/// they are huge), and inputs whose e^x would be subnormal give 0 (an error below 1.2e-38).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp8(x: __m256) -> __m256 {
+    let normal = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-87.33));
+    let x = _mm256_max_ps(
+        _mm256_min_ps(x, _mm256_set1_ps(88.37)),
+        _mm256_set1_ps(-87.33),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // ln 2 in two parts, so n·ln2 is subtracted without rounding error for |n| ≤ 128.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), normal)
+}
+
+/// As [`super::quant::exp_sum_scalar`], with [`exp8`].
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+    let mut chunks = x.chunks_exact_mut(8);
+    let mut acc = _mm256_setzero_ps();
+    for c in &mut chunks {
+        // SAFETY: the chunk is 8 floats.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(
+                _mm256_loadu_ps(c.as_ptr()),
+                _mm256_set1_ps(shift),
+            ));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+    }
+    hsum(acc) + super::quant::exp_sum_scalar(chunks.into_remainder(), shift)
+}
+
+/// As [`super::quant::silu_mul_scalar`], with [`exp8`].
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: `i + 8 ≤ n` for both slices.
+        unsafe {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            let silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(silu, u));
+        }
+        i += 8;
+    }
+    super::quant::silu_mul_scalar(&mut gate[i..n], &up[i..n]);
+}
+
 /// y += a · x
 ///
 /// # Safety

@@ -30,6 +30,8 @@ pub struct Kernels {
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub axpy: fn(f32, &[f32], &mut [f32]),
+    pub exp_sum: fn(&mut [f32], f32) -> f32,
+    pub silu_mul: fn(&mut [f32], &[f32]),
     pub dot_strided: fn(&[f32], usize, StridedRows<'_>, f32, &mut [f32], usize),
     pub axpy_strided: fn(&[f32], &[f32], usize, &mut [f32]),
 }
@@ -48,6 +50,8 @@ impl Kernels {
             dot_f32: quant::dot_f32_scalar,
             dot_f16: quant::dot_f16_scalar,
             axpy: quant::axpy_scalar,
+            exp_sum: quant::exp_sum_scalar,
+            silu_mul: quant::silu_mul_scalar,
             dot_strided: quant::dot_strided_scalar,
             axpy_strided: quant::axpy_strided_scalar,
         }
@@ -92,6 +96,8 @@ fn avx2_kernels() -> Kernels {
         dot_f32: |a, b| unsafe { avx2::dot_f32(a, b) },
         dot_f16: |w, x| unsafe { avx2::dot_f16(w, x) },
         axpy: |a, x, y| unsafe { avx2::axpy(a, x, y) },
+        exp_sum: |x, shift| unsafe { avx2::exp_sum(x, shift) },
+        silu_mul: |gate, up| unsafe { avx2::silu_mul(gate, up) },
         dot_strided: |q, heads, rows, scale, out, out_stride| unsafe {
             avx2::dot_strided(q, heads, rows, scale, out, out_stride)
         },
@@ -127,6 +133,9 @@ const GROUPS_PER_TASK: usize = 2;
 const SERIAL_QUANTIZE_ROWS: usize = 4;
 /// Activation rows a weight tile is applied to at once.
 const ACT_ROWS: usize = 2;
+/// Rows per task of the element-wise kernels: a decode step's few rows stay on the calling
+/// thread.
+const SERIAL_ELEMENTWISE_ROWS: usize = 8;
 /// Batches up to this many rows use the dot-product path for float weights instead of GEMM.
 const GEMV_MAX_ROWS: usize = 2;
 /// Weight rows converted from f16 to f32 at a time before a GEMM.
@@ -193,6 +202,7 @@ impl CpuBackend {
         let total = start_pos + t;
         let group = n_heads / kv.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
+        let kernels = &self.kernels;
         let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..kv.n_kv_heads)
             .into_par_iter()
             .map(|g| {
@@ -253,11 +263,7 @@ impl CpuBackend {
                     .iter()
                     .copied()
                     .fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in &mut row[..visible] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
+                let sum = (kernels.exp_sum)(&mut row[..visible], max);
                 for s in &mut row[..visible] {
                     *s /= sum;
                 }
@@ -579,6 +585,14 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn swiglu(&self, gate: &mut [f32], up: &[f32], width: usize) {
+        let silu_mul = self.kernels.silu_mul;
+        gate.par_chunks_mut(width.max(1))
+            .zip(up.par_chunks(width.max(1)))
+            .with_min_len(SERIAL_ELEMENTWISE_ROWS)
+            .for_each(|(g, u)| silu_mul(g, u));
+    }
+
     fn matmul_shared_input(&self, ws: &[&Matrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
         assert_eq!(ws.len(), outs.len(), "one output per matrix");
         let cols = ws.first().map_or(0, |w| w.cols);
@@ -683,11 +697,7 @@ fn attend_group(
     }
     for (s, o) in scores.chunks_exact_mut(len).zip(out.chunks_exact_mut(hd)) {
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for v in s.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
+        let sum = (k.exp_sum)(s, max);
         for v in s.iter_mut() {
             *v /= sum;
         }

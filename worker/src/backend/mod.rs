@@ -210,6 +210,8 @@ pub trait Backend: Send + Sync {
             self.matmul(w, x, n, out)
         }
     }
+    /// `gate = silu(gate) · up` (SwiGLU's gating) over rows `width` long.
+    fn swiglu(&self, gate: &mut [f32], up: &[f32], width: usize);
     /// Causal attention for every chunk of a step in one call, so the backend can spread
     /// all of them over its threads at once. `q` and `out` are stacked rows of
     /// `n_heads × head_dim`; each chunk's token `i` (row `rows.start + i`, at position

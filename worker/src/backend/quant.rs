@@ -381,6 +381,23 @@ pub fn axpy_strided_scalar(weights: &[f32], rows: &[f32], stride: usize, out: &m
     }
 }
 
+/// `x[i] = exp(x[i] − shift)`, returning the sum: the exponentials of a softmax.
+pub fn exp_sum_scalar(x: &mut [f32], shift: f32) -> f32 {
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - shift).exp();
+        sum += *v;
+    }
+    sum
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]`, SwiGLU's gating.
+pub fn silu_mul_scalar(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
 /// y += a · x
 pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {

@@ -77,7 +77,7 @@ pub(super) fn forward(
             &rows.segments,
             [&mut gate, &mut up],
         );
-        swiglu(&mut gate, &up, ffn);
+        be.swiglu(&mut gate, &up, ffn);
         linear(be, &lw.w_down, &gate, &rows.segments, &mut out);
         m.all_reduce(&mut out)?;
         add(&mut x, &out);
@@ -231,18 +231,6 @@ impl Rotations {
                 }
             });
     }
-}
-
-/// `gate = silu(gate) · up`, row by row.
-fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
-    gate.par_chunks_mut(width.max(1))
-        .zip(up.par_chunks(width.max(1)))
-        .with_min_len(ELEMENTWISE_ROWS)
-        .for_each(|(g, u)| {
-            for (g, u) in g.iter_mut().zip(u) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-        });
 }
 
 fn add(x: &mut [f32], y: &[f32]) {
