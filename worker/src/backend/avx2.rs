@@ -652,13 +652,16 @@ pub unsafe fn dot_strided(
             i += 8;
         }
     }
-    if i < rows.count {
-        let rest = StridedRows {
-            data: &rows.data[i * rows.stride..],
-            stride: rows.stride,
-            count: rows.count - i,
-        };
-        super::quant::dot_strided_scalar(q, heads, rest, scale, &mut out[i..], out_stride);
+    // The rows after the last eight: the same in-order chains, one scalar FMA at a time.
+    for row in i..rows.count {
+        let keys = rows.row(row, n);
+        for h in 0..heads {
+            let mut acc = _mm_setzero_ps();
+            for (a, b) in q[h * n..(h + 1) * n].iter().zip(keys) {
+                acc = _mm_fmadd_ss(_mm_set_ss(*a), _mm_set_ss(*b), acc);
+            }
+            out[h * out_stride + row] = _mm_cvtss_f32(acc) * scale;
+        }
     }
 }
 

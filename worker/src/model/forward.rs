@@ -186,12 +186,26 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         .zip(out.par_chunks_mut(dim))
         .with_min_len(ELEMENTWISE_ROWS)
         .for_each(|(x, o)| {
-            let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let ms = sum_of_squares(x) / dim as f32;
             let scale = 1.0 / (ms + eps).sqrt();
             for ((o, x), w) in o.iter_mut().zip(x).zip(weight) {
                 *o = x * scale * w;
             }
         });
+}
+
+/// Σ x², in eight running sums so the loop vectorises instead of waiting on one chain of
+/// additions.
+fn sum_of_squares(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    for chunk in chunks {
+        for (s, v) in lanes.iter_mut().zip(chunk) {
+            *s += v * v;
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// Rotary embedding on adjacent pairs `(2i, 2i+1)` of every head, frequency θ^(−2i/head_dim).
