@@ -167,6 +167,20 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
                     assert_eq!(q41_fast[j..=j], group(fast.gemm_q4_1_group, &q41, alone(j)));
                     assert_eq!(q80_fast[j..=j], group(fast.gemm_q8_0_group, &q80, alone(j)));
                 }
+                // Every SIMD set computes the same integer sums, so they agree bit for bit.
+                let first = &simd[0];
+                assert_eq!(
+                    q41_fast,
+                    group(first.gemm_q4_1_group, &q41, xq),
+                    "{}",
+                    fast.name
+                );
+                assert_eq!(
+                    q80_fast,
+                    group(first.gemm_q8_0_group, &q80, xq),
+                    "{}",
+                    fast.name
+                );
             }
         }
     }

@@ -124,6 +124,7 @@ pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8Act]) {
         unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, ordered) };
         b.d = d;
         b.s = d * total as f32;
+        b.sum = total;
     }
 }
 
@@ -453,8 +454,8 @@ group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
 
 /// The grouped kernels with AVX-512 VNNI on 256-bit vectors: `vpdpbusd` multiplies and
 /// accumulates four byte pairs per lane in one instruction, and the 32 vector registers
-/// hold eight activation rows' accumulators next to a group's expanded weights. The `Q4_1`
-/// i32 sums are the same as the AVX2 kernels', so those results are identical.
+/// hold eight activation rows' accumulators next to a group's expanded weights. The i32
+/// sums are the same as the AVX2 kernels', so the results are identical.
 pub mod vnni {
     use super::*;
 
@@ -478,8 +479,8 @@ pub mod vnni {
     }
 
     /// `Q8_0` rows shifted to unsigned bytes (q + 128) once per block, so every activation
-    /// row takes plain `vpdpbusd`s with no sign fix-up; the shift adds 128·Σx, which the
-    /// activation block's `s` (= d·Σx) takes back out, as the `Q4_1` offset does.
+    /// row takes plain `vpdpbusd`s with no sign fix-up; the shift adds 128·Σx, which is
+    /// subtracted in integers, so the sums are exactly the AVX2 kernel's.
     ///
     /// # Safety
     /// The CPU must support the module's target features.
@@ -506,13 +507,13 @@ pub mod vnni {
             ]
             .map(|v| _mm256_xor_si256(v, shift));
             let d = f16x8(blocks.map(|b| b.d));
-            let offset = _mm256_mul_ps(d, _mm256_set1_ps(-128.0));
             prefetch_share(w, b, nb);
             for (acc, x) in acc.iter_mut().zip(x) {
                 let x = &x[b];
-                let sum = _mm256_cvtepi32_ps(q4_1_sum(&unsigned, &x.qs));
+                let shifted = q4_1_sum(&unsigned, &x.qs);
+                let sum = _mm256_sub_epi32(shifted, _mm256_set1_epi32(128 * x.sum));
+                let sum = _mm256_cvtepi32_ps(sum);
                 *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
-                *acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.s), *acc);
             }
         }
         acc.map(lanes)

@@ -46,6 +46,9 @@ pub struct BlockQ8_0 {
 pub struct BlockQ8Act {
     pub d: f32,
     pub s: f32,
+    /// Σq, which lets a kernel that shifts signed weights to unsigned bytes take the
+    /// shift back out exactly.
+    pub sum: i32,
     pub qs: [i8; QK],
 }
 
@@ -54,6 +57,7 @@ impl Default for BlockQ8Act {
         Self {
             d: 0.0,
             s: 0.0,
+            sum: 0,
             qs: [0; QK],
         }
     }
@@ -252,6 +256,7 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [BlockQ8Act]) {
         }
         b.d = d;
         b.s = d * sum as f32;
+        b.sum = sum;
     }
 }
 
