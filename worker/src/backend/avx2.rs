@@ -414,6 +414,23 @@ fn q8_0_sum(signed: &[__m256i; 8], magnitude: &[__m256i; 8], x: &[i8; QK]) -> __
     sum
 }
 
+/// The 32 signed bytes of eight `Q8_0` blocks as eight vectors; vector `k` holds bytes
+/// `4k..4k + 4` of block `r` in 32-bit lane `r`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_0_words(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> [__m256i; 8] {
+    // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
+    let (first, second) = unsafe {
+        (
+            transpose_rows(column_ptrs(blocks, |w| w.qs.as_ptr() as *const u8)),
+            transpose_rows(column_ptrs(blocks, |w| w.qs.as_ptr().add(16) as *const u8)),
+        )
+    };
+    [
+        first[0], first[1], first[2], first[3], second[0], second[1], second[2], second[3],
+    ]
+}
+
 /// `Q8_0` rows of a group against `A` activation rows, as `q4_1_group`.
 ///
 /// # Safety
@@ -428,16 +445,7 @@ unsafe fn q8_0_group<const A: usize>(
     let mut acc = [_mm256_setzero_ps(); A];
     for b in 0..nb {
         let blocks = column(w, nb, b);
-        // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
-        let (first, second) = unsafe {
-            (
-                transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
-                transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr().add(16) as *const u8)),
-            )
-        };
-        let signed = [
-            first[0], first[1], first[2], first[3], second[0], second[1], second[2], second[3],
-        ];
+        let signed = q8_0_words(&blocks);
         let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
         let d = f16x8(blocks.map(|b| b.d));
         prefetch_share(w, b, nb);
@@ -495,17 +503,7 @@ pub mod vnni {
         let mut acc = [_mm256_setzero_ps(); A];
         for b in 0..nb {
             let blocks = column(w, nb, b);
-            // SAFETY: each `qs` is 32 bytes, read as two 16-byte halves.
-            let (first, second) = unsafe {
-                (
-                    transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr() as *const u8)),
-                    transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr().add(16) as *const u8)),
-                )
-            };
-            let unsigned = [
-                first[0], first[1], first[2], first[3], second[0], second[1], second[2], second[3],
-            ]
-            .map(|v| _mm256_xor_si256(v, shift));
+            let unsigned = q8_0_words(&blocks).map(|v| _mm256_xor_si256(v, shift));
             let d = f16x8(blocks.map(|b| b.d));
             prefetch_share(w, b, nb);
             for (acc, x) in acc.iter_mut().zip(x) {
