@@ -18,7 +18,7 @@ use super::device::{Acl, Scratch, Stream, logical_device};
 use super::error::AscendError;
 use crate::collective::hccl_env;
 use crate::collective::rank_table::{self, PodIdentity, RankTable};
-use crate::collective::setup::{RANK_ENV, RANK_TABLE_FILE_ENV};
+use crate::collective::setup::{RANK_ENV, RANK_TABLE_FILE_ENV, join_concurrently};
 use crate::collective::{Collective, CollectiveError};
 
 /// What the HCCL transport reads from the pod's environment, checked before anything is loaded.
@@ -133,38 +133,22 @@ pub struct LocalNpuRank {
 pub fn join_local_ranks() -> anyhow::Result<Vec<LocalNpuRank>> {
     let settings = HcclSettings::from_env(|name| std::env::var(name).ok())?;
     let plans = settings.local_plans()?;
-    // HcclCommInitClusterInfo returns only once every rank has joined, so local ranks join
-    // concurrently.
-    std::thread::scope(|scope| {
-        let joining: Vec<_> = plans
-            .into_iter()
-            .map(|plan| {
-                let exec_timeout = settings.exec_timeout;
-                scope.spawn(move || -> anyhow::Result<LocalNpuRank> {
-                    tracing::info!(
-                        rank = plan.rank,
-                        world_size = plan.world_size,
-                        device = plan.device,
-                        rank_table = %plan.rank_table.display(),
-                        "joining the HCCL communicator"
-                    );
-                    let device = plan.device;
-                    let collective = HcclCollective::new(plan, exec_timeout)?;
-                    Ok(LocalNpuRank {
-                        device,
-                        collective: Arc::new(collective),
-                    })
-                })
-            })
-            .collect();
-        joining
-            .into_iter()
-            .map(|handle| {
-                handle
-                    .join()
-                    .unwrap_or_else(|_| anyhow::bail!("an HCCL set-up thread panicked"))
-            })
-            .collect()
+    // HcclCommInitClusterInfo returns only once every rank has joined.
+    let exec_timeout = settings.exec_timeout;
+    join_concurrently(plans, "HCCL", |plan| {
+        tracing::info!(
+            rank = plan.rank,
+            world_size = plan.world_size,
+            device = plan.device,
+            rank_table = %plan.rank_table.display(),
+            "joining the HCCL communicator"
+        );
+        let device = plan.device;
+        let collective = HcclCollective::new(plan, exec_timeout)?;
+        Ok(LocalNpuRank {
+            device,
+            collective: Arc::new(collective),
+        })
     })
 }
 

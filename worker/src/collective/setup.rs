@@ -160,21 +160,32 @@ pub fn join_local_ranks(settings: &RingSettings) -> anyhow::Result<Vec<Arc<dyn C
         world_size,
         "joining the tensor-parallel ring over TCP"
     );
-    // Every rank's set-up waits for its neighbours, so the local ranks connect concurrently.
+    // Every rank's set-up waits for its neighbours.
+    join_concurrently(ranks, "ring", |rank| {
+        join_tcp(settings, rank, endpoints.clone())
+    })
+}
+
+/// Runs `join` for every item on a thread of its own and returns the results in order.
+/// A rank's set-up returns only once its peers have joined too, so the ranks one process
+/// runs cannot join one after another.
+pub fn join_concurrently<I: Send, T: Send>(
+    items: impl IntoIterator<Item = I>,
+    what: &str,
+    join: impl Fn(I) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Vec<T>> {
+    let join = &join;
     std::thread::scope(|scope| {
-        let joining: Vec<_> = ranks
-            .iter()
-            .map(|&rank| {
-                let endpoints = endpoints.clone();
-                scope.spawn(move || join_tcp(settings, rank, endpoints))
-            })
+        let joining: Vec<_> = items
+            .into_iter()
+            .map(|item| scope.spawn(move || join(item)))
             .collect();
         joining
             .into_iter()
             .map(|handle| {
                 handle
                     .join()
-                    .unwrap_or_else(|_| anyhow::bail!("a ring set-up thread panicked"))
+                    .unwrap_or_else(|_| anyhow::bail!("{what} set-up thread panicked"))
             })
             .collect()
     })
