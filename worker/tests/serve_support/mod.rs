@@ -28,7 +28,7 @@ pub struct Worker {
     pub http: String,
     pub grpc: String,
     log: Arc<Mutex<Vec<String>>>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 /// Polls `check` until it returns `Some`, failing with `what` after `timeout`.
@@ -59,10 +59,19 @@ impl Worker {
     pub fn spawn(extra: &[&str]) -> Worker {
         let dir = tempfile::tempdir().expect("temporary directory");
         let model = test_model(dir.path());
+        let mut worker = Worker::spawn_model(&model, extra, &[]);
+        worker._dir = Some(dir);
+        worker
+    }
+
+    /// Starts `serve` on `model` with `extra` flags and `env`, and returns once it logs its
+    /// HTTP address. Both output streams go to the log. A pod that only follows rank 0
+    /// serves health over HTTP and has no gRPC address.
+    pub fn spawn_model(model: &Path, extra: &[&str], env: &[(String, String)]) -> Worker {
         let mut child = Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
             .arg("serve")
             .arg("--model")
-            .arg(&model)
+            .arg(model)
             .args([
                 "--served-model-name",
                 MODEL_NAME,
@@ -80,30 +89,33 @@ impl Worker {
                 "json",
             ])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("starting npufleet-worker");
-        let stdout = child.stdout.take().expect("piped stdout");
         let log = Arc::new(Mutex::new(Vec::new()));
         let (addrs_tx, addrs_rx) = mpsc::channel();
-        let log_sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) {
-                    let fields = &entry["fields"];
-                    if fields["message"] == "serving" {
-                        let _ = addrs_tx.send((
-                            fields["http"].as_str().unwrap_or_default().to_string(),
-                            fields["grpc"].as_str().unwrap_or_default().to_string(),
-                        ));
+        for stream in [
+            Box::new(child.stdout.take().expect("piped stdout")) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().expect("piped stderr")),
+        ] {
+            let (log, addrs_tx) = (log.clone(), addrs_tx.clone());
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line)
+                        && let Some(http) = entry["fields"]["http"].as_str()
+                    {
+                        let grpc = entry["fields"]["grpc"].as_str().unwrap_or_default();
+                        let _ = addrs_tx.send((http.to_string(), grpc.to_string()));
                     }
+                    log.lock().unwrap().push(line);
                 }
-                log_sink.lock().unwrap().push(line);
-            }
-        });
+            });
+        }
+        // A tensor-parallel rank logs its address only once the whole ring is up.
         let (http, grpc) = addrs_rx
-            .recv_timeout(Duration::from_secs(60))
+            .recv_timeout(Duration::from_secs(120))
             .unwrap_or_else(|_| {
                 panic!(
                     "the worker never logged its addresses: {:?}",
@@ -115,7 +127,7 @@ impl Worker {
             http: format!("http://{http}"),
             grpc: format!("http://{grpc}"),
             log,
-            _dir: dir,
+            _dir: None,
         }
     }
 
@@ -136,11 +148,16 @@ impl Worker {
     }
 
     pub fn sigterm(&self) {
+        self.signal("-TERM");
+    }
+
+    /// Sends `signal` (as `kill` spells it, for example `-KILL`).
+    pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([signal, &self.child.id().to_string()])
             .status()
             .expect("running kill");
-        assert!(status.success(), "kill -TERM failed");
+        assert!(status.success(), "kill {signal} failed");
     }
 
     /// Waits for the process to exit.
@@ -155,6 +172,10 @@ impl Worker {
 
     pub fn log_lines(&self) -> Vec<String> {
         self.log.lock().unwrap().clone()
+    }
+
+    pub fn log(&self) -> String {
+        self.log_lines().join("\n")
     }
 }
 
