@@ -65,7 +65,9 @@ fn quantised_dot_products_match_scalar() {
     let (scalar, simd) = kernel_sets();
     for fast in &simd {
         let mut rng = Rng(11);
-        for blocks in [1, 2, 7, 18, 48] {
+        // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
+        // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
+        for blocks in [1, 2, 7, 18, 33, 48] {
             let w = rng.vec(blocks * QK, 0.5);
             let x = rng.vec(blocks * QK, 2.0);
             let xq = quantize(&scalar, &x);
@@ -128,14 +130,16 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
     let (scalar, simd) = kernel_sets();
     for fast in &simd {
         let mut rng = Rng(17);
-        for blocks in [1, 2, 7, 18, 48] {
+        // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
+        // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
+        for blocks in [1, 2, 7, 18, 33, 48] {
             let cols = blocks * QK;
             let w = rng.vec(GROUP_ROWS * cols, 0.5);
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
-            let x = rng.vec(9 * cols, 2.0);
+            let x = rng.vec(32 * cols, 2.0);
             let xq = quantize(&scalar, &x);
-            for n in 1..=9 {
+            for n in (1..=9).chain([16, 17, 32]) {
                 let xq = &xq[..n * blocks];
                 let q41_scalar = group(scalar.gemm_q4_1_group, &q41, xq);
                 let q41_fast = group(fast.gemm_q4_1_group, &q41, xq);

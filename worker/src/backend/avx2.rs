@@ -284,11 +284,76 @@ fn prefetch_share<B>(group: &[B], b: usize, nb: usize) {
     }
 }
 
-fn lanes(v: __m256) -> [f32; GROUP_ROWS] {
-    let mut out = [0f32; GROUP_ROWS];
-    // SAFETY: `out` is 8 writable f32; AVX is implied by every caller's target features.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-    out
+/// Blocks of a group expanded at a time when more activation rows than one kernel pass
+/// take them: each expansion then serves every pass, and the span (5 KiB) stays in L1.
+const EXPANDED_SPAN: usize = 16;
+
+/// One block column of a `Q4_1` group unpacked for the kernels: vector `k` holds nibbles
+/// `4k..4k + 4` of each row in its 32-bit lane (the low nibbles of the packed bytes first),
+/// and the scales are f32 lanes.
+#[derive(Clone, Copy)]
+struct ExpandedQ4_1 {
+    nibbles: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q4_1(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> ExpandedQ4_1 {
+    let low = _mm256_set1_epi8(0x0f);
+    // SAFETY: each `qs` is 16 bytes.
+    let packed = unsafe { transpose_rows(column_ptrs(blocks, |w| w.qs.as_ptr())) };
+    let mut nibbles = [_mm256_setzero_si256(); 8];
+    for k in 0..4 {
+        nibbles[k] = _mm256_and_si256(packed[k], low);
+        nibbles[k + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k]), low);
+    }
+    let (d, m) = q4_1_scales(blocks);
+    ExpandedQ4_1 { nibbles, d, m }
+}
+
+/// Accumulators of `A` activation rows over one group, read from and written back to `out`
+/// so a group can be computed a span of blocks at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_rows<const A: usize>(out: &[[f32; GROUP_ROWS]]) -> [__m256; A] {
+    // SAFETY: `out` has at least `A` rows of 8 f32 (every caller passes exactly `A`).
+    std::array::from_fn(|j| unsafe { _mm256_loadu_ps(out[j].as_ptr()) })
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_rows<const A: usize>(acc: [__m256; A], out: &mut [[f32; GROUP_ROWS]]) {
+    for (acc, out) in acc.iter().zip(out) {
+        // SAFETY: each row is 8 writable f32.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
+    }
+}
+
+/// Runs `apply(span, blocks)` over a group's blocks in spans of equal length (at most
+/// [`EXPANDED_SPAN`]), each block column expanded once by `expand`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn over_expanded_spans<B, E>(
+    w: &[B],
+    nb: usize,
+    expand: impl Fn(&[&B; GROUP_ROWS]) -> E,
+    mut apply: impl FnMut(&[E], std::ops::Range<usize>),
+) {
+    let len = nb.div_ceil(nb.div_ceil(EXPANDED_SPAN));
+    // Uninitialised: zeroing the scratch cost as much as a small group's expansion.
+    let mut scratch = [const { std::mem::MaybeUninit::<E>::uninit() }; EXPANDED_SPAN];
+    for start in (0..nb).step_by(len) {
+        let end = (start + len).min(nb);
+        for b in start..end {
+            scratch[b - start].write(expand(&column(w, nb, b)));
+            prefetch_share(w, b, nb);
+        }
+        // SAFETY: entries 0..end - start were written just above.
+        let span = unsafe { std::slice::from_raw_parts(scratch.as_ptr() as *const E, end - start) };
+        apply(span, start..end);
+    }
 }
 
 /// The grouped kernels for one instruction set: `$q4_1_sum` turns one block's weight
@@ -296,11 +361,27 @@ fn lanes(v: __m256) -> [f32; GROUP_ROWS] {
 /// module's own `q8_0_group::<A>` does the same job for `Q8_0` rows.
 ///
 /// `q4_1_group::<A>`: one group of [`GROUP_ROWS`] `Q4_1` rows (`w`, row-major) against `A`
-/// activation rows. Each weight block is expanded once and used for every activation row,
-/// and lane `r` of an accumulator is row `r`'s sum, so no horizontal reductions are needed.
+/// activation rows, added to `out`. Lane `r` of an accumulator is row `r`'s sum, so no
+/// horizontal reductions are needed. A batch of at most one pass expands each block in
+/// registers as it goes; a larger batch expands a span of blocks once (`q4_1_expanded`)
+/// and runs every pass over it.
 macro_rules! group_kernels {
     ($features:literal, $widest:literal, [$($rest:literal),*],
      q4_1_sum: $q4_1_sum:expr) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q4_1_block<const A: usize>(
+            e: &ExpandedQ4_1,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let sum = _mm256_cvtepi32_ps($q4_1_sum(&e.nibbles, &x.qs));
+                *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), *acc);
+                *acc = _mm256_fmadd_ps(e.m, _mm256_set1_ps(x.s), *acc);
+            }
+        }
+
         /// # Safety
         /// The CPU must support the module's target features.
         #[inline]
@@ -308,29 +389,32 @@ macro_rules! group_kernels {
         unsafe fn q4_1_group<const A: usize>(
             w: &[BlockQ4_1],
             x: [&[BlockQ8Act]; A],
-        ) -> [[f32; GROUP_ROWS]; A] {
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
             let nb = w.len() / GROUP_ROWS;
-            let low = _mm256_set1_epi8(0x0f);
-            let mut acc = [_mm256_setzero_ps(); A];
+            let mut acc = load_rows::<A>(out);
             for b in 0..nb {
-                let blocks = column(w, nb, b);
-                // SAFETY: each `qs` is 16 bytes.
-                let packed = unsafe { transpose_rows(column_ptrs(&blocks, |w| w.qs.as_ptr())) };
-                let mut nibbles = [_mm256_setzero_si256(); 8];
-                for k in 0..4 {
-                    nibbles[k] = _mm256_and_si256(packed[k], low);
-                    nibbles[k + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k]), low);
-                }
-                let (d, m) = q4_1_scales(&blocks);
+                let e = expand_q4_1(&column(w, nb, b));
                 prefetch_share(w, b, nb);
-                for (acc, x) in acc.iter_mut().zip(x) {
-                    let x = &x[b];
-                    let sum = _mm256_cvtepi32_ps($q4_1_sum(&nibbles, &x.qs));
-                    *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
-                    *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), *acc);
-                }
+                q4_1_block(&e, x.map(|x| &x[b]), &mut acc);
             }
-            acc.map(lanes)
+            store_rows(acc, out);
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q4_1_expanded<const A: usize>(
+            span: &[ExpandedQ4_1],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            let mut acc = load_rows::<A>(out);
+            for (b, e) in span.iter().enumerate() {
+                q4_1_block(e, x.map(|x| &x[b]), &mut acc);
+            }
+            store_rows(acc, out);
         }
 
         /// `out[j][r]` = row `r` of the [`GROUP_ROWS`]-row group `w` · activation row `j` of
@@ -344,7 +428,21 @@ macro_rules! group_kernels {
             x: &[BlockQ8Act],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
-            over_activation_rows!(q4_1_group, w, x, out, $widest, [$($rest),*])
+            let nb = w.len() / GROUP_ROWS;
+            out.fill([0.0; GROUP_ROWS]);
+            if nb == 0 {
+                return;
+            }
+            if out.len() <= $widest {
+                over_activation_rows!(q4_1_group, w, |j| &x[j * nb..(j + 1) * nb], out,
+                    $widest, [$($rest),*]);
+                return;
+            }
+            over_expanded_spans(w, nb, |b| expand_q4_1(b), |span, blocks| {
+                over_activation_rows!(q4_1_expanded, span,
+                    |j| &x[j * nb + blocks.start..j * nb + blocks.end], &mut *out,
+                    $widest, [$($rest),*]);
+            });
         }
 
         /// As [`gemm_q4_1_group`] for `Q8_0` weights.
@@ -357,32 +455,35 @@ macro_rules! group_kernels {
             x: &[BlockQ8Act],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
-            over_activation_rows!(q8_0_group, w, x, out, $widest, [$($rest),*])
+            let nb = w.len() / GROUP_ROWS;
+            out.fill([0.0; GROUP_ROWS]);
+            if nb == 0 {
+                return;
+            }
+            // SAFETY: the caller guarantees the CPU features.
+            unsafe { q8_0_over_rows(w, nb, x, out) };
         }
     };
 }
 
-/// Runs a grouped kernel over every activation row of `x`, `$widest` at a time.
+/// Runs a grouped kernel, `$kernel::<A>(src, A activation rows, A output rows)`, over
+/// every output row, `$widest` activation rows at a time; `$act(j)` is activation row `j`
+/// (the blocks `src` covers).
 macro_rules! over_activation_rows {
-    ($kernel:ident, $w:expr, $x:expr, $out:expr, $widest:literal, [$($rest:literal),*]) => {{
-        let (w, x, out) = ($w, $x, $out);
-        let nb = w.len() / GROUP_ROWS;
-        if nb == 0 {
-            out.fill([0.0; GROUP_ROWS]);
-            return;
-        }
-        let act = |j: usize| &x[j * nb..(j + 1) * nb];
+    ($kernel:ident, $src:expr, $act:expr, $out:expr, $widest:literal, [$($rest:literal),*]) => {{
+        let (src, act, out) = ($src, $act, $out);
         let mut j = 0;
         // SAFETY (every call): the caller guarantees the CPU features.
         while j + $widest <= out.len() {
-            let r = unsafe { $kernel::<$widest>(w, std::array::from_fn(|i| act(j + i))) };
-            out[j..j + $widest].copy_from_slice(&r);
+            unsafe {
+                $kernel::<$widest>(src, std::array::from_fn(|i| act(j + i)), &mut out[j..j + $widest])
+            };
             j += $widest;
         }
         match out.len() - j {
-            $($rest => out[j..].copy_from_slice(&unsafe {
-                $kernel::<$rest>(w, std::array::from_fn(|i| act(j + i)))
-            }),)*
+            $($rest => unsafe {
+                $kernel::<$rest>(src, std::array::from_fn(|i| act(j + i)), &mut out[j..])
+            },)*
             _ => {}
         }
     }};
@@ -431,7 +532,7 @@ fn q8_0_words(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> [__m256i; 8] {
     ]
 }
 
-/// `Q8_0` rows of a group against `A` activation rows, as `q4_1_group`.
+/// `Q8_0` rows of a group against `A` activation rows, added to `out`, as `q4_1_group`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
@@ -440,9 +541,10 @@ fn q8_0_words(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> [__m256i; 8] {
 unsafe fn q8_0_group<const A: usize>(
     w: &[BlockQ8_0],
     x: [&[BlockQ8Act]; A],
-) -> [[f32; GROUP_ROWS]; A] {
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     let nb = w.len() / GROUP_ROWS;
-    let mut acc = [_mm256_setzero_ps(); A];
+    let mut acc = load_rows::<A>(out);
     for b in 0..nb {
         let blocks = column(w, nb, b);
         let signed = q8_0_words(&blocks);
@@ -455,7 +557,27 @@ unsafe fn q8_0_group<const A: usize>(
             *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
         }
     }
-    acc.map(lanes)
+    store_rows(acc, out);
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_over_rows(
+    w: &[BlockQ8_0],
+    nb: usize,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
+    over_activation_rows!(
+        q8_0_group,
+        w,
+        |j| &x[j * nb..(j + 1) * nb],
+        out,
+        4,
+        [3, 2, 1]
+    );
 }
 
 group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
@@ -476,20 +598,50 @@ pub mod vnni {
             && is_x86_feature_detected!("avx512vnni")
     }
 
+    /// Two chains of four `vpdpbusd`s, not one of eight: a chain's latency, not the
+    /// pipes, bounded the kernel.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
     fn q4_1_sum(nibbles: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
-        let mut sum = _mm256_setzero_si256();
-        for (k, nib) in nibbles.iter().enumerate() {
-            sum = _mm256_dpbusd_epi32(sum, *nib, broadcast_word(x, k));
+        let mut even = _mm256_setzero_si256();
+        let mut odd = _mm256_setzero_si256();
+        for k in (0..8).step_by(2) {
+            even = _mm256_dpbusd_epi32(even, nibbles[k], broadcast_word(x, k));
+            odd = _mm256_dpbusd_epi32(odd, nibbles[k + 1], broadcast_word(x, k + 1));
         }
-        sum
+        _mm256_add_epi32(even, odd)
     }
 
-    /// `Q8_0` rows shifted to unsigned bytes (q + 128) once per block, so every activation
-    /// row takes plain `vpdpbusd`s with no sign fix-up; the shift adds 128·Σx, which is
-    /// subtracted in integers, so the sums are exactly the AVX2 kernel's.
-    ///
+    /// One block column of a `Q8_0` group shifted to unsigned bytes (q + 128), so every
+    /// activation row takes plain `vpdpbusd`s with no sign fix-up; the shift adds 128·Σx,
+    /// which is subtracted in integers, so the sums are exactly the AVX2 kernel's.
+    #[derive(Clone, Copy)]
+    struct ExpandedQ8_0 {
+        unsigned: [__m256i; 8],
+        d: __m256,
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn expand_q8_0(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> ExpandedQ8_0 {
+        let shift = _mm256_set1_epi8(i8::MIN);
+        ExpandedQ8_0 {
+            unsigned: q8_0_words(blocks).map(|v| _mm256_xor_si256(v, shift)),
+            d: f16x8(blocks.map(|b| b.d)),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn q8_0_block<const A: usize>(e: &ExpandedQ8_0, x: [&BlockQ8Act; A], acc: &mut [__m256; A]) {
+        for (acc, x) in acc.iter_mut().zip(x) {
+            let shifted = q4_1_sum(&e.unsigned, &x.qs);
+            let sum = _mm256_sub_epi32(shifted, _mm256_set1_epi32(128 * x.sum));
+            let sum = _mm256_cvtepi32_ps(sum);
+            *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), *acc);
+        }
+    }
+
     /// # Safety
     /// The CPU must support the module's target features.
     #[inline]
@@ -497,24 +649,72 @@ pub mod vnni {
     unsafe fn q8_0_group<const A: usize>(
         w: &[BlockQ8_0],
         x: [&[BlockQ8Act]; A],
-    ) -> [[f32; GROUP_ROWS]; A] {
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
         let nb = w.len() / GROUP_ROWS;
-        let shift = _mm256_set1_epi8(i8::MIN);
-        let mut acc = [_mm256_setzero_ps(); A];
+        let mut acc = load_rows::<A>(out);
         for b in 0..nb {
-            let blocks = column(w, nb, b);
-            let unsigned = q8_0_words(&blocks).map(|v| _mm256_xor_si256(v, shift));
-            let d = f16x8(blocks.map(|b| b.d));
+            let e = expand_q8_0(&column(w, nb, b));
             prefetch_share(w, b, nb);
-            for (acc, x) in acc.iter_mut().zip(x) {
-                let x = &x[b];
-                let shifted = q4_1_sum(&unsigned, &x.qs);
-                let sum = _mm256_sub_epi32(shifted, _mm256_set1_epi32(128 * x.sum));
-                let sum = _mm256_cvtepi32_ps(sum);
-                *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
-            }
+            q8_0_block(&e, x.map(|x| &x[b]), &mut acc);
         }
-        acc.map(lanes)
+        store_rows(acc, out);
+    }
+
+    /// # Safety
+    /// The CPU must support the module's target features.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    unsafe fn q8_0_expanded<const A: usize>(
+        span: &[ExpandedQ8_0],
+        x: [&[BlockQ8Act]; A],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        let mut acc = load_rows::<A>(out);
+        for (b, e) in span.iter().enumerate() {
+            q8_0_block(e, x.map(|x| &x[b]), &mut acc);
+        }
+        store_rows(acc, out);
+    }
+
+    /// As `q4_1`'s path: one pass expands in registers, more share expanded spans.
+    ///
+    /// # Safety
+    /// The CPU must support the module's target features.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    unsafe fn q8_0_over_rows(
+        w: &[BlockQ8_0],
+        nb: usize,
+        x: &[BlockQ8Act],
+        out: &mut [[f32; GROUP_ROWS]],
+    ) {
+        if out.len() <= 8 {
+            over_activation_rows!(
+                q8_0_group,
+                w,
+                |j| &x[j * nb..(j + 1) * nb],
+                out,
+                8,
+                [7, 6, 5, 4, 3, 2, 1]
+            );
+            return;
+        }
+        over_expanded_spans(
+            w,
+            nb,
+            |b| expand_q8_0(b),
+            |span, blocks| {
+                over_activation_rows!(
+                    q8_0_expanded,
+                    span,
+                    |j| &x[j * nb + blocks.start..j * nb + blocks.end],
+                    &mut *out,
+                    8,
+                    [7, 6, 5, 4, 3, 2, 1]
+                );
+            },
+        );
     }
 
     group_kernels!(
