@@ -318,8 +318,12 @@ fn expand_q4_1(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> ExpandedQ4_1 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn load_rows<const A: usize>(out: &[[f32; GROUP_ROWS]]) -> [__m256; A] {
-    // SAFETY: `out` has at least `A` rows of 8 f32 (every caller passes exactly `A`).
-    std::array::from_fn(|j| unsafe { _mm256_loadu_ps(out[j].as_ptr()) })
+    let mut acc = [_mm256_setzero_ps(); A];
+    for (acc, out) in acc.iter_mut().zip(out) {
+        // SAFETY: each row is 8 readable f32.
+        *acc = unsafe { _mm256_loadu_ps(out.as_ptr()) };
+    }
+    acc
 }
 
 #[inline]
@@ -434,13 +438,12 @@ macro_rules! group_kernels {
                 return;
             }
             if out.len() <= $widest {
-                over_activation_rows!(q4_1_group, w, |j| &x[j * nb..(j + 1) * nb], out,
+                over_activation_rows!(q4_1_group, w, x, nb, 0..nb, out,
                     $widest, [$($rest),*]);
                 return;
             }
             over_expanded_spans(w, nb, |b| expand_q4_1(b), |span, blocks| {
-                over_activation_rows!(q4_1_expanded, span,
-                    |j| &x[j * nb + blocks.start..j * nb + blocks.end], &mut *out,
+                over_activation_rows!(q4_1_expanded, span, x, nb, blocks, &mut *out,
                     $widest, [$($rest),*]);
             });
         }
@@ -466,23 +469,45 @@ macro_rules! group_kernels {
     };
 }
 
+/// Activation rows `j..j + A`, each its blocks `blocks` of `nb`.
+///
+/// A plain loop, not `array::from_fn`: a closure written in a function with target
+/// features inherits them, which keeps it from being inlined into generic std code, and
+/// it then cost a call per row.
+#[inline(always)]
+fn activation_rows<'a, const A: usize>(
+    x: &'a [BlockQ8Act],
+    nb: usize,
+    blocks: &std::ops::Range<usize>,
+    j: usize,
+) -> [&'a [BlockQ8Act]; A] {
+    let mut acts: [&[BlockQ8Act]; A] = [&[]; A];
+    for (i, a) in acts.iter_mut().enumerate() {
+        let row = (j + i) * nb;
+        *a = &x[row + blocks.start..row + blocks.end];
+    }
+    acts
+}
+
 /// Runs a grouped kernel, `$kernel::<A>(src, A activation rows, A output rows)`, over
-/// every output row, `$widest` activation rows at a time; `$act(j)` is activation row `j`
-/// (the blocks `src` covers).
+/// every output row, `$widest` activation rows at a time; each activation row is its
+/// blocks `$blocks` (the blocks `src` covers) of `$nb` in `$x`.
+///
 macro_rules! over_activation_rows {
-    ($kernel:ident, $src:expr, $act:expr, $out:expr, $widest:literal, [$($rest:literal),*]) => {{
-        let (src, act, out) = ($src, $act, $out);
+    ($kernel:ident, $src:expr, $x:expr, $nb:expr, $blocks:expr, $out:expr,
+     $widest:literal, [$($rest:literal),*]) => {{
+        let (src, x, nb, blocks, out) = ($src, $x, $nb, $blocks, $out);
         let mut j = 0;
         // SAFETY (every call): the caller guarantees the CPU features.
         while j + $widest <= out.len() {
-            unsafe {
-                $kernel::<$widest>(src, std::array::from_fn(|i| act(j + i)), &mut out[j..j + $widest])
-            };
+            let acts = activation_rows::<$widest>(x, nb, &blocks, j);
+            unsafe { $kernel::<$widest>(src, acts, &mut out[j..j + $widest]) };
             j += $widest;
         }
         match out.len() - j {
-            $($rest => unsafe {
-                $kernel::<$rest>(src, std::array::from_fn(|i| act(j + i)), &mut out[j..])
+            $($rest => {
+                let acts = activation_rows::<$rest>(x, nb, &blocks, j);
+                unsafe { $kernel::<$rest>(src, acts, &mut out[j..]) }
             },)*
             _ => {}
         }
@@ -570,14 +595,7 @@ unsafe fn q8_0_over_rows(
     x: &[BlockQ8Act],
     out: &mut [[f32; GROUP_ROWS]],
 ) {
-    over_activation_rows!(
-        q8_0_group,
-        w,
-        |j| &x[j * nb..(j + 1) * nb],
-        out,
-        4,
-        [3, 2, 1]
-    );
+    over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out, 4, [3, 2, 1]);
 }
 
 group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
@@ -690,14 +708,7 @@ pub mod vnni {
         out: &mut [[f32; GROUP_ROWS]],
     ) {
         if out.len() <= 8 {
-            over_activation_rows!(
-                q8_0_group,
-                w,
-                |j| &x[j * nb..(j + 1) * nb],
-                out,
-                8,
-                [7, 6, 5, 4, 3, 2, 1]
-            );
+            over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out, 8, [7, 6, 5, 4, 3, 2, 1]);
             return;
         }
         over_expanded_spans(
@@ -708,7 +719,9 @@ pub mod vnni {
                 over_activation_rows!(
                     q8_0_expanded,
                     span,
-                    |j| &x[j * nb + blocks.start..j * nb + blocks.end],
+                    x,
+                    nb,
+                    blocks,
                     &mut *out,
                     8,
                     [7, 6, 5, 4, 3, 2, 1]
