@@ -10,7 +10,8 @@ next tokens), and prints one JSON object:
 
 Usage: llama_cpp_bench.py --model M --threads T --prompts prompts.json
 where prompts.json holds {"prefill": [[ids...], ...], "short": [[ids...], ...],
-"batch_sizes": [...], "decode_tokens": N}.
+"batch_sizes": [...], "decode_tokens": N, "repeats": R}; each decode figure is the
+median of R runs.
 """
 
 import argparse
@@ -36,6 +37,12 @@ def vm_hwm_bytes():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def median_of(repeats, measure):
+    """The median of `repeats` runs of `measure`, as the worker's side reports."""
+    rates = sorted(measure() for _ in range(repeats))
+    return rates[len(rates) // 2]
 
 
 class Context:
@@ -108,6 +115,7 @@ def main():
     with open(args.prompts) as f:
         spec = json.load(f)
     decode_tokens = spec["decode_tokens"]
+    repeats = spec.get("repeats", 1)
 
     llama_cpp.llama_log_set(_discard_log, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
@@ -131,15 +139,18 @@ def main():
     prefill_len = len(spec["prefill"][0])
 
     # Batch-1 decode.
-    prompt = spec["short"][0]
-    ctx.clear()
-    token = ctx.prefill([prompt])[0]
-    pos = len(prompt)
-    started = time.perf_counter()
-    for _ in range(decode_tokens):
-        token = ctx.decode([(token, pos, 0, True)])[0]
-        pos += 1
-    decode_tok_s = decode_tokens / (time.perf_counter() - started)
+    def batch_one():
+        prompt = spec["short"][0]
+        ctx.clear()
+        token = ctx.prefill([prompt])[0]
+        pos = len(prompt)
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            token = ctx.decode([(token, pos, 0, True)])[0]
+            pos += 1
+        return decode_tokens / (time.perf_counter() - started)
+
+    decode_tok_s = median_of(repeats, batch_one)
     ctx.close()
 
     # Aggregate decode over concurrent sequences: every step decodes one token of each.
@@ -152,16 +163,20 @@ def main():
         prompts = spec["short"][:n]
         per_seq = max(len(p) for p in prompts) + decode_tokens + 1
         ctx = Context(model, args.threads, n_ctx=n * per_seq, n_seq=n, n_batch=max(512, n))
-        ctx.clear()
-        tokens = ctx.prefill(prompts)
-        positions = [len(p) for p in prompts]
-        started = time.perf_counter()
-        for _ in range(decode_tokens):
-            tokens = ctx.decode(
-                [(tokens[s], positions[s], s, True) for s in range(n)]
-            )
-            positions = [p + 1 for p in positions]
-        aggregate[str(n)] = n * decode_tokens / (time.perf_counter() - started)
+
+        def concurrent():
+            ctx.clear()
+            tokens = ctx.prefill(prompts)
+            positions = [len(p) for p in prompts]
+            started = time.perf_counter()
+            for _ in range(decode_tokens):
+                tokens = ctx.decode(
+                    [(tokens[s], positions[s], s, True) for s in range(n)]
+                )
+                positions = [p + 1 for p in positions]
+            return n * decode_tokens / (time.perf_counter() - started)
+
+        aggregate[str(n)] = median_of(repeats, concurrent)
         ctx.close()
 
     llama_cpp.llama_model_free(model)

@@ -64,7 +64,7 @@ pub struct BenchArgs {
     /// Concurrent sequences for the aggregate decode figures.
     #[arg(long, value_delimiter = ',', default_values_t = [8, 32, 128])]
     pub batch_sizes: Vec<usize>,
-    /// Timed prefill runs (the median is reported).
+    /// Timed runs of each figure (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// The engine's per-step token budget.
@@ -149,18 +149,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let ttft = ttfts[ttfts.len() / 2];
 
     eprintln!("npufleet: decode at batch 1 ...");
-    let decode_tok_s = {
+    let decode_tok_s = median_of(args.repeats, || {
         let times = run_concurrent(&engine, &prompts.short[..1], args.decode_tokens * 2)?;
         let tokens = &times[0];
         let span = tokens[tokens.len() - 1].duration_since(tokens[0]);
-        (tokens.len() - 1) as f64 / span.as_secs_f64()
-    };
+        Ok((tokens.len() - 1) as f64 / span.as_secs_f64())
+    })?;
 
     let mut aggregate = std::collections::BTreeMap::new();
     for &n in &args.batch_sizes {
         eprintln!("npufleet: aggregate decode with {n} sequences ...");
-        let times = run_concurrent(&engine, &prompts.short[..n], args.decode_tokens)?;
-        aggregate.insert(n.to_string(), steady_rate(&times));
+        let rate = median_of(args.repeats, || {
+            let times = run_concurrent(&engine, &prompts.short[..n], args.decode_tokens)?;
+            Ok(steady_rate(&times))
+        })?;
+        aggregate.insert(n.to_string(), rate);
     }
     let load = engine.load();
     drop(engine);
@@ -359,6 +362,19 @@ async fn token_times(mut stream: GenerationStream) -> anyhow::Result<Vec<Instant
     bail!("the stream ended without a final event")
 }
 
+/// The median of `repeats` measurements: a shared machine's bursts of contention move a
+/// single short run by tens of percent.
+fn median_of(
+    repeats: usize,
+    mut measure: impl FnMut() -> anyhow::Result<f64>,
+) -> anyhow::Result<f64> {
+    let mut rates = (0..repeats)
+        .map(|_| measure())
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
+}
+
 /// Tokens per second while every request was decoding: from the last first token to the
 /// first last token.
 fn steady_rate(times: &[Vec<Instant>]) -> f64 {
@@ -396,6 +412,7 @@ fn run_llama_cpp(args: &BenchArgs, prompts: &Prompts) -> anyhow::Result<Figures>
         "short": prompts.short,
         "batch_sizes": args.batch_sizes,
         "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats,
     });
     let spec_path = std::env::temp_dir().join(format!(
         "npufleet-bench-prompts-{}.json",
