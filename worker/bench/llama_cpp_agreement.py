@@ -17,6 +17,11 @@ three times:
     the own-path request was); comparing it with the first run shows whether the output
     depends on the cache state.
 
+Both engines are also compared with an independent f32 implementation (the numpy reference
+of the worker's tests, `tests/reference/llama_numpy.py`, over the same tensors dequantised
+by the `gguf` package) greedily decoding the same prompt ids: that tells whether a
+difference between the two is one engine straying from exact arithmetic or both.
+
 Agreement below 100% is a finding, not an error: the exit status is non-zero only when
 something fails to run.
 
@@ -31,6 +36,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -309,6 +315,7 @@ def compare(reference, case, worker, n_tokens):
         "first_divergence": diverges_at,
         "matching_prefix": n_tokens if diverges_at is None else diverges_at,
         "teacher_forced_top1": float(np.mean(top1 == np.array(ids))),
+        "same_as_f32_reference": ids == case["f32_reference_ids"],
         "worker_ids": ids,
         "worker_text": text,
         "same_with_cached_prefix": cached_ids == ids,
@@ -346,6 +353,32 @@ def print_case(case, precision, result):
         )
 
 
+F32_REFERENCE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "reference", "llama_numpy.py"
+)
+
+
+def f32_reference_ids(model, prompts, n_tokens, cache_dir):
+    """Greedy ids of the independent f32 numpy implementation for each prompt."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+        prompts_path = f.name
+    try:
+        out = subprocess.run(
+            [sys.executable, F32_REFERENCE, model, prompts_path, str(n_tokens), cache_dir],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    except subprocess.CalledProcessError as err:
+        raise RuntimeError(f"the f32 reference failed: {err.stderr}") from err
+    finally:
+        os.unlink(prompts_path)
+    with open(out.stdout.strip()) as f:
+        results = json.load(f)["results"]
+    return [[step["token"] for step in r["steps"]] for r in results]
+
+
 def summary_rows(results):
     rows = []
     for precision, per_prompt in results.items():
@@ -358,29 +391,36 @@ def summary_rows(results):
                 "mean_matching_prefix": sum(r["matching_prefix"] for r in per_prompt) / count,
                 "teacher_forced_top1": sum(r["teacher_forced_top1"] for r in per_prompt) / count,
                 "own_path_same": sum(r["own_path_same_output"] for r in per_prompt),
+                "same_as_f32_reference": sum(r["same_as_f32_reference"] for r in per_prompt),
                 "cache_stable": sum(r["same_with_cached_prefix"] for r in per_prompt),
             }
         )
     return rows
 
 
-def print_summary(rows, n_tokens, self_agreement):
+def print_summary(rows, n_tokens, self_agreement, reference_vs_f32):
     print()
     print(
         f"| precision | identical {n_tokens}-token outputs | mean matching prefix "
         f"| teacher-forced top-1 | own prompt path = llama.cpp prompt "
-        f"| same output with prefix cached |"
+        f"| same output with prefix cached | identical to the f32 reference |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['precision']} | {row['identical']}/{row['prompts']} "
             f"| {row['mean_matching_prefix']:.1f}/{n_tokens} | {row['teacher_forced_top1']:.1%} "
-            f"| {row['own_path_same']}/{row['prompts']} | {row['cache_stable']}/{row['prompts']} |"
+            f"| {row['own_path_same']}/{row['prompts']} | {row['cache_stable']}/{row['prompts']} "
+            f"| {row['same_as_f32_reference']}/{row['prompts']} |"
         )
+    same, count, prefix = reference_vs_f32
     print(
         f"\nllama.cpp teacher-forced on its own greedy output (batched re-evaluation): "
         f"{self_agreement:.1%} top-1 agreement"
+    )
+    print(
+        f"llama.cpp against the f32 reference: {same}/{count} identical {n_tokens}-token "
+        f"outputs, mean matching prefix {prefix:.1f}/{n_tokens}"
     )
 
 
@@ -427,6 +467,22 @@ def main():
             }
         )
 
+    with tempfile.TemporaryDirectory() as cache_dir:
+        f32_ids = f32_reference_ids(
+            args.model, [case["prompt_ids"] for case in cases], args.tokens, cache_dir
+        )
+    for case, ids in zip(cases, f32_ids):
+        case["f32_reference_ids"] = ids
+    reference_prefixes = [
+        args.tokens if at is None else at
+        for at in (first_divergence(c["f32_reference_ids"], c["reference_ids"]) for c in cases)
+    ]
+    reference_vs_f32 = (
+        sum(p == args.tokens for p in reference_prefixes),
+        len(cases),
+        sum(reference_prefixes) / len(cases),
+    )
+
     results = {}
     for precision in args.precisions.split(","):
         results[precision] = []
@@ -443,7 +499,7 @@ def main():
 
     rows = summary_rows(results)
     mean_self = sum(self_agreement) / len(self_agreement)
-    print_summary(rows, args.tokens, mean_self)
+    print_summary(rows, args.tokens, mean_self, reference_vs_f32)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(
@@ -454,6 +510,10 @@ def main():
                     "results": results,
                     "summary": rows,
                     "llama_cpp_self_agreement": mean_self,
+                    "llama_cpp_vs_f32_reference": {
+                        "identical": reference_vs_f32[0],
+                        "mean_matching_prefix": reference_vs_f32[2],
+                    },
                 },
                 out,
                 indent=1,
