@@ -65,7 +65,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [8, 32, 128])]
     pub batch_sizes: Vec<usize>,
     /// Timed runs of each figure (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     pub repeats: usize,
     /// The engine's per-step token budget.
     #[arg(long, default_value_t = 512)]
@@ -121,6 +121,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let kv_tokens = (max_batch * per_sequence)
         .max(args.short_prompt_tokens + args.decode_tokens * 2 + block_size)
         .max(args.prompt_tokens + block_size);
+    let kv_blocks = kv_tokens.div_ceil(block_size) + max_batch;
+    let kv_bytes = model.new_kv_cache(1, block_size).bytes() * kv_blocks;
     let engine = scheduler::start(
         model,
         EngineConfig {
@@ -129,7 +131,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             queue_limit: max_batch,
             max_num_batched_tokens: args.max_num_batched_tokens,
             block_size,
-            kv_cache: KvCacheSize::Blocks(kv_tokens.div_ceil(block_size) + max_batch),
+            kv_cache: KvCacheSize::Blocks(kv_blocks),
             warmup_iterations: 10,
             ignore_eos: true,
             ..EngineConfig::default()
@@ -204,8 +206,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         load_time.as_secs_f64()
     );
     println!(
-        "engine: {} steps, {} preemptions, last batch {}",
-        load.steps_total, load.preemptions_total, load.last_batch_size
+        "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB (f32, {kv_blocks} blocks of {block_size} positions, sized for {max_batch} sequences)",
+        load.steps_total,
+        load.preemptions_total,
+        load.last_batch_size,
+        mib(kv_bytes as u64)
     );
     print_table(&args, &worker, reference.as_ref(), bandwidth, file_bytes);
     Ok(())
