@@ -492,7 +492,6 @@ fn activation_rows<'a, const A: usize>(
 /// Runs a grouped kernel, `$kernel::<A>(src, A activation rows, A output rows)`, over
 /// every output row, `$widest` activation rows at a time; each activation row is its
 /// blocks `$blocks` (the blocks `src` covers) of `$nb` in `$x`.
-///
 macro_rules! over_activation_rows {
     ($kernel:ident, $src:expr, $x:expr, $nb:expr, $blocks:expr, $out:expr,
      $widest:literal, [$($rest:literal),*]) => {{
