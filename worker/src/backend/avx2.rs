@@ -361,8 +361,8 @@ fn over_expanded_spans<B, E>(
 }
 
 /// The grouped kernels for one instruction set: `$q4_1_sum` turns one block's weight
-/// vectors and activation block into the i32 dot product of each row's lane, and the
-/// module's own `q8_0_group::<A>` does the same job for `Q8_0` rows.
+/// vectors and activation block into the i32 dot product of each row's lane; for `Q8_0`
+/// rows the module's own `ExpandedQ8_0`, `expand_q8_0` and `q8_0_block` do that job.
 ///
 /// `q4_1_group::<A>`: one group of [`GROUP_ROWS`] `Q4_1` rows (`w`, row-major) against `A`
 /// activation rows, added to `out`. Lane `r` of an accumulator is row `r`'s sum, so no
@@ -463,8 +463,50 @@ macro_rules! group_kernels {
             if nb == 0 {
                 return;
             }
-            // SAFETY: the caller guarantees the CPU features.
-            unsafe { q8_0_over_rows(w, nb, x, out) };
+            if out.len() <= $widest {
+                over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out,
+                    $widest, [$($rest),*]);
+                return;
+            }
+            over_expanded_spans(w, nb, |b| expand_q8_0(b), |span, blocks| {
+                over_activation_rows!(q8_0_expanded, span, x, nb, blocks, &mut *out,
+                    $widest, [$($rest),*]);
+            });
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q8_0_group<const A: usize>(
+            w: &[BlockQ8_0],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            let nb = w.len() / GROUP_ROWS;
+            let mut acc = load_rows::<A>(out);
+            for b in 0..nb {
+                let e = expand_q8_0(&column(w, nb, b));
+                prefetch_share(w, b, nb);
+                q8_0_block(&e, x.map(|x| &x[b]), &mut acc);
+            }
+            store_rows(acc, out);
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q8_0_expanded<const A: usize>(
+            span: &[ExpandedQ8_0],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            let mut acc = load_rows::<A>(out);
+            for (b, e) in span.iter().enumerate() {
+                q8_0_block(e, x.map(|x| &x[b]), &mut acc);
+            }
+            store_rows(acc, out);
         }
     };
 }
@@ -556,45 +598,34 @@ fn q8_0_words(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> [__m256i; 8] {
     ]
 }
 
-/// `Q8_0` rows of a group against `A` activation rows, added to `out`, as `q4_1_group`.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_group<const A: usize>(
-    w: &[BlockQ8_0],
-    x: [&[BlockQ8Act]; A],
-    out: &mut [[f32; GROUP_ROWS]],
-) {
-    let nb = w.len() / GROUP_ROWS;
-    let mut acc = load_rows::<A>(out);
-    for b in 0..nb {
-        let blocks = column(w, nb, b);
-        let signed = q8_0_words(&blocks);
-        let magnitude = signed.map(|v| _mm256_sign_epi8(v, v));
-        let d = f16x8(blocks.map(|b| b.d));
-        prefetch_share(w, b, nb);
-        for (acc, x) in acc.iter_mut().zip(x) {
-            let x = &x[b];
-            let sum = _mm256_cvtepi32_ps(q8_0_sum(&signed, &magnitude, &x.qs));
-            *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x.d)), *acc);
-        }
-    }
-    store_rows(acc, out);
+/// One block column of a `Q8_0` group for the AVX2 kernels: the signed weight words
+/// (vector `k` holds bytes `4k..4k + 4` of each row in its 32-bit lane), their magnitudes
+/// for the sign trick, and the scales.
+#[derive(Clone, Copy)]
+struct ExpandedQ8_0 {
+    signed: [__m256i; 8],
+    magnitude: [__m256i; 8],
+    d: __m256,
 }
 
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_over_rows(
-    w: &[BlockQ8_0],
-    nb: usize,
-    x: &[BlockQ8Act],
-    out: &mut [[f32; GROUP_ROWS]],
-) {
-    over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out, 4, [3, 2, 1]);
+fn expand_q8_0(blocks: &[&BlockQ8_0; GROUP_ROWS]) -> ExpandedQ8_0 {
+    let signed = q8_0_words(blocks);
+    ExpandedQ8_0 {
+        signed,
+        magnitude: signed.map(|v| _mm256_sign_epi8(v, v)),
+        d: f16x8(blocks.map(|b| b.d)),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_0_block<const A: usize>(e: &ExpandedQ8_0, x: [&BlockQ8Act; A], acc: &mut [__m256; A]) {
+    for (acc, x) in acc.iter_mut().zip(x) {
+        let sum = _mm256_cvtepi32_ps(q8_0_sum(&e.signed, &e.magnitude, &x.qs));
+        *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), *acc);
+    }
 }
 
 group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
@@ -657,76 +688,6 @@ pub mod vnni {
             let sum = _mm256_cvtepi32_ps(sum);
             *acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), *acc);
         }
-    }
-
-    /// # Safety
-    /// The CPU must support the module's target features.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn q8_0_group<const A: usize>(
-        w: &[BlockQ8_0],
-        x: [&[BlockQ8Act]; A],
-        out: &mut [[f32; GROUP_ROWS]],
-    ) {
-        let nb = w.len() / GROUP_ROWS;
-        let mut acc = load_rows::<A>(out);
-        for b in 0..nb {
-            let e = expand_q8_0(&column(w, nb, b));
-            prefetch_share(w, b, nb);
-            q8_0_block(&e, x.map(|x| &x[b]), &mut acc);
-        }
-        store_rows(acc, out);
-    }
-
-    /// # Safety
-    /// The CPU must support the module's target features.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn q8_0_expanded<const A: usize>(
-        span: &[ExpandedQ8_0],
-        x: [&[BlockQ8Act]; A],
-        out: &mut [[f32; GROUP_ROWS]],
-    ) {
-        let mut acc = load_rows::<A>(out);
-        for (b, e) in span.iter().enumerate() {
-            q8_0_block(e, x.map(|x| &x[b]), &mut acc);
-        }
-        store_rows(acc, out);
-    }
-
-    /// As `q4_1`'s path: one pass expands in registers, more share expanded spans.
-    ///
-    /// # Safety
-    /// The CPU must support the module's target features.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-    unsafe fn q8_0_over_rows(
-        w: &[BlockQ8_0],
-        nb: usize,
-        x: &[BlockQ8Act],
-        out: &mut [[f32; GROUP_ROWS]],
-    ) {
-        if out.len() <= 8 {
-            over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out, 8, [7, 6, 5, 4, 3, 2, 1]);
-            return;
-        }
-        over_expanded_spans(
-            w,
-            nb,
-            |b| expand_q8_0(b),
-            |span, blocks| {
-                over_activation_rows!(
-                    q8_0_expanded,
-                    span,
-                    x,
-                    nb,
-                    blocks,
-                    &mut *out,
-                    8,
-                    [7, 6, 5, 4, 3, 2, 1]
-                );
-            },
-        );
     }
 
     group_kernels!(
