@@ -364,12 +364,6 @@ fn over_expanded_spans<B, E>(
 /// The grouped kernels for one instruction set: `$q4_1_sum` turns one block's weight
 /// vectors and activation block into the i32 dot product of each row's lane; for `Q8_0`
 /// rows the module's own `ExpandedQ8_0`, `expand_q8_0` and `q8_0_block` do that job.
-///
-/// `q4_1_group::<A>`: one group of [`GROUP_ROWS`] `Q4_1` rows (`w`, row-major) against `A`
-/// activation rows, added to `out`. Lane `r` of an accumulator is row `r`'s sum, so no
-/// horizontal reductions are needed. A batch of at most one pass expands each block in
-/// registers as it goes; a larger batch expands a span of blocks once (`q4_1_expanded`)
-/// and runs every pass over it.
 macro_rules! group_kernels {
     ($features:literal, $widest:literal, [$($rest:literal),*],
      q4_1_sum: $q4_1_sum:expr) => {
@@ -387,90 +381,55 @@ macro_rules! group_kernels {
             }
         }
 
-        /// # Safety
-        /// The CPU must support the module's target features.
-        #[inline]
-        #[target_feature(enable = $features)]
-        unsafe fn q4_1_group<const A: usize>(
-            w: &[BlockQ4_1],
-            x: [&[BlockQ8Act]; A],
-            out: &mut [[f32; GROUP_ROWS]],
-        ) {
-            let nb = w.len() / GROUP_ROWS;
-            let mut acc = load_rows::<A>(out);
-            for b in 0..nb {
-                let e = expand_q4_1(&column(w, nb, b));
-                prefetch_share(w, b, nb);
-                q4_1_block(&e, x.map(|x| &x[b]), &mut acc);
-            }
-            store_rows(acc, out);
-        }
+        format_kernels!(
+            $features, $widest, [$($rest),*],
+            /// `out[j][r]` = row `r` of the [`GROUP_ROWS`]-row group `w` · activation row
+            /// `j` of `x` (as [`crate::backend::quant::gemm_q4_1_group_scalar`]).
+            gemm_q4_1_group, BlockQ4_1,
+            streamed: q4_1_group, expanded: q4_1_expanded,
+            ExpandedQ4_1, expand_q4_1, q4_1_block
+        );
+        format_kernels!(
+            $features, $widest, [$($rest),*],
+            /// As [`gemm_q4_1_group`] for `Q8_0` weights.
+            gemm_q8_0_group, BlockQ8_0,
+            streamed: q8_0_group, expanded: q8_0_expanded,
+            ExpandedQ8_0, expand_q8_0, q8_0_block
+        );
+    };
+}
 
-        /// # Safety
-        /// The CPU must support the module's target features.
-        #[inline]
-        #[target_feature(enable = $features)]
-        unsafe fn q4_1_expanded<const A: usize>(
-            span: &[ExpandedQ4_1],
-            x: [&[BlockQ8Act]; A],
-            out: &mut [[f32; GROUP_ROWS]],
-        ) {
-            let mut acc = load_rows::<A>(out);
-            for (b, e) in span.iter().enumerate() {
-                q4_1_block(e, x.map(|x| &x[b]), &mut acc);
-            }
-            store_rows(acc, out);
-        }
-
-        /// `out[j][r]` = row `r` of the [`GROUP_ROWS`]-row group `w` · activation row `j` of
-        /// `x` (as [`super::quant::gemm_q4_1_group_scalar`]).
+/// The kernels of one block format for one instruction set: `$block` applies one expanded
+/// block column (`$expanded_ty`, made by `$expand`) to `A` activation rows.
+///
+/// `$streamed::<A>`: one group of [`GROUP_ROWS`] rows (`w`, row-major) against `A`
+/// activation rows, added to `out`; lane `r` of an accumulator is row `r`'s sum, so no
+/// horizontal reductions are needed, and each block is expanded in registers as it is
+/// reached. `$expanded::<A>` does the same over a span expanded beforehand. The entry point
+/// `$gemm` takes the streamed pass for a batch of at most one pass, and otherwise expands a
+/// span of blocks once and runs every pass over it.
+macro_rules! format_kernels {
+    ($features:literal, $widest:literal, [$($rest:literal),*],
+     $(#[$doc:meta])* $gemm:ident, $block_ty:ty,
+     streamed: $streamed:ident, expanded: $expanded:ident,
+     $expanded_ty:ty, $expand:ident, $block:ident) => {
+        $(#[$doc])*
         ///
         /// # Safety
         /// The CPU must support the module's target features.
         #[target_feature(enable = $features)]
-        pub unsafe fn gemm_q4_1_group(
-            w: &[BlockQ4_1],
-            x: &[BlockQ8Act],
-            out: &mut [[f32; GROUP_ROWS]],
-        ) {
+        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
             let nb = w.len() / GROUP_ROWS;
             out.fill([0.0; GROUP_ROWS]);
             if nb == 0 {
                 return;
             }
             if out.len() <= $widest {
-                over_activation_rows!(q4_1_group, w, x, nb, 0..nb, out,
-                    $widest, [$($rest),*]);
+                over_activation_rows!($streamed, w, x, nb, 0..nb, out, $widest, [$($rest),*]);
                 return;
             }
-            over_expanded_spans(w, nb, |b| expand_q4_1(b), |span, blocks| {
-                over_activation_rows!(q4_1_expanded, span, x, nb, blocks, &mut *out,
-                    $widest, [$($rest),*]);
-            });
-        }
-
-        /// As [`gemm_q4_1_group`] for `Q8_0` weights.
-        ///
-        /// # Safety
-        /// The CPU must support the module's target features.
-        #[target_feature(enable = $features)]
-        pub unsafe fn gemm_q8_0_group(
-            w: &[BlockQ8_0],
-            x: &[BlockQ8Act],
-            out: &mut [[f32; GROUP_ROWS]],
-        ) {
-            let nb = w.len() / GROUP_ROWS;
-            out.fill([0.0; GROUP_ROWS]);
-            if nb == 0 {
-                return;
-            }
-            if out.len() <= $widest {
-                over_activation_rows!(q8_0_group, w, x, nb, 0..nb, out,
-                    $widest, [$($rest),*]);
-                return;
-            }
-            over_expanded_spans(w, nb, |b| expand_q8_0(b), |span, blocks| {
-                over_activation_rows!(q8_0_expanded, span, x, nb, blocks, &mut *out,
+            over_expanded_spans(w, nb, |b| $expand(b), |span, blocks| {
+                over_activation_rows!($expanded, span, x, nb, blocks, &mut *out,
                     $widest, [$($rest),*]);
             });
         }
@@ -479,17 +438,17 @@ macro_rules! group_kernels {
         /// The CPU must support the module's target features.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn q8_0_group<const A: usize>(
-            w: &[BlockQ8_0],
+        unsafe fn $streamed<const A: usize>(
+            w: &[$block_ty],
             x: [&[BlockQ8Act]; A],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
             let nb = w.len() / GROUP_ROWS;
             let mut acc = load_rows::<A>(out);
             for b in 0..nb {
-                let e = expand_q8_0(&column(w, nb, b));
+                let e = $expand(&column(w, nb, b));
                 prefetch_share(w, b, nb);
-                q8_0_block(&e, x.map(|x| &x[b]), &mut acc);
+                $block(&e, x.map(|x| &x[b]), &mut acc);
             }
             store_rows(acc, out);
         }
@@ -498,14 +457,14 @@ macro_rules! group_kernels {
         /// The CPU must support the module's target features.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn q8_0_expanded<const A: usize>(
-            span: &[ExpandedQ8_0],
+        unsafe fn $expanded<const A: usize>(
+            span: &[$expanded_ty],
             x: [&[BlockQ8Act]; A],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
             let mut acc = load_rows::<A>(out);
             for (b, e) in span.iter().enumerate() {
-                q8_0_block(e, x.map(|x| &x[b]), &mut acc);
+                $block(e, x.map(|x| &x[b]), &mut acc);
             }
             store_rows(acc, out);
         }
