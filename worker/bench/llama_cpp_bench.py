@@ -40,7 +40,8 @@ def vm_hwm_bytes():
 
 
 def median_of(repeats, measure):
-    """The median of `repeats` runs of `measure`, as the worker's side reports."""
+    """The median of `repeats` runs of `measure` (rates or times), as the worker's side
+    reports."""
     rates = sorted(measure() for _ in range(repeats))
     return rates[len(rates) // 2]
 
@@ -129,13 +130,15 @@ def main():
     ctx = Context(model, args.threads, n_ctx=max(1024, longest + 16), n_seq=1, n_batch=512)
     ctx.clear()
     ctx.prefill([spec["short"][0]])
-    ttfts = []
-    for prompt in spec["prefill"]:
+    prefill_prompts = iter(spec["prefill"])
+
+    def time_to_first_token():
         ctx.clear()
         started = time.perf_counter()
-        ctx.prefill([prompt])
-        ttfts.append(time.perf_counter() - started)
-    ttft = sorted(ttfts)[len(ttfts) // 2]
+        ctx.prefill([next(prefill_prompts)])
+        return time.perf_counter() - started
+
+    ttft = median_of(len(spec["prefill"]), time_to_first_token)
     prefill_len = len(spec["prefill"][0])
 
     # Batch-1 decode.

@@ -142,13 +142,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     eprintln!("npufleet: prefill ...");
     // The first long prompt pages in the prefill path's weights; it is not timed.
     finish(&engine, Prompt::Tokens(prompts.warmup.clone()), 1)?;
-    let mut ttfts: Vec<Duration> = Vec::new();
-    for prompt in &prompts.prefill {
+    let mut prefill_prompts = prompts.prefill.iter();
+    let ttft_s = median_of(prompts.prefill.len(), || {
+        let prompt = prefill_prompts.next().expect("one prompt per run");
         let timings = finish(&engine, Prompt::Tokens(prompt.clone()), 1)?;
-        ttfts.push(timings.first_token);
-    }
-    ttfts.sort();
-    let ttft = ttfts[ttfts.len() / 2];
+        Ok(timings.first_token.as_secs_f64())
+    })?;
 
     eprintln!("npufleet: decode at batch 1 ...");
     let decode_tok_s = median_of(args.repeats, || {
@@ -170,8 +169,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let load = engine.load();
     drop(engine);
     let worker = Figures {
-        prefill_tok_s: args.prompt_tokens as f64 / ttft.as_secs_f64(),
-        ttft_ms: ttft.as_secs_f64() * 1000.0,
+        prefill_tok_s: args.prompt_tokens as f64 / ttft_s,
+        ttft_ms: ttft_s * 1000.0,
         decode_tok_s,
         aggregate_tok_s: aggregate,
         skipped: std::collections::BTreeMap::new(),
@@ -367,8 +366,8 @@ async fn token_times(mut stream: GenerationStream) -> anyhow::Result<Vec<Instant
     bail!("the stream ended without a final event")
 }
 
-/// The median of `repeats` measurements: a shared machine's bursts of contention move a
-/// single short run by tens of percent.
+/// The median of `repeats` measurements (rates or times): a shared machine's bursts of
+/// contention move a single short run by tens of percent.
 fn median_of(
     repeats: usize,
     mut measure: impl FnMut() -> anyhow::Result<f64>,
