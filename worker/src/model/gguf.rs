@@ -13,6 +13,24 @@ use anyhow::{Context, Result, bail, ensure};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// The least a tensor info takes: name length, dimension count, one dimension, type, offset.
+const MIN_TENSOR_INFO_BYTES: usize = 8 + 4 + 8 + 4 + 8;
+/// The least a metadata entry takes: key length, value type, a one-byte value.
+const MIN_METADATA_ENTRY_BYTES: usize = 8 + 4 + 1;
+
+/// The least one metadata value of type `ty` takes in the file (1 for a type the reader will
+/// refuse anyway).
+fn encoded_size_at_least(ty: u32) -> usize {
+    match ty {
+        2 | 3 => 2,
+        4..=6 => 4,
+        // A string's length; an array's item type and count.
+        8 => 8,
+        9 => 12,
+        10..=12 => 8,
+        _ => 1,
+    }
+}
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -160,6 +178,16 @@ pub struct GgufFile {
     mmap: memmap2::Mmap,
 }
 
+/// Everything in front of the tensor data: the version, the metadata and where each tensor
+/// lies, checked against the file's size. A model file is untrusted input: any malformed file
+/// gives an error naming what is wrong.
+#[derive(Debug)]
+pub struct Directory {
+    pub version: u32,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: BTreeMap<String, TensorInfo>,
+}
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -194,18 +222,21 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
-    fn count(&mut self, what: &str) -> Result<usize> {
+    /// A count of elements that each take at least `min_bytes` in the file. A count the rest
+    /// of the file cannot hold is corrupt, and refusing it here keeps every allocation sized
+    /// by a count within the bytes that back it.
+    fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize> {
         let n = self.u64()?;
-        // Every element takes at least one byte, so a count beyond the file is corrupt.
+        let remaining = self.buf.len() - self.pos;
         ensure!(
-            n <= (self.buf.len() - self.pos) as u64,
-            "{what} count {n} exceeds the file size"
+            n <= (remaining / min_bytes) as u64,
+            "{what} count {n} does not fit in the {remaining} bytes left in the file"
         );
         Ok(n as usize)
     }
 
     fn string(&mut self) -> Result<String> {
-        let n = self.count("string length")?;
+        let n = self.count("string length", 1)?;
         let bytes = self.take(n)?;
         String::from_utf8(bytes.to_vec()).context("string is not valid UTF-8")
     }
@@ -224,7 +255,7 @@ impl<'a> Reader<'a> {
             9 => {
                 ensure!(depth < 4, "metadata arrays nested too deeply");
                 let item_ty = self.u32()?;
-                let n = self.count("array")?;
+                let n = self.count("array", encoded_size_at_least(item_ty))?;
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
                     items.push(self.value(item_ty, depth + 1)?);
@@ -251,83 +282,11 @@ impl GgufFile {
     }
 
     fn parse(mmap: memmap2::Mmap) -> Result<GgufFile> {
-        let mut r = Reader { buf: &mmap, pos: 0 };
-        ensure!(
-            r.take(4).ok() == Some(MAGIC.as_slice()),
-            "not a GGUF file (bad magic)"
-        );
-        let version = r.u32()?;
-        ensure!(
-            matches!(version, 2 | 3),
-            "unsupported GGUF version {version}"
-        );
-        let n_tensors = r.count("tensor")?;
-        let n_kv = r.count("metadata")?;
-        let mut metadata = BTreeMap::new();
-        for _ in 0..n_kv {
-            let key = r.string()?;
-            let ty = r.u32()?;
-            let value = r
-                .value(ty, 0)
-                .with_context(|| format!("metadata key {key}"))?;
-            metadata.insert(key, value);
-        }
-        let alignment = match metadata.get("general.alignment") {
-            Some(v) => v
-                .as_u64()
-                .filter(|a| a.is_power_of_two())
-                .context("general.alignment is not a power of two")?,
-            None => DEFAULT_ALIGNMENT,
-        };
-        let mut infos = Vec::with_capacity(n_tensors);
-        for _ in 0..n_tensors {
-            let name = r.string()?;
-            let n_dims = r.u32()?;
-            ensure!(
-                (1..=4).contains(&n_dims),
-                "tensor {name}: {n_dims} dimensions"
-            );
-            let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
-            let ty_id = r.u32()?;
-            let ty = TensorType::from_id(ty_id)
-                .with_context(|| format!("tensor {name}: unsupported ggml type {ty_id}"))?;
-            let offset = r.u64()?;
-            infos.push((name, dims, ty, offset));
-        }
-        let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
-        let mut tensors = BTreeMap::new();
-        for (name, dims, ty, offset) in infos {
-            let elements = dims
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .with_context(|| format!("tensor {name}: element count overflows"))?;
-            let (block, block_bytes) = ty.block();
-            ensure!(
-                elements.is_multiple_of(block as u64) && dims[0].is_multiple_of(block as u64),
-                "tensor {name}: row length {} is not a multiple of the {ty:?} block size",
-                dims[0]
-            );
-            let len = elements / block as u64 * block_bytes as u64;
-            let start = data_start
-                .checked_add(offset)
-                .context("tensor offset overflows")?;
-            ensure!(
-                start
-                    .checked_add(len)
-                    .is_some_and(|e| e <= mmap.len() as u64),
-                "tensor {name}: data lies beyond the end of the file"
-            );
-            tensors.insert(
-                name.clone(),
-                TensorInfo {
-                    name,
-                    dims,
-                    ty,
-                    start: start as usize,
-                    len: len as usize,
-                },
-            );
-        }
+        let Directory {
+            version,
+            metadata,
+            tensors,
+        } = parse_directory(&mmap)?;
         Ok(GgufFile {
             version,
             metadata,
@@ -343,6 +302,99 @@ impl GgufFile {
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.start..info.start + info.len]
     }
+}
+
+/// Parses the [`Directory`] of the GGUF file whose bytes are `file`.
+pub fn parse_directory(file: &[u8]) -> Result<Directory> {
+    let mut r = Reader { buf: file, pos: 0 };
+    ensure!(
+        r.take(4).ok() == Some(MAGIC.as_slice()),
+        "not a GGUF file (bad magic)"
+    );
+    let version = r.u32()?;
+    ensure!(
+        matches!(version, 2 | 3),
+        "unsupported GGUF version {version}"
+    );
+    let n_tensors = r.count("tensor", MIN_TENSOR_INFO_BYTES)?;
+    let n_kv = r.count("metadata", MIN_METADATA_ENTRY_BYTES)?;
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n_kv {
+        let key = r.string()?;
+        let ty = r.u32()?;
+        let value = r
+            .value(ty, 0)
+            .with_context(|| format!("metadata key {key}"))?;
+        ensure!(
+            !metadata.contains_key(&key),
+            "metadata key {key} appears twice"
+        );
+        metadata.insert(key, value);
+    }
+    let alignment = match metadata.get("general.alignment") {
+        Some(v) => v
+            .as_u64()
+            .filter(|a| a.is_power_of_two())
+            .context("general.alignment is not a power of two")?,
+        None => DEFAULT_ALIGNMENT,
+    };
+    let mut infos = Vec::with_capacity(n_tensors);
+    for _ in 0..n_tensors {
+        let name = r.string()?;
+        let n_dims = r.u32()?;
+        ensure!(
+            (1..=4).contains(&n_dims),
+            "tensor {name}: {n_dims} dimensions"
+        );
+        let dims = (0..n_dims).map(|_| r.u64()).collect::<Result<Vec<_>>>()?;
+        let ty_id = r.u32()?;
+        let ty = TensorType::from_id(ty_id)
+            .with_context(|| format!("tensor {name}: unsupported ggml type {ty_id}"))?;
+        let offset = r.u64()?;
+        infos.push((name, dims, ty, offset));
+    }
+    let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
+    let mut tensors = BTreeMap::new();
+    for (name, dims, ty, offset) in infos {
+        let elements = dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .with_context(|| format!("tensor {name}: element count overflows"))?;
+        let (block, block_bytes) = ty.block();
+        ensure!(
+            elements.is_multiple_of(block as u64) && dims[0].is_multiple_of(block as u64),
+            "tensor {name}: row length {} is not a multiple of the {ty:?} block size",
+            dims[0]
+        );
+        let len = (elements / block as u64)
+            .checked_mul(block_bytes as u64)
+            .with_context(|| format!("tensor {name}: byte length overflows"))?;
+        let start = data_start
+            .checked_add(offset)
+            .context("tensor offset overflows")?;
+        ensure!(
+            start
+                .checked_add(len)
+                .is_some_and(|e| e <= file.len() as u64),
+            "tensor {name}: data lies beyond the end of the file"
+        );
+        ensure!(!tensors.contains_key(&name), "tensor {name} appears twice");
+        tensors.insert(
+            name.clone(),
+            TensorInfo {
+                name,
+                dims,
+                ty,
+                start: start as usize,
+                len: len as usize,
+            },
+        );
+    }
+    Ok(Directory {
+        version,
+        metadata,
+        tensors,
+    })
 }
 
 /// A tensor to write: ggml dims (fastest first), type and the already-encoded bytes.
@@ -423,4 +475,136 @@ pub fn write(path: &Path, metadata: &[(String, Value)], tensors: &[WriteTensor])
     }
     file.flush()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+
+    /// A header declaring `tensors` and `metadata` entries, followed by `body`.
+    fn file(tensors: u64, metadata: u64, body: &[u8]) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&3u32.to_le_bytes());
+        out.extend_from_slice(&tensors.to_le_bytes());
+        out.extend_from_slice(&metadata.to_le_bytes());
+        out.extend_from_slice(body);
+        out
+    }
+
+    fn tensor_info(out: &mut Vec<u8>, name: &str, dims: &[u64], ty: TensorType, offset: u64) {
+        string(out, name);
+        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+        out.extend_from_slice(&ty.id().to_le_bytes());
+        out.extend_from_slice(&offset.to_le_bytes());
+    }
+
+    fn error(bytes: &[u8]) -> String {
+        format!("{:#}", parse_directory(bytes).unwrap_err())
+    }
+
+    #[test]
+    fn reads_back_what_the_writer_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let metadata = vec![
+            (
+                "general.architecture".to_string(),
+                Value::String("llama".into()),
+            ),
+            (
+                "tokenizer.ggml.tokens".to_string(),
+                Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+            ),
+        ];
+        let tensors = [WriteTensor {
+            name: "w".into(),
+            dims: vec![4, 2],
+            ty: TensorType::F32,
+            data: vec![0; 32],
+        }];
+        write(&path, &metadata, &tensors).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        assert_eq!(
+            file.get("general.architecture").and_then(Value::as_str),
+            Some("llama")
+        );
+        let w = &file.tensors["w"];
+        assert_eq!((w.dims.as_slice(), w.len), (&[4u64, 2][..], 32));
+        assert_eq!(file.tensor_bytes(w).len(), 32);
+    }
+
+    #[test]
+    fn a_tensor_whose_byte_length_overflows_is_an_error_not_a_wrap() {
+        let mut body = Vec::new();
+        // 2^32 × 2^31 f32 elements: the element count fits in 64 bits, the bytes do not.
+        tensor_info(&mut body, "huge", &[1 << 32, 1 << 31], TensorType::F32, 0);
+        assert!(error(&file(1, 0, &body)).contains("tensor huge: byte length overflows"));
+    }
+
+    #[test]
+    fn counts_the_rest_of_the_file_cannot_hold_are_refused_before_allocating() {
+        // 2^40 tensors in a 24-byte file.
+        let err = error(&file(1 << 40, 0, &[]));
+        assert!(
+            err.contains("tensor count 1099511627776 does not fit"),
+            "{err}"
+        );
+        // A u32 array of 16 items has 64 bytes of items; only 16 bytes follow.
+        let mut body = Vec::new();
+        string(&mut body, "k");
+        body.extend_from_slice(&9u32.to_le_bytes());
+        body.extend_from_slice(&4u32.to_le_bytes());
+        body.extend_from_slice(&16u64.to_le_bytes());
+        body.extend_from_slice(&[0; 16]);
+        let err = error(&file(0, 1, &body));
+        assert!(
+            err.contains("array count 16 does not fit in the 16 bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let mut body = Vec::new();
+        for _ in 0..2 {
+            string(&mut body, "general.name");
+            body.extend_from_slice(&0u32.to_le_bytes());
+            body.push(1);
+        }
+        assert!(error(&file(0, 2, &body)).contains("metadata key general.name appears twice"));
+
+        let mut body = Vec::new();
+        for _ in 0..2 {
+            tensor_info(&mut body, "w", &[8], TensorType::F32, 0);
+        }
+        let mut bytes = file(2, 0, &body);
+        bytes.resize(bytes.len().div_ceil(32) * 32 + 32, 0);
+        assert!(error(&bytes).contains("tensor w appears twice"));
+    }
+
+    #[test]
+    fn names_what_is_wrong_with_a_malformed_file() {
+        let cases: [(&[u8], &str); 3] = [
+            (b"GGML", "not a GGUF file"),
+            (b"GGUF\x07\0\0\0", "unsupported GGUF version 7"),
+            (b"GGUF\x03\0\0\0\0\0", "file truncated at byte 8"),
+        ];
+        for (bytes, expected) in cases {
+            let err = error(bytes);
+            assert!(err.contains(expected), "{err}");
+        }
+        let mut body = Vec::new();
+        tensor_info(&mut body, "w", &[8], TensorType::F32, 64);
+        assert!(
+            error(&file(1, 0, &body)).contains("tensor w: data lies beyond the end of the file")
+        );
+    }
 }
