@@ -1,0 +1,115 @@
+//! Why the router itself answered a request instead of a replica, mapped to each protocol.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use serde_json::json;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("the request body is larger than the router's limit of {limit} bytes")]
+    TooLarge { limit: usize },
+    #[error("model '{0}' is not served by any InferenceService this router sees")]
+    ModelNotFound(String),
+    #[error(
+        "model '{model}' has no ready replica and {limit} requests are already waiting for one; retry later"
+    )]
+    HoldQueueFull {
+        model: String,
+        limit: usize,
+        retry_after: Duration,
+    },
+    #[error("model '{model}' had no ready replica within {waited:?} of holding the request")]
+    HoldTimedOut { model: String, waited: Duration },
+    #[error("every replica of model '{model}' that was tried failed: {last}")]
+    ReplicasFailed { model: String, last: String },
+}
+
+impl RouteError {
+    pub fn http_status(&self) -> StatusCode {
+        match self {
+            RouteError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            RouteError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RouteError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            RouteError::HoldQueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            RouteError::HoldTimedOut { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouteError::ReplicasFailed { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    pub fn grpc_status(&self) -> tonic::Status {
+        let message = self.to_string();
+        match self {
+            RouteError::BadRequest(_) => tonic::Status::invalid_argument(message),
+            RouteError::TooLarge { .. } => tonic::Status::out_of_range(message),
+            RouteError::ModelNotFound(_) => tonic::Status::not_found(message),
+            RouteError::HoldQueueFull { .. } => tonic::Status::resource_exhausted(message),
+            RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
+                tonic::Status::unavailable(message)
+            }
+        }
+    }
+
+    /// The OpenAI error `code` string.
+    fn openai_code(&self) -> &'static str {
+        match self {
+            RouteError::BadRequest(_) => "invalid_request",
+            RouteError::TooLarge { .. } => "request_too_large",
+            RouteError::ModelNotFound(_) => "model_not_found",
+            RouteError::HoldQueueFull { .. } => "queue_full",
+            RouteError::HoldTimedOut { .. } => "no_ready_replica",
+            RouteError::ReplicasFailed { .. } => "upstream_failed",
+        }
+    }
+
+    fn openai_type(&self) -> &'static str {
+        match self {
+            RouteError::BadRequest(_)
+            | RouteError::TooLarge { .. }
+            | RouteError::ModelNotFound(_) => "invalid_request_error",
+            RouteError::HoldQueueFull { .. } => "rate_limit_error",
+            RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
+                "service_unavailable"
+            }
+        }
+    }
+
+    fn retry_after(&self, response: &mut Response) {
+        if let RouteError::HoldQueueFull { retry_after, .. } = self {
+            let seconds = retry_after.as_secs().max(1);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+    }
+}
+
+/// Which API shape an error body takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// `{"error": {"message", "type", "param", "code"}}`
+    OpenAi,
+    /// KServe v2 REST: `{"error": "<message>"}`
+    V2,
+}
+
+impl RouteError {
+    pub fn into_response(self, flavor: Flavor) -> Response {
+        let body = match flavor {
+            Flavor::OpenAi => json!({"error": {
+                "message": self.to_string(),
+                "type": self.openai_type(),
+                "param": null,
+                "code": self.openai_code(),
+            }}),
+            Flavor::V2 => json!({"error": self.to_string()}),
+        };
+        let mut response = (self.http_status(), Json(body)).into_response();
+        self.retry_after(&mut response);
+        response
+    }
+}

@@ -1,0 +1,432 @@
+//! The Open Inference Protocol (KServe v2 gRPC) front door: each call is sent to a replica of
+//! the model it names, through one HTTP/2 channel per replica.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use npufleet_contract::ports::GRPC_PORT;
+use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
+use npufleet_contract::proto::inference::{
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse,
+    ModelReadyRequest, ModelReadyResponse, ModelStreamInferResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
+    ServerReadyResponse,
+};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::error::RouteError;
+use crate::http::REPLICA_HEADER;
+use crate::metrics::NO_REPLICA;
+use crate::pool::Lease;
+use crate::route::Router;
+
+/// The worker's text input (see the worker's Open Inference Protocol mapping).
+const TEXT_INPUT: &str = "text_input";
+
+pub struct GrpcFrontDoor {
+    router: Arc<Router>,
+    channels: Mutex<HashMap<IpAddr, Channel>>,
+    connect_timeout: Duration,
+}
+
+impl GrpcFrontDoor {
+    pub fn new(router: Arc<Router>, connect_timeout: Duration) -> Self {
+        GrpcFrontDoor {
+            router,
+            channels: Mutex::default(),
+            connect_timeout,
+        }
+    }
+
+    /// The replica's channel, connecting on first use. Channels of replicas that left the
+    /// fleet are dropped as new ones are made.
+    fn client(&self, ip: IpAddr) -> GrpcInferenceServiceClient<Channel> {
+        let mut channels = self.channels.lock().expect("channel lock");
+        if !channels.contains_key(&ip) {
+            let live: Vec<IpAddr> = self
+                .router
+                .discovery
+                .fleet
+                .borrow()
+                .models
+                .values()
+                .flat_map(|m| m.endpoints.iter().map(|e| e.ip))
+                .collect();
+            channels.retain(|ip, _| live.contains(ip));
+        }
+        let channel = channels
+            .entry(ip)
+            .or_insert_with(|| {
+                Endpoint::from_shared(format!("http://{}", SocketAddr::new(ip, GRPC_PORT)))
+                    .expect("an IP and port make a valid URI")
+                    .connect_timeout(self.connect_timeout)
+                    .connect_lazy()
+            })
+            .clone();
+        let limit = self.router.settings.max_body_bytes;
+        GrpcInferenceServiceClient::new(channel)
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(limit)
+    }
+
+    fn count(&self, model: &str, replica: &str, code: Code) {
+        self.router
+            .metrics
+            .requests
+            .with_label_values(&[model, replica, &format!("{code:?}")])
+            .inc();
+    }
+
+    fn route_error(&self, model: &str, error: RouteError) -> Status {
+        let status = error.grpc_status();
+        self.count(model, NO_REPLICA, status.code());
+        status
+    }
+
+    fn prefix_key(&self, request: &ModelInferRequest) -> Option<u64> {
+        let text = text_input(request)?;
+        self.router.settings.prefix.key(text)
+    }
+
+    /// Sends one unary call to replicas of `model` in turn until one answers, retrying only
+    /// failures that mean the replica did not take the request.
+    async fn unary<Req, Resp, F, Fut>(
+        &self,
+        model: &str,
+        prefix_key: Option<u64>,
+        message: Req,
+        call: F,
+    ) -> Result<Response<Resp>, Status>
+    where
+        Req: Clone,
+        F: Fn(GrpcInferenceServiceClient<Channel>, Req) -> Fut,
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
+    {
+        let router = &self.router;
+        let mut tried: Vec<String> = Vec::new();
+        let mut last: Option<Status> = None;
+        while tried.len() < router.settings.max_attempts {
+            let lease = match router.lease(model, prefix_key, &tried).await {
+                Ok(lease) => lease,
+                Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
+                Err(error) => return Err(self.route_error(model, error)),
+            };
+            tried.push(lease.pod.clone());
+            let sent_at = Instant::now();
+            match call(self.client(lease.ip), message.clone()).await {
+                Ok(mut response) => {
+                    router
+                        .metrics
+                        .upstream_ttft_seconds
+                        .with_label_values(&[model])
+                        .observe(sent_at.elapsed().as_secs_f64());
+                    self.count(model, &lease.pod, Code::Ok);
+                    if let Ok(value) = lease.pod.parse() {
+                        response.metadata_mut().insert(REPLICA_HEADER, value);
+                    }
+                    return Ok(response);
+                }
+                Err(status) if retryable(&status) => {
+                    let reason = if status.code() == Code::ResourceExhausted {
+                        "busy"
+                    } else {
+                        "unavailable"
+                    };
+                    if tried.len() < router.settings.max_attempts {
+                        router
+                            .metrics
+                            .retries
+                            .with_label_values(&[model, reason])
+                            .inc();
+                    }
+                    last = Some(status);
+                }
+                Err(status) => {
+                    self.count(model, &lease.pod, status.code());
+                    return Err(status);
+                }
+            }
+        }
+        let last = last.expect("the loop ends early only after a failed attempt");
+        self.count(model, NO_REPLICA, last.code());
+        Err(last)
+    }
+}
+
+/// The replica refused or never saw the request: another may take it.
+fn retryable(status: &Status) -> bool {
+    matches!(status.code(), Code::Unavailable | Code::ResourceExhausted)
+}
+
+/// The prompt of an infer request: its `text_input` tensor's first element, given in
+/// `contents` or, length-prefixed, in `raw_input_contents`.
+fn text_input(request: &ModelInferRequest) -> Option<&[u8]> {
+    let (index, input) = request
+        .inputs
+        .iter()
+        .enumerate()
+        .find(|(_, input)| input.name == TEXT_INPUT)?;
+    if let Some(first) = input
+        .contents
+        .as_ref()
+        .and_then(|c| c.bytes_contents.first())
+    {
+        return Some(first);
+    }
+    let raw = request.raw_input_contents.get(index)?;
+    let length = u32::from_le_bytes(raw.get(..4)?.try_into().ok()?) as usize;
+    raw.get(4..4 + length)
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ModelStreamInferResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl GrpcInferenceService for GrpcFrontDoor {
+    async fn server_live(
+        &self,
+        _request: Request<ServerLiveRequest>,
+    ) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _request: Request<ServerReadyRequest>,
+    ) -> Result<Response<ServerReadyResponse>, Status> {
+        let ready = *self.router.discovery.synced.borrow();
+        Ok(Response::new(ServerReadyResponse { ready }))
+    }
+
+    /// Ready when the model has a serving replica; unknown models are NOT_FOUND.
+    async fn model_ready(
+        &self,
+        request: Request<ModelReadyRequest>,
+    ) -> Result<Response<ModelReadyResponse>, Status> {
+        let name = &request.get_ref().name;
+        let model = self
+            .router
+            .model(name)
+            .map_err(|e| self.route_error(name, e))?;
+        Ok(Response::new(ModelReadyResponse {
+            ready: !model.endpoints.is_empty(),
+        }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _request: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: "npufleet-router".to_owned(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            extensions: Vec::new(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let message = request.into_inner();
+        let model = message.name.clone();
+        self.unary(&model, None, message, |mut client, message| async move {
+            client.model_metadata(message).await
+        })
+        .await
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<ModelInferRequest>,
+    ) -> Result<Response<ModelInferResponse>, Status> {
+        let message = request.into_inner();
+        let model = message.model_name.clone();
+        let key = self.prefix_key(&message);
+        self.unary(&model, key, message, |mut client, message| async move {
+            client.model_infer(message).await
+        })
+        .await
+    }
+
+    type ModelStreamInferStream = ResponseStream;
+
+    /// The stream goes to the replica picked for its first request; later requests on it
+    /// follow (a stream is one upstream call). Responses pass through as they arrive; a
+    /// replica failing mid-stream ends the stream with its status.
+    async fn model_stream_infer(
+        &self,
+        request: Request<Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let mut incoming = request.into_inner();
+        let Some(first) = incoming.message().await? else {
+            return Err(Status::invalid_argument(
+                "the stream ended before its first request",
+            ));
+        };
+        let model = first.model_name.clone();
+        let key = self.prefix_key(&first);
+        let router = &self.router;
+        let mut tried: Vec<String> = Vec::new();
+        let lease = loop {
+            let lease = router
+                .lease(&model, key, &tried)
+                .await
+                .map_err(|e| self.route_error(&model, e))?;
+            tried.push(lease.pod.clone());
+            // Connect first, so a replica that is gone is skipped before the stream (which
+            // cannot be replayed) is handed over.
+            let endpoint =
+                Endpoint::from_shared(format!("http://{}", SocketAddr::new(lease.ip, GRPC_PORT)))
+                    .map_err(|e| Status::internal(e.to_string()))?
+                    .connect_timeout(self.connect_timeout);
+            match endpoint.connect().await {
+                Ok(_) => break lease,
+                Err(error) if tried.len() < router.settings.max_attempts => {
+                    tracing::debug!(replica = %lease.pod, %error, "connecting failed; trying another replica");
+                    router
+                        .metrics
+                        .retries
+                        .with_label_values(&[&model, "connect"])
+                        .inc();
+                }
+                Err(error) => {
+                    let status = Status::unavailable(format!(
+                        "every replica of model '{model}' that was tried failed: {}: {error}",
+                        lease.pod
+                    ));
+                    self.count(&model, NO_REPLICA, status.code());
+                    return Err(status);
+                }
+            }
+        };
+        let requests = futures::stream::once(async move { first }).chain(
+            incoming
+                .take_while(|r| std::future::ready(r.is_ok()))
+                .filter_map(|r| std::future::ready(r.ok())),
+        );
+        let sent_at = Instant::now();
+        let upstream = match self.client(lease.ip).model_stream_infer(requests).await {
+            Ok(upstream) => upstream.into_inner(),
+            Err(status) => {
+                self.count(&model, &lease.pod, status.code());
+                return Err(status);
+            }
+        };
+        let ttft = router
+            .metrics
+            .upstream_ttft_seconds
+            .with_label_values(&[&model]);
+        let requests_metric = router.metrics.requests.clone();
+        let responses = relay(upstream, lease, sent_at, ttft, requests_metric, model);
+        Ok(Response::new(Box::pin(responses)))
+    }
+}
+
+/// Passes the replica's responses through, holding the lease while the stream lives and
+/// counting the stream's outcome once it ends.
+fn relay(
+    upstream: Streaming<ModelStreamInferResponse>,
+    lease: Lease,
+    sent_at: Instant,
+    ttft: prometheus::Histogram,
+    requests: prometheus::IntCounterVec,
+    model: String,
+) -> impl Stream<Item = Result<ModelStreamInferResponse, Status>> + Send {
+    struct State {
+        upstream: Streaming<ModelStreamInferResponse>,
+        lease: Lease,
+        sent_at: Instant,
+        ttft: Option<prometheus::Histogram>,
+        requests: prometheus::IntCounterVec,
+        model: String,
+        done: bool,
+    }
+    let state = State {
+        upstream,
+        lease,
+        sent_at,
+        ttft: Some(ttft),
+        requests,
+        model,
+        done: false,
+    };
+    futures::stream::unfold(state, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let item = s.upstream.message().await;
+        let code = match &item {
+            Ok(Some(_)) => {
+                if let Some(ttft) = s.ttft.take() {
+                    ttft.observe(s.sent_at.elapsed().as_secs_f64());
+                }
+                None
+            }
+            Ok(None) => Some(Code::Ok),
+            Err(status) => Some(status.code()),
+        };
+        if let Some(code) = code {
+            s.done = true;
+            s.requests
+                .with_label_values(&[&s.model, &s.lease.pod, &format!("{code:?}")])
+                .inc();
+        }
+        match item {
+            Ok(Some(message)) => Some((Ok(message), s)),
+            Ok(None) => None,
+            Err(status) => Some((Err(status), s)),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use npufleet_contract::proto::inference::InferTensorContents;
+    use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+
+    use super::*;
+
+    fn text(name: &str) -> InferInputTensor {
+        InferInputTensor {
+            name: name.to_owned(),
+            datatype: "BYTES".to_owned(),
+            shape: vec![1],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn text_input_is_read_from_contents_or_raw_bytes() {
+        let mut with_contents = ModelInferRequest {
+            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
+            ..Default::default()
+        };
+        with_contents.inputs[1].contents = Some(InferTensorContents {
+            bytes_contents: vec![b"hello".to_vec()],
+            ..Default::default()
+        });
+        assert_eq!(text_input(&with_contents), Some(&b"hello"[..]));
+
+        let mut raw = 5u32.to_le_bytes().to_vec();
+        raw.extend_from_slice(b"world");
+        let with_raw = ModelInferRequest {
+            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
+            raw_input_contents: vec![8u32.to_le_bytes().to_vec(), raw],
+            ..Default::default()
+        };
+        assert_eq!(text_input(&with_raw), Some(&b"world"[..]));
+
+        let truncated = ModelInferRequest {
+            inputs: vec![text(TEXT_INPUT)],
+            raw_input_contents: vec![vec![9, 0, 0, 0, b'x']],
+            ..Default::default()
+        };
+        assert_eq!(text_input(&truncated), None);
+    }
+}

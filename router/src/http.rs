@@ -1,0 +1,512 @@
+//! The HTTP front door: the OpenAI API and KServe v2 REST, proxied to a replica of the model
+//! the request names, with the body streamed back as it arrives; plus the router's own
+//! `/v1/models`, health and `/metrics`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router as AxumRouter;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use futures::{Stream, StreamExt};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use npufleet_contract::ports::HTTP_PORT;
+use serde_json::{Value, json};
+
+use crate::error::{Flavor, RouteError};
+use crate::metrics::NO_REPLICA;
+use crate::pool::Lease;
+use crate::prompt;
+use crate::route::Router;
+
+/// The response header naming the pod that answered.
+pub const REPLICA_HEADER: &str = "x-npufleet-replica";
+
+#[derive(Clone)]
+pub struct HttpState {
+    pub router: Arc<Router>,
+    pub upstream: reqwest::Client,
+}
+
+pub fn app(state: HttpState) -> AxumRouter {
+    // The extractor refuses a larger body; the handlers answer that with the router's 413.
+    let limit = state.router.settings.max_body_bytes;
+    AxumRouter::new()
+        .route("/v1/completions", post(openai))
+        .route("/v1/chat/completions", post(openai))
+        .route("/v1/models", get(models))
+        .route("/v2/models/{name}", get(v2_model_metadata))
+        .route("/v2/models/{name}/{*rest}", any(v2))
+        .route("/v2/health/live", get(live))
+        .route("/v2/health/ready", get(ready))
+        .route("/healthz", get(live))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+fn body_or_error(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, RouteError> {
+    body.map_err(|rejection| match rejection {
+        BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) => {
+            RouteError::TooLarge { limit }
+        }
+        other => RouteError::BadRequest(format!("reading the request body failed: {other}")),
+    })
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, RouteError> {
+    serde_json::from_slice(body)
+        .map_err(|e| RouteError::BadRequest(format!("the request body is not valid JSON: {e}")))
+}
+
+async fn openai(
+    State(state): State<HttpState>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let request = async {
+        let body = body_or_error(body, state.router.settings.max_body_bytes)?;
+        let json = parse_json(&body)?;
+        let model = match json.get("model") {
+            Some(Value::String(model)) => model.clone(),
+            Some(_) => {
+                return Err(RouteError::BadRequest(
+                    "the field `model` must be a string".to_owned(),
+                ));
+            }
+            None => {
+                return Err(RouteError::BadRequest(
+                    "the request names no model (field `model`)".to_owned(),
+                ));
+            }
+        };
+        let key = prompt::openai_prompt(&json)
+            .and_then(|p| state.router.settings.prefix.key(p.as_bytes()));
+        Ok((model, key, body))
+    }
+    .await;
+    match request {
+        Ok((model, key, body)) => {
+            forward(
+                &state,
+                Flavor::OpenAi,
+                &model,
+                key,
+                Method::POST,
+                &uri,
+                &headers,
+                body,
+            )
+            .await
+        }
+        Err(error) => answer_error(&state, Flavor::OpenAi, None, error),
+    }
+}
+
+async fn v2_model_metadata(
+    State(state): State<HttpState>,
+    Path(name): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    forward(
+        &state,
+        Flavor::V2,
+        &name,
+        None,
+        Method::GET,
+        &uri,
+        &headers,
+        Bytes::new(),
+    )
+    .await
+}
+
+async fn v2(
+    State(state): State<HttpState>,
+    Path((name, _rest)): Path<(String, String)>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let request = async {
+        let body = body_or_error(body, state.router.settings.max_body_bytes)?;
+        let key = if body.is_empty() {
+            None
+        } else {
+            let json = parse_json(&body)?;
+            prompt::v2_rest_prompt(&json)
+                .and_then(|p| state.router.settings.prefix.key(p.as_bytes()))
+        };
+        Ok((key, body))
+    }
+    .await;
+    match request {
+        Ok((key, body)) => {
+            forward(&state, Flavor::V2, &name, key, method, &uri, &headers, body).await
+        }
+        Err(error) => answer_error(&state, Flavor::V2, Some(&name), error),
+    }
+}
+
+fn answer_error(
+    state: &HttpState,
+    flavor: Flavor,
+    model: Option<&str>,
+    error: RouteError,
+) -> Response {
+    let response = error.into_response(flavor);
+    count(state, model.unwrap_or(""), NO_REPLICA, response.status());
+    response
+}
+
+fn count(state: &HttpState, model: &str, replica: &str, status: StatusCode) {
+    state
+        .router
+        .metrics
+        .requests
+        .with_label_values(&[model, replica, status.as_str()])
+        .inc();
+}
+
+/// Request headers not passed upstream: hop-by-hop ones and those the client sets anew.
+fn forwarded(headers: &HeaderMap) -> HeaderMap {
+    let mut out = headers.clone();
+    for name in [
+        header::HOST,
+        header::CONNECTION,
+        header::CONTENT_LENGTH,
+        header::TRANSFER_ENCODING,
+        header::TE,
+        header::UPGRADE,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+    ] {
+        out.remove(name);
+    }
+    out
+}
+
+/// Why an attempt is retried on another replica: it failed before any answer began.
+enum Failure {
+    Transport(String),
+    /// 503 (draining, warming up) or 429 (queue full): the worker refused the request.
+    Refused(reqwest::Response),
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn forward(
+    state: &HttpState,
+    flavor: Flavor,
+    model: &str,
+    prefix_key: Option<u64>,
+    method: Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let router = &state.router;
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let headers = forwarded(headers);
+    let mut tried: Vec<String> = Vec::new();
+    let mut last: Option<(Failure, String)> = None;
+    while tried.len() < router.settings.max_attempts {
+        let lease = match router.lease(model, prefix_key, &tried).await {
+            Ok(lease) => lease,
+            Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
+            Err(error) => return answer_error(state, flavor, Some(model), error),
+        };
+        tried.push(lease.pod.clone());
+        let url = format!("http://{}:{HTTP_PORT}{path}", lease.ip);
+        let sent_at = Instant::now();
+        let attempt = state
+            .upstream
+            .request(method.clone(), url)
+            .headers(headers.clone())
+            .body(body.clone())
+            .send()
+            .await;
+        let (failure, reason) = match attempt {
+            Ok(response)
+                if response.status() == StatusCode::SERVICE_UNAVAILABLE
+                    || response.status() == StatusCode::TOO_MANY_REQUESTS =>
+            {
+                let reason = if response.status() == StatusCode::TOO_MANY_REQUESTS {
+                    "busy"
+                } else {
+                    "unavailable"
+                };
+                (Failure::Refused(response), reason)
+            }
+            Ok(response) => return stream_back(state, model, lease, sent_at, response),
+            Err(error) => {
+                let reason = if error.is_connect() {
+                    "connect"
+                } else {
+                    "transport"
+                };
+                (
+                    Failure::Transport(format!("{}: {error}", lease.pod)),
+                    reason,
+                )
+            }
+        };
+        tracing::debug!(model, replica = %lease.pod, reason, "attempt failed before the first byte");
+        if tried.len() < router.settings.max_attempts {
+            router
+                .metrics
+                .retries
+                .with_label_values(&[model, reason])
+                .inc();
+        }
+        last = Some((failure, lease.pod.clone()));
+    }
+    match last {
+        Some((Failure::Refused(response), pod)) => {
+            let status = response.status();
+            count(state, model, &pod, status);
+            let mut out = Response::builder().status(status);
+            for (name, value) in response.headers() {
+                if is_end_to_end(name) {
+                    out = out.header(name, value);
+                }
+            }
+            let body = response.bytes().await.unwrap_or_default();
+            out.header(REPLICA_HEADER, pod)
+                .body(Body::from(body))
+                .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+        }
+        Some((Failure::Transport(message), _)) => answer_error(
+            state,
+            flavor,
+            Some(model),
+            RouteError::ReplicasFailed {
+                model: model.to_owned(),
+                last: message,
+            },
+        ),
+        None => answer_error(
+            state,
+            flavor,
+            Some(model),
+            RouteError::ReplicasFailed {
+                model: model.to_owned(),
+                last: "no attempt was made".to_owned(),
+            },
+        ),
+    }
+}
+
+fn is_end_to_end(name: &HeaderName) -> bool {
+    ![
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::CONTENT_LENGTH,
+        header::UPGRADE,
+        header::TE,
+    ]
+    .contains(name)
+        && name.as_str() != "keep-alive"
+}
+
+/// The replica's answer, streamed through as its bytes arrive. The lease (the replica's
+/// in-flight count) lasts until the body ends or the client goes; the client going drops
+/// the upstream response, which closes its connection and cancels the request there.
+fn stream_back(
+    state: &HttpState,
+    model: &str,
+    lease: Lease,
+    sent_at: Instant,
+    response: reqwest::Response,
+) -> Response {
+    let status = response.status();
+    count(state, model, &lease.pod, status);
+    let mut out = Response::builder().status(status);
+    for (name, value) in response.headers() {
+        if is_end_to_end(name) {
+            out = out.header(name, value);
+        }
+    }
+    let event_stream = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    out = out.header(
+        REPLICA_HEADER,
+        HeaderValue::from_str(&lease.pod).unwrap_or(HeaderValue::from_static("")),
+    );
+    let ttft = state
+        .router
+        .metrics
+        .upstream_ttft_seconds
+        .with_label_values(&[model]);
+    let upstream = response.bytes_stream();
+    let body = Passthrough {
+        upstream: Box::pin(upstream),
+        lease,
+        sent_at,
+        ttft: Some(ttft),
+        event_stream,
+        pending: Vec::new(),
+        finished: false,
+    };
+    out.body(Body::from_stream(body.into_stream()))
+        .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+}
+
+type UpstreamBytes = std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+struct Passthrough {
+    upstream: UpstreamBytes,
+    lease: Lease,
+    sent_at: Instant,
+    ttft: Option<prometheus::Histogram>,
+    /// Server-sent events: pass whole events only, so that a failure mid-event can still
+    /// be told to the client as a well-formed error event.
+    event_stream: bool,
+    pending: Vec<u8>,
+    finished: bool,
+}
+
+/// The end of the last complete event (`\n\n`) in `bytes`, if any.
+fn complete_events_end(bytes: &[u8]) -> Option<usize> {
+    bytes.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2)
+}
+
+/// The event a client reads when the replica fails after streaming began: an OpenAI-shaped
+/// error, then the end of the stream.
+pub fn stream_error_event(message: &str) -> Bytes {
+    let error = json!({"error": {
+        "message": message,
+        "type": "server_error",
+        "param": null,
+        "code": "upstream_failed",
+    }});
+    Bytes::from(format!("data: {error}\n\ndata: [DONE]\n\n"))
+}
+
+impl Passthrough {
+    fn into_stream(self) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
+        futures::stream::unfold(self, |mut s| async move {
+            loop {
+                if s.finished {
+                    return None;
+                }
+                match s.upstream.next().await {
+                    Some(Ok(bytes)) => {
+                        if let Some(ttft) = s.ttft.take() {
+                            ttft.observe(s.sent_at.elapsed().as_secs_f64());
+                        }
+                        if !s.event_stream {
+                            return Some((Ok(bytes), s));
+                        }
+                        s.pending.extend_from_slice(&bytes);
+                        if let Some(end) = complete_events_end(&s.pending) {
+                            let events: Vec<u8> = s.pending.drain(..end).collect();
+                            return Some((Ok(Bytes::from(events)), s));
+                        }
+                    }
+                    Some(Err(error)) => {
+                        s.finished = true;
+                        tracing::warn!(replica = %s.lease.pod, %error, "the replica failed mid-response");
+                        let message = format!(
+                            "replica {} failed after the response began: {error}",
+                            s.lease.pod
+                        );
+                        if s.event_stream {
+                            return Some((Ok(stream_error_event(&message)), s));
+                        }
+                        return Some((Err(std::io::Error::other(message)), s));
+                    }
+                    None => {
+                        s.finished = true;
+                        if s.pending.is_empty() {
+                            return None;
+                        }
+                        let rest = std::mem::take(&mut s.pending);
+                        return Some((Ok(Bytes::from(rest)), s));
+                    }
+                }
+            }
+        })
+    }
+}
+
+async fn models(State(state): State<HttpState>) -> Response {
+    let fleet = state.router.discovery.fleet.borrow().clone();
+    let data: Vec<Value> = fleet
+        .ready_models()
+        .into_iter()
+        .map(|name| json!({"id": name, "object": "model", "owned_by": "npufleet", "root": name}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn live() -> StatusCode {
+    StatusCode::OK
+}
+
+/// Ready once both watches have listed: before that, every model would look unknown.
+async fn ready(State(state): State<HttpState>) -> StatusCode {
+    if *state.router.discovery.synced.borrow() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        state.router.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(uri: Uri) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(json!({"error": {
+            "message": format!("no route for {}", uri.path()),
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "not_found",
+        }})),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn complete_events_end_after_the_last_blank_line() {
+        assert_eq!(complete_events_end(b"data: a\n\ndata: b"), Some(9));
+        assert_eq!(complete_events_end(b"data: a\n\ndata: b\n\n"), Some(18));
+        assert_eq!(complete_events_end(b"data: a\n"), None);
+    }
+
+    #[test]
+    fn the_stream_error_event_is_one_json_event_then_done() {
+        let event = stream_error_event("replica x failed");
+        let text = std::str::from_utf8(&event).unwrap();
+        let mut events = text.split("\n\n").filter(|e| !e.is_empty());
+        let error: Value =
+            serde_json::from_str(events.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(error["error"]["message"], "replica x failed");
+        assert_eq!(events.next(), Some("data: [DONE]"));
+        assert_eq!(events.next(), None);
+    }
+}

@@ -1,0 +1,23 @@
+//! `npufleet-router`: the fleet's front door. One router serves every InferenceService in its
+//! scope: it routes OpenAI HTTP, KServe v2 REST and Open Inference Protocol gRPC requests by
+//! model name over the ready rank-0 replicas (least-load, prefix-affinity or round-robin, per
+//! InferenceService), retries on another replica when one fails before answering, and holds
+//! requests for a fleet with no ready replica while it wakes.
+//!
+//! Where a request goes: [`http`] or [`grpc`] → [`route`] (lookup, hold, wake) → [`pool`]
+//! (per-replica state) → [`policy`] (the pick, pure) — with [`discovery`] (watches) and
+//! [`load`] (the workers' load streams) keeping the view current.
+
+pub mod discovery;
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod load;
+pub mod metrics;
+pub mod policy;
+pub mod pool;
+pub mod prompt;
+pub mod route;
+pub mod server;
+
+pub use server::{Args, run};

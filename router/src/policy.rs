@@ -1,0 +1,303 @@
+//! The routing policies as pure functions over plain data: which of a model's replicas takes
+//! the next request.
+
+/// What the router knows about one replica when it picks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// A name every router replica sees the same way (the pod's name), so that hashing onto
+    /// replicas agrees across routers with no shared state.
+    pub id: String,
+    /// Requests this router has sent to the replica and not yet seen finish.
+    pub in_flight: u32,
+    /// The replica's own report, when a fresh one is at hand.
+    pub reported: Option<ReportedLoad>,
+}
+
+/// A replica's load as its worker last reported it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReportedLoad {
+    pub waiting: u32,
+    pub running: u32,
+    /// Fraction of KV-cache blocks in use, 0..=1.
+    pub kv_cache_usage: f64,
+}
+
+impl Candidate {
+    /// Requests outstanding at the replica. The worker's count covers every router's
+    /// requests but is up to one report interval old; this router's own count is exact for its
+    /// share, so the larger of the two is the best estimate.
+    pub fn outstanding(&self) -> u32 {
+        let reported = self
+            .reported
+            .map_or(0, |r| r.waiting.saturating_add(r.running));
+        self.in_flight.max(reported)
+    }
+
+    /// Least-load score: outstanding requests, with queued ones counted again (they are what
+    /// adds latency), and KV-cache use (0..1) breaking ties between equally busy replicas.
+    pub fn load_score(&self) -> f64 {
+        let waiting = self.reported.map_or(0, |r| r.waiting);
+        let kv = self
+            .reported
+            .map_or(0.0, |r| r.kv_cache_usage.clamp(0.0, 1.0));
+        f64::from(self.outstanding()) + f64::from(waiting) + kv
+    }
+}
+
+/// The candidate with the lowest [`Candidate::load_score`]. Ties go to the first at or after
+/// `rotation` (mod the count), so equal replicas take turns instead of the first one taking
+/// every request.
+pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
+    let n = candidates.len();
+    (0..n)
+        .map(|i| (rotation.wrapping_add(i)) % n)
+        .min_by(|&a, &b| {
+            candidates[a]
+                .load_score()
+                .total_cmp(&candidates[b].load_score())
+        })
+}
+
+/// The next candidate in turn.
+pub fn round_robin(candidates: &[Candidate], counter: usize) -> Option<usize> {
+    (!candidates.is_empty()).then(|| counter % candidates.len())
+}
+
+/// Points each replica takes on the hash ring; more points spread keys more evenly.
+const RING_POINTS_PER_REPLICA: u32 = 64;
+
+/// Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2016): the key
+/// goes to the first replica clockwise from its hash on the ring whose outstanding requests,
+/// with this one added, stay within `ceil(load_factor × mean)`. Keys keep their replica while
+/// it has room, move minimally when replicas come and go, and no replica goes past the bound.
+/// At least one replica is always under the bound, so a pick always exists.
+pub fn bounded_load_consistent_hash(
+    candidates: &[Candidate],
+    key: u64,
+    load_factor: f64,
+) -> Option<usize> {
+    if candidates.is_empty() {
+        return None;
+    }
+    let total: u64 = candidates.iter().map(|c| u64::from(c.outstanding())).sum();
+    let mean_with_this = (total + 1) as f64 / candidates.len() as f64;
+    let bound = (load_factor.max(1.0) * mean_with_this).ceil() as u64;
+    let mut ring: Vec<(u64, usize)> = candidates
+        .iter()
+        .enumerate()
+        .flat_map(|(index, c)| {
+            (0..RING_POINTS_PER_REPLICA).map(move |point| (ring_point(&c.id, point), index))
+        })
+        .collect();
+    ring.sort_unstable();
+    let start = ring.partition_point(|&(point, _)| point < key);
+    (0..ring.len())
+        .map(|i| ring[(start + i) % ring.len()].1)
+        .find(|&index| u64::from(candidates[index].outstanding()) < bound)
+}
+
+fn ring_point(id: &str, point: u32) -> u64 {
+    let mut hash = Fnv1a::default();
+    hash.write(id.as_bytes());
+    hash.write(&point.to_le_bytes());
+    mix(hash.finish())
+}
+
+/// 64-bit FNV-1a: stable across processes, builds and platforms, which every router replica
+/// needs to place keys the same way.
+#[derive(Clone, Copy, Debug)]
+pub struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a {
+    pub fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    pub fn finish(self) -> u64 {
+        self.0
+    }
+}
+
+/// A finaliser (from SplitMix64) that spreads FNV's output over the whole ring; FNV alone
+/// leaves short, similar inputs close together.
+pub fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle(id: &str) -> Candidate {
+        Candidate {
+            id: id.to_owned(),
+            in_flight: 0,
+            reported: None,
+        }
+    }
+
+    fn with_load(id: &str, in_flight: u32, waiting: u32, running: u32, kv: f64) -> Candidate {
+        Candidate {
+            id: id.to_owned(),
+            in_flight,
+            reported: Some(ReportedLoad {
+                waiting,
+                running,
+                kv_cache_usage: kv,
+            }),
+        }
+    }
+
+    #[test]
+    fn least_load_prefers_the_replica_with_the_shortest_queue() {
+        let candidates = [
+            with_load("a", 1, 3, 4, 0.1),
+            with_load("b", 1, 0, 4, 0.9),
+            with_load("c", 2, 2, 4, 0.0),
+        ];
+        assert_eq!(least_load(&candidates, 0), Some(1));
+    }
+
+    #[test]
+    fn least_load_counts_its_own_requests_when_the_report_lags() {
+        // The report says "b" is idle, but this router has just sent it five requests.
+        let candidates = [with_load("a", 1, 0, 1, 0.0), with_load("b", 5, 0, 0, 0.0)];
+        assert_eq!(least_load(&candidates, 1), Some(0));
+    }
+
+    #[test]
+    fn least_load_breaks_ties_by_kv_cache_use_then_in_turn() {
+        let candidates = [with_load("a", 2, 0, 2, 0.6), with_load("b", 2, 0, 2, 0.2)];
+        assert_eq!(least_load(&candidates, 0), Some(1));
+        let equal = [idle("a"), idle("b"), idle("c")];
+        let picks: Vec<_> = (0..3).map(|r| least_load(&equal, r).unwrap()).collect();
+        assert_eq!(picks, [0, 1, 2]);
+    }
+
+    #[test]
+    fn no_candidates_no_pick() {
+        assert_eq!(least_load(&[], 0), None);
+        assert_eq!(round_robin(&[], 7), None);
+        assert_eq!(bounded_load_consistent_hash(&[], 7, 1.25), None);
+    }
+
+    #[test]
+    fn round_robin_takes_turns() {
+        let candidates = [idle("a"), idle("b"), idle("c")];
+        let picks: Vec<_> = (0..6)
+            .map(|i| round_robin(&candidates, i).unwrap())
+            .collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+    }
+
+    fn key(text: &str) -> u64 {
+        let mut h = Fnv1a::default();
+        h.write(text.as_bytes());
+        mix(h.finish())
+    }
+
+    #[test]
+    fn the_same_key_goes_to_the_same_replica_in_any_candidate_order() {
+        let forward = [idle("pod-a"), idle("pod-b"), idle("pod-c")];
+        let backward = [idle("pod-c"), idle("pod-b"), idle("pod-a")];
+        for k in 0..50 {
+            let key = key(&format!("system prompt {k}"));
+            let a = bounded_load_consistent_hash(&forward, key, 1.25).unwrap();
+            let b = bounded_load_consistent_hash(&backward, key, 1.25).unwrap();
+            assert_eq!(forward[a].id, backward[b].id);
+        }
+    }
+
+    #[test]
+    fn keys_spread_over_idle_replicas() {
+        let candidates = [idle("pod-a"), idle("pod-b"), idle("pod-c")];
+        let mut counts = [0; 3];
+        for k in 0..3000 {
+            counts
+                [bounded_load_consistent_hash(&candidates, key(&k.to_string()), 1.25).unwrap()] +=
+                1;
+        }
+        for count in counts {
+            assert!((700..=1300).contains(&count), "uneven spread {counts:?}");
+        }
+    }
+
+    #[test]
+    fn a_removed_replica_moves_only_its_own_keys() {
+        let three = [idle("pod-a"), idle("pod-b"), idle("pod-c")];
+        let two = [idle("pod-a"), idle("pod-c")];
+        for k in 0..500 {
+            let key = key(&k.to_string());
+            let before = &three[bounded_load_consistent_hash(&three, key, 1.25).unwrap()].id;
+            let after = &two[bounded_load_consistent_hash(&two, key, 1.25).unwrap()].id;
+            if before != "pod-b" {
+                assert_eq!(before, after, "key {k} moved although its replica stayed");
+            }
+        }
+    }
+
+    #[test]
+    fn a_hot_key_spills_once_its_replica_reaches_the_bound() {
+        let key = key("one very popular system prompt");
+        let idle_fleet = [idle("pod-a"), idle("pod-b"), idle("pod-c")];
+        let home = bounded_load_consistent_hash(&idle_fleet, key, 1.25).unwrap();
+        // Send the hot key's requests one at a time, counting each on the replica it lands
+        // on; no replica may ever pass ceil(1.25 × mean).
+        let mut fleet = idle_fleet.clone();
+        let mut landed = [0u32; 3];
+        for sent in 1..=30u32 {
+            let pick = bounded_load_consistent_hash(&fleet, key, 1.25).unwrap();
+            fleet[pick].in_flight += 1;
+            landed[pick] += 1;
+            let bound = (1.25 * f64::from(sent) / 3.0).ceil() as u32;
+            assert!(
+                fleet.iter().all(|c| c.in_flight <= bound.max(1)),
+                "after {sent}: {landed:?} over bound {bound}"
+            );
+        }
+        assert!(landed[home] >= landed.iter().copied().max().unwrap());
+        assert!(landed.iter().all(|&n| n > 0), "no spill: {landed:?}");
+    }
+
+    #[test]
+    fn the_bound_uses_reported_load_from_other_routers() {
+        let key = key("shared prompt");
+        let idle_fleet = [idle("pod-a"), idle("pod-b")];
+        let home = bounded_load_consistent_hash(&idle_fleet, key, 1.25).unwrap();
+        let mut busy = idle_fleet.clone();
+        busy[home].reported = Some(ReportedLoad {
+            waiting: 6,
+            running: 4,
+            kv_cache_usage: 0.5,
+        });
+        assert_eq!(
+            bounded_load_consistent_hash(&busy, key, 1.25),
+            Some(1 - home)
+        );
+    }
+
+    #[test]
+    fn fnv1a_matches_the_reference_values() {
+        let hash = |s: &str| {
+            let mut h = Fnv1a::default();
+            h.write(s.as_bytes());
+            h.finish()
+        };
+        assert_eq!(hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(hash("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(hash("foobar"), 0x8594_4171_f739_67e8);
+    }
+}

@@ -1,0 +1,228 @@
+//! What the router tracks per replica between requests: its requests in flight and the last
+//! load report its worker streamed, and the pick of a replica for one request.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use npufleet_crds::RoutingPolicy;
+
+use crate::discovery::{Endpoint, Model};
+use crate::policy::{self, Candidate, ReportedLoad};
+
+/// A worker's last report and when it arrived.
+#[derive(Clone, Copy, Debug)]
+pub struct Report {
+    pub load: ReportedLoad,
+    /// The worker said it is shutting down: it refuses new requests.
+    pub draining: bool,
+    pub received: Instant,
+}
+
+#[derive(Default, Debug)]
+pub struct ReplicaState {
+    in_flight: AtomicU32,
+    report: Mutex<Option<Report>>,
+}
+
+impl ReplicaState {
+    pub fn set_report(&self, report: Report) {
+        *self.report.lock().expect("report lock") = Some(report);
+    }
+
+    fn fresh_report(&self, max_age: Duration) -> Option<Report> {
+        self.report
+            .lock()
+            .expect("report lock")
+            .filter(|r| r.received.elapsed() <= max_age)
+    }
+}
+
+/// A request's hold on a replica: counts as in flight there until dropped.
+#[derive(Debug)]
+pub struct Lease {
+    pub pod: String,
+    pub ip: IpAddr,
+    state: Arc<ReplicaState>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How prefix-affinity bounds a replica's share.
+#[derive(Clone, Copy, Debug)]
+pub struct PickSettings {
+    /// A replica takes a key only while its outstanding requests stay within this factor
+    /// of the mean.
+    pub load_factor: f64,
+    /// Reports older than this are ignored (the worker or its stream is gone).
+    pub report_max_age: Duration,
+}
+
+/// Per-replica state by IP address (a pod's IP is its replica's identity while it lives).
+#[derive(Default)]
+pub struct Pool {
+    replicas: Mutex<HashMap<IpAddr, Arc<ReplicaState>>>,
+    turns: AtomicUsize,
+}
+
+impl Pool {
+    /// The state of the replica at `ip`, created on first use.
+    pub fn replica(&self, ip: IpAddr) -> Arc<ReplicaState> {
+        self.replicas
+            .lock()
+            .expect("pool lock")
+            .entry(ip)
+            .or_default()
+            .clone()
+    }
+
+    /// Forgets replicas no longer in `live` (leases still out keep their own reference).
+    pub fn retain(&self, live: &[IpAddr]) {
+        self.replicas
+            .lock()
+            .expect("pool lock")
+            .retain(|ip, _| live.contains(ip));
+    }
+
+    /// A replica of `model` for one request, by the model's policy, skipping the pods in
+    /// `exclude` (already tried) and any whose worker reports it is draining. `None` when no
+    /// replica is left.
+    pub fn pick(
+        &self,
+        model: &Model,
+        prefix_key: Option<u64>,
+        exclude: &[String],
+        settings: PickSettings,
+    ) -> Option<Lease> {
+        let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate)> = Vec::new();
+        for endpoint in &model.endpoints {
+            if exclude.contains(&endpoint.pod) {
+                continue;
+            }
+            let state = self.replica(endpoint.ip);
+            let report = state.fresh_report(settings.report_max_age);
+            if report.is_some_and(|r| r.draining) {
+                continue;
+            }
+            let candidate = Candidate {
+                id: endpoint.pod.clone(),
+                in_flight: state.in_flight.load(Ordering::Relaxed),
+                reported: report.map(|r| r.load),
+            };
+            endpoints.push((endpoint, state, candidate));
+        }
+        let candidates: Vec<Candidate> = endpoints.iter().map(|(_, _, c)| c.clone()).collect();
+        let turn = self.turns.fetch_add(1, Ordering::Relaxed);
+        let chosen = match (model.policy, prefix_key) {
+            (RoutingPolicy::RoundRobin, _) => policy::round_robin(&candidates, turn),
+            (RoutingPolicy::PrefixAffinity, Some(key)) => {
+                policy::bounded_load_consistent_hash(&candidates, key, settings.load_factor)
+            }
+            (RoutingPolicy::LeastLoad | RoutingPolicy::PrefixAffinity, _) => {
+                policy::least_load(&candidates, turn)
+            }
+        }?;
+        let (endpoint, state, _) = endpoints.swap_remove(chosen);
+        state.in_flight.fetch_add(1, Ordering::Relaxed);
+        Some(Lease {
+            pod: endpoint.pod.clone(),
+            ip: endpoint.ip,
+            state,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(policy: RoutingPolicy) -> Model {
+        Model {
+            namespace: "ns".into(),
+            service: "chat".into(),
+            policy,
+            desired_replicas: 2,
+            endpoints: vec![
+                Endpoint {
+                    pod: "chat-0-0".into(),
+                    ip: "127.0.0.2".parse().unwrap(),
+                },
+                Endpoint {
+                    pod: "chat-1-0".into(),
+                    ip: "127.0.0.3".parse().unwrap(),
+                },
+            ],
+        }
+    }
+
+    const SETTINGS: PickSettings = PickSettings {
+        load_factor: 1.25,
+        report_max_age: Duration::from_secs(2),
+    };
+
+    #[test]
+    fn leases_count_in_flight_until_dropped() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let first = pool.pick(&model, None, &[], SETTINGS).unwrap();
+        let second = pool.pick(&model, None, &[], SETTINGS).unwrap();
+        assert_ne!(first.pod, second.pod, "least-load spreads two requests");
+        drop(first);
+        let third = pool.pick(&model, None, &[], SETTINGS).unwrap();
+        assert_ne!(
+            third.pod, second.pod,
+            "the freed replica is the least loaded"
+        );
+    }
+
+    #[test]
+    fn tried_and_draining_replicas_are_skipped() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::RoundRobin);
+        let only = pool
+            .pick(&model, None, &["chat-0-0".to_owned()], SETTINGS)
+            .unwrap();
+        assert_eq!(only.pod, "chat-1-0");
+        pool.replica(model.endpoints[1].ip).set_report(Report {
+            load: ReportedLoad {
+                waiting: 0,
+                running: 0,
+                kv_cache_usage: 0.0,
+            },
+            draining: true,
+            received: Instant::now(),
+        });
+        assert!(
+            pool.pick(&model, None, &["chat-0-0".to_owned()], SETTINGS)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn stale_reports_are_ignored() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let Some(long_ago) = Instant::now().checked_sub(Duration::from_secs(10)) else {
+            return;
+        };
+        pool.replica(model.endpoints[0].ip).set_report(Report {
+            load: ReportedLoad {
+                waiting: 0,
+                running: 0,
+                kv_cache_usage: 0.0,
+            },
+            draining: true,
+            received: long_ago,
+        });
+        let leases: Vec<_> = (0..2)
+            .map(|_| pool.pick(&model, None, &[], SETTINGS).unwrap())
+            .collect();
+        assert!(leases.iter().any(|l| l.pod == "chat-0-0"));
+    }
+}
