@@ -12,6 +12,9 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use npufleet_contract::accelerator::AcceleratorType;
+pub use npufleet_contract::precision::Precision;
+
 pub const GROUP: &str = "npufleet.io";
 pub const VERSION: &str = "v1alpha1";
 
@@ -213,28 +216,6 @@ fn default_devices_per_pod() -> i32 {
     1
 }
 
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum AcceleratorType {
-    Ascend910,
-    Ascend310p,
-    Cpu,
-}
-
-impl AcceleratorType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ascend910 => "ascend910",
-            Self::Ascend310p => "ascend310p",
-            Self::Cpu => "cpu",
-        }
-    }
-
-    pub fn is_npu(self) -> bool {
-        self != Self::Cpu
-    }
-}
-
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Platform {
@@ -417,25 +398,6 @@ fn default_warmup_iterations() -> i32 {
 }
 fn default_drain_seconds() -> i32 {
     30
-}
-
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    Int8,
-    Fp16,
-    #[default]
-    Auto,
-}
-
-impl Precision {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Int8 => "int8",
-            Self::Fp16 => "fp16",
-            Self::Auto => "auto",
-        }
-    }
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -262,7 +262,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                 })
                 .collect();
             let table = rank_table::build(&members, isvc.spec.accelerator.devices_per_pod);
-            if table.status == "completed" {
+            if table.status == npufleet_contract::rank_table::STATUS_COMPLETED {
                 seen.rank_tables_completed += 1;
             }
             rank_tables.push(resources::rank_table_config_map(isvc, g, &table));

@@ -19,8 +19,9 @@ use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
+use crate::net::free_port;
 use crate::paths;
-use crate::process::{Process, ScratchDir, free_port};
+use crate::process::{Process, ScratchDir};
 use crate::wait;
 
 /// The label KWOK selects the nodes it fakes by.

@@ -11,4 +11,5 @@ pub mod node_agent;
 pub mod operator;
 pub mod paths;
 pub mod process;
-pub mod wait;
+
+pub use npufleet_test_support::{net, wait};

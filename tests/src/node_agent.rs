@@ -26,6 +26,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
+use npufleet_contract::{env, ports};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
@@ -390,8 +391,8 @@ impl Shared {
         }
         // Every worker listens on its own address: the ports stay the pod's own.
         for (variable, port_name, default) in [
-            ("NPUFLEET_GRPC_ADDR", "grpc", 8001),
-            ("NPUFLEET_HTTP_ADDR", "http", 8000),
+            (env::GRPC_ADDR, ports::GRPC_PORT_NAME, ports::GRPC_PORT),
+            (env::HTTP_ADDR, ports::HTTP_PORT_NAME, ports::HTTP_PORT),
         ] {
             cmd.env(
                 variable,
@@ -656,13 +657,81 @@ fn is_finished(pod: &Pod) -> bool {
     )
 }
 
-fn port(container: &Container, name: &str, default: i32) -> i32 {
+fn port(container: &Container, name: &str, default: u16) -> i32 {
     container
         .ports
         .iter()
         .flatten()
         .find(|p| p.name.as_deref() == Some(name))
-        .map_or(default, |p| p.container_port)
+        .map_or(i32::from(default), |p| p.container_port)
+}
+
+/// A container's memory limit in bytes, or the machine's memory where it sets none, as a
+/// kubelet reports node allocatable memory.
+fn resource_value(
+    pod: &Pod,
+    selector: &k8s_openapi::api::core::v1::ResourceFieldSelector,
+) -> Result<String> {
+    if selector.resource != "limits.memory" || selector.divisor.is_some() {
+        bail!(
+            "the node agent resolves only resourceFieldRef limits.memory without a divisor, not {}",
+            selector.resource
+        );
+    }
+    let limit = pod
+        .spec
+        .iter()
+        .flat_map(|s| &s.containers)
+        .find(|c| {
+            selector
+                .container_name
+                .as_deref()
+                .is_none_or(|n| n == c.name)
+        })
+        .and_then(|c| {
+            c.resources
+                .as_ref()?
+                .limits
+                .as_ref()?
+                .get("memory")
+                .cloned()
+        });
+    match limit {
+        Some(quantity) => Ok(quantity_bytes(&quantity.0)
+            .with_context(|| format!("memory limit {:?}", quantity.0))?
+            .to_string()),
+        None => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+            let kib: u64 = meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .context("no MemTotal in /proc/meminfo")?;
+            Ok((kib * 1024).to_string())
+        }
+    }
+}
+
+/// Bytes in a memory quantity such as `512Mi`, `1G` or `1048576`.
+fn quantity_bytes(quantity: &str) -> Result<u64> {
+    const SUFFIXES: [(&str, u64); 8] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+    ];
+    let (number, scale) = SUFFIXES
+        .iter()
+        .find_map(|(suffix, scale)| Some((quantity.strip_suffix(suffix)?, *scale)))
+        .unwrap_or((quantity, 1));
+    let number: u64 = number
+        .parse()
+        .with_context(|| format!("{quantity:?} is not a whole memory quantity"))?;
+    Ok(number * scale)
 }
 
 fn field_value(
@@ -670,8 +739,11 @@ fn field_value(
     from: &k8s_openapi::api::core::v1::EnvVarSource,
     address: Ipv4Addr,
 ) -> Result<String> {
+    if let Some(resource) = &from.resource_field_ref {
+        return resource_value(pod, resource);
+    }
     let Some(field) = &from.field_ref else {
-        bail!("the node agent resolves only fieldRef environment variables");
+        bail!("the node agent resolves only fieldRef and resourceFieldRef environment variables");
     };
     Ok(match field.field_path.as_str() {
         "metadata.name" => pod.name_any(),

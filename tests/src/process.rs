@@ -258,9 +258,3 @@ impl Drop for Process {
         }
     }
 }
-
-/// A TCP port nobody listens on right now, on 127.0.0.1.
-pub fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
-    Ok(listener.local_addr()?.port())
-}

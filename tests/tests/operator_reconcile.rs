@@ -17,7 +17,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::{Client, ResourceExt};
-use npufleet_tests::process::{Process, free_port};
+use npufleet_tests::net::free_port;
+use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

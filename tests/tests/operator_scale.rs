@@ -10,7 +10,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_tests::cluster::{Cluster, ClusterOptions, FakeNode};
-use npufleet_tests::process::{Process, free_port};
+use npufleet_tests::net::free_port;
+use npufleet_tests::process::Process;
 use npufleet_tests::{paths, wait};
 use serde_json::json;
 

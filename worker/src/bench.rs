@@ -19,8 +19,9 @@ use crate::api::{
     Engine, EngineState, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
     RequestTimings, SamplingParams,
 };
-use crate::model::{LoadOptions, Model, PrecisionPolicy};
+use crate::model::{LoadOptions, Model};
 use crate::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
+use crate::server::PrecisionArgs;
 
 const DEFAULT_REFERENCE_SCRIPT: &str =
     concat!(env!("CARGO_MANIFEST_DIR"), "/bench/llama_cpp_bench.py");
@@ -39,9 +40,9 @@ pub struct BenchArgs {
     /// Compute threads, for the worker and the reference alike.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// Weight precision policy: int8, fp32, fp16, auto or auto:<max int8 prompt tokens>.
-    #[arg(long, default_value = "auto")]
-    pub precision: String,
+    /// The same precision policy and thresholds `serve` runs by default.
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// Also measure this engine on the same file and print the ratios.
     #[arg(long, value_enum)]
     pub reference: Option<Reference>,
@@ -87,7 +88,7 @@ struct Figures {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let policy = PrecisionPolicy::parse(&args.precision).map_err(anyhow::Error::msg)?;
+    let policy = args.precision.policy();
     if args.prompt_tokens == 0 || args.short_prompt_tokens == 0 || args.decode_tokens < 2 {
         bail!("prompt lengths must be positive and --decode-tokens at least 2");
     }
@@ -200,7 +201,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         args.model.display(),
         mib(file_bytes),
         mib(resident_weight_bytes as u64),
-        args.precision,
+        args.precision.precision,
         args.threads,
         load_time.as_secs_f64()
     );

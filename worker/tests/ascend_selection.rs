@@ -2,10 +2,12 @@
 //! (which libraries, every directory searched, how to install CANN); `auto` serves on the CPU.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use npufleet_test_support::net::free_addr;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_npufleet-worker");
 const DEFAULT_CANN_LIB64: &str = "/usr/local/Ascend/ascend-toolkit/latest/lib64";
@@ -57,12 +59,6 @@ fn test_model(dir: &Path) -> PathBuf {
     path
 }
 
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-}
-
 #[test]
 fn serve_with_ascend_fails_at_start_naming_libraries_and_paths() {
     let dir = tempfile::tempdir().unwrap();
@@ -70,8 +66,8 @@ fn serve_with_ascend_fails_at_start_naming_libraries_and_paths() {
     let out = worker(dir.path())
         .args(["serve", "--accelerator", "ascend", "--model"])
         .arg(&model)
-        .args(["--http-addr", &free_port().to_string()])
-        .args(["--grpc-addr", &free_port().to_string()])
+        .args(["--http-addr", &free_addr().unwrap().to_string()])
+        .args(["--grpc-addr", &free_addr().unwrap().to_string()])
         .stdin(Stdio::null())
         .output()
         .expect("running serve");
@@ -134,7 +130,7 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Resu
 fn serve_with_auto_falls_back_to_the_cpu_and_answers() {
     let dir = tempfile::tempdir().unwrap();
     let model = test_model(dir.path());
-    let http_addr = free_port();
+    let http_addr = free_addr().unwrap();
     let log_path = dir.path().join("worker.log");
     let log = std::fs::File::create(&log_path).unwrap();
     let child = worker(dir.path())
@@ -142,7 +138,7 @@ fn serve_with_auto_falls_back_to_the_cpu_and_answers() {
         .arg(&model)
         .args(["--served-model-name", "tiny"])
         .args(["--http-addr", &http_addr.to_string()])
-        .args(["--grpc-addr", &free_port().to_string()])
+        .args(["--grpc-addr", &free_addr().unwrap().to_string()])
         .args(["--warmup-iterations", "1", "--threads", "1"])
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())

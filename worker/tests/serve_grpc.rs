@@ -5,12 +5,12 @@ mod serve_support;
 
 use std::time::Duration;
 
+use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
+use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+use npufleet_contract::proto::inference::*;
+use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
+use npufleet_contract::proto::npufleet::v1::{GetLoadRequest, WatchLoadRequest, WorkerState};
 use npufleet_worker::server::oip::{self, join_raw_bytes, split_raw_bytes};
-use npufleet_worker::server::proto::inference::infer_parameter::ParameterChoice;
-use npufleet_worker::server::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_worker::server::proto::inference::*;
-use npufleet_worker::server::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
-use npufleet_worker::server::proto::npufleet::v1::{GetLoadRequest, WatchLoadRequest, WorkerState};
 use serve_support::{MODEL_NAME, Worker, poll_until};
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;

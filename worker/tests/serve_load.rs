@@ -6,9 +6,9 @@ mod serve_support;
 
 use std::time::Duration;
 
+use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+use npufleet_contract::proto::inference::{InferTensorContents, ModelInferRequest};
 use npufleet_worker::server::oip;
-use npufleet_worker::server::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_worker::server::proto::inference::{InferTensorContents, ModelInferRequest};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker, poll_until};
 

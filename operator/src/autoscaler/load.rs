@@ -7,13 +7,8 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
-#[allow(clippy::all)]
-pub mod proto {
-    tonic::include_proto!("npufleet.v1");
-}
-
-use proto::worker_load_client::WorkerLoadClient;
-use proto::{GetLoadRequest, LoadReport};
+use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
+use npufleet_contract::proto::npufleet::v1::{GetLoadRequest, LoadReport};
 
 pub struct LoadReader {
     timeout: Duration,

@@ -30,7 +30,8 @@ use tokio::time::Instant;
 use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
 use crate::labels::{GROUP as GROUP_LABEL, RANK as RANK_LABEL};
 use load::LoadReader;
-use load::proto::{LoadReport, WorkerState};
+use npufleet_contract::ports;
+use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
 use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig};
 
 /// Field manager of everything the autoscaler writes.
@@ -38,9 +39,6 @@ pub const FIELD_MANAGER: &str = "npufleet-autoscaler";
 /// Set on every pod of a group chosen for removal just before a scale-down is written, and
 /// taken off the pods of groups not chosen; the reconcile removes marked groups first.
 pub const SCALE_DOWN_ANNOTATION: &str = "npufleet.io/scale-down";
-/// Name of the worker container port serving gRPC (inference and the load signal).
-pub const GRPC_PORT_NAME: &str = "grpc";
-const DEFAULT_GRPC_PORT: i32 = 8001;
 
 /// How the loop runs.
 #[derive(Clone, Debug)]
@@ -577,8 +575,8 @@ fn grpc_port(pod: &Pod) -> i32 {
         .iter()
         .flat_map(|s| s.containers.iter())
         .flat_map(|c| c.ports.iter().flatten())
-        .find(|p| p.name.as_deref() == Some(GRPC_PORT_NAME))
-        .map_or(DEFAULT_GRPC_PORT, |p| p.container_port)
+        .find(|p| p.name.as_deref() == Some(ports::GRPC_PORT_NAME))
+        .map_or(i32::from(ports::GRPC_PORT), |p| p.container_port)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use crate::settings::Settings;
 pub fn rank_table_config_map(
     isvc: &InferenceService,
     group: i32,
-    table: &rank_table::RankTable,
+    table: &npufleet_contract::rank_table::Document,
 ) -> ConfigMap {
     let mut cm_labels = labels::common(isvc);
     cm_labels.insert(labels::GROUP.to_string(), group.to_string());
@@ -32,7 +32,7 @@ pub fn rank_table_config_map(
         },
         data: Some(
             [(
-                rank_table::FILE_NAME.to_string(),
+                npufleet_contract::rank_table::FILE_NAME.to_string(),
                 serde_json::to_string(table).unwrap_or_default(),
             )]
             .into(),

@@ -6,7 +6,8 @@ use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
     EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
     PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, Probe,
-    ResourceRequirements, SeccompProfile, SecurityContext, SleepAction, Volume, VolumeMount,
+    ResourceFieldSelector, ResourceRequirements, SeccompProfile, SecurityContext, SleepAction,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -14,13 +15,16 @@ use kube::api::ObjectMeta;
 use kube::{Resource, ResourceExt};
 use npufleet_crds::{AcceleratorType, InferenceService};
 
-use super::{names, rank_table};
+use npufleet_contract::{env as worker_env_names, ports, rank_table};
+
+use super::names;
 use crate::labels;
 use crate::settings::Settings;
 
-pub const HTTP_PORT: i32 = 8000;
-pub const GRPC_PORT: i32 = 8001;
+pub const HTTP_PORT: i32 = ports::HTTP_PORT as i32;
+pub const GRPC_PORT: i32 = ports::GRPC_PORT as i32;
 pub const MODEL_DIR: &str = "/models";
+pub const WORKER_CONTAINER: &str = "worker";
 /// The distroless `nonroot` user the worker image runs as.
 const WORKER_UID: i64 = 65532;
 /// Seconds the pod keeps serving after deletion so Services stop routing to it before the
@@ -77,56 +81,86 @@ fn env_from_field(name: &str, field_path: &str) -> EnvVar {
     }
 }
 
+/// The worker container's memory limit, in bytes (the node's allocatable memory when the pod
+/// sets none), so the worker can size its KV cache to fit.
+fn memory_limit_env() -> EnvVar {
+    EnvVar {
+        name: worker_env_names::MEMORY_LIMIT_BYTES.to_string(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            resource_field_ref: Some(ResourceFieldSelector {
+                container_name: Some(WORKER_CONTAINER.to_string()),
+                resource: "limits.memory".to_string(),
+                divisor: None,
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
 /// The worker's configuration and the HCCL variables; the user's `template.env` wins on clashes.
 pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
     let spec = &isvc.spec;
     let engine = &spec.engine;
     let mut vars = vec![
-        env("NPUFLEET_MODEL", model_path(isvc)),
-        env("NPUFLEET_SERVED_MODEL_NAME", spec.model.name.clone()),
-        env("NPUFLEET_GRPC_ADDR", format!("0.0.0.0:{GRPC_PORT}")),
-        env("NPUFLEET_HTTP_ADDR", format!("0.0.0.0:{HTTP_PORT}")),
-        env("NPUFLEET_MAX_BATCH_SIZE", engine.max_batch_size.to_string()),
-        env("NPUFLEET_QUEUE_LIMIT", engine.queue_limit.to_string()),
+        env(worker_env_names::MODEL, model_path(isvc)),
+        env(worker_env_names::SERVED_MODEL_NAME, spec.model.name.clone()),
+        env(worker_env_names::GRPC_ADDR, format!("0.0.0.0:{GRPC_PORT}")),
+        env(worker_env_names::HTTP_ADDR, format!("0.0.0.0:{HTTP_PORT}")),
         env(
-            "NPUFLEET_WARMUP_ITERATIONS",
+            worker_env_names::MAX_BATCH_SIZE,
+            engine.max_batch_size.to_string(),
+        ),
+        env(
+            worker_env_names::QUEUE_LIMIT,
+            engine.queue_limit.to_string(),
+        ),
+        env(
+            worker_env_names::WARMUP_ITERATIONS,
             engine.warmup_iterations.to_string(),
         ),
-        env("NPUFLEET_PRECISION", engine.precision.as_str()),
-        env("NPUFLEET_ACCELERATOR", spec.accelerator.kind.as_str()),
+        env(worker_env_names::PRECISION, engine.precision.as_str()),
+        env(
+            worker_env_names::ACCELERATOR,
+            spec.accelerator.kind.as_str(),
+        ),
+        memory_limit_env(),
     ];
     if !engine.prefix_templates.is_empty() {
         // Templates may span lines, so they travel as a JSON array of strings.
         let templates = serde_json::Value::from(engine.prefix_templates.clone()).to_string();
-        vars.push(env("NPUFLEET_PREFIX_TEMPLATES", templates));
+        vars.push(env(worker_env_names::PREFIX_TEMPLATES, templates));
     }
     // The worker stops accepting work and finishes in-flight requests within this time.
     vars.push(env(
-        "NPUFLEET_DRAIN_TIMEOUT",
+        worker_env_names::DRAIN_TIMEOUT,
         engine.drain_seconds.to_string(),
     ));
     if uses_rank_table(isvc) {
         vars.push(env(
-            "RANK_TABLE_FILE",
+            worker_env_names::RANK_TABLE_FILE,
             format!("{}/{}", rank_table::MOUNT_DIR, rank_table::FILE_NAME),
         ));
         // The worker finds its own entry in the rank table by its pod IP (`container_ip`).
-        vars.push(env_from_field("POD_IP", "status.podIP"));
+        vars.push(env_from_field(worker_env_names::POD_IP, "status.podIP"));
     }
     if spec.accelerator.kind.is_npu() {
         let hccl = &spec.parallelism.hccl;
-        vars.push(env_from_field("HCCL_IF_IP", "status.podIP"));
+        vars.push(env_from_field(worker_env_names::HCCL_IF_IP, "status.podIP"));
         if let Some(algorithm) = hccl.algorithm {
             vars.push(env(
-                "HCCL_ALGO",
+                worker_env_names::HCCL_ALGO,
                 format!("level0:NA;level1:{}", algorithm.as_str()),
             ));
         }
         if let Some(timeout) = hccl.connect_timeout_seconds {
-            vars.push(env("HCCL_CONNECT_TIMEOUT", timeout.to_string()));
+            vars.push(env(
+                worker_env_names::HCCL_CONNECT_TIMEOUT,
+                timeout.to_string(),
+            ));
         }
         if let Some(ifname) = &hccl.socket_ifname {
-            vars.push(env("HCCL_SOCKET_IFNAME", ifname.clone()));
+            vars.push(env(worker_env_names::HCCL_SOCKET_IFNAME, ifname.clone()));
         }
     }
     let user = &spec.template.env;
@@ -156,7 +190,7 @@ fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe 
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.to_string()),
-            port: IntOrString::String("http".to_string()),
+            port: IntOrString::String(ports::HTTP_PORT_NAME.to_string()),
             ..Default::default()
         }),
         period_seconds: Some(period_seconds),
@@ -248,7 +282,7 @@ pub fn build(
     let drain_seconds = i64::from(spec.engine.drain_seconds);
 
     let container = Container {
-        name: "worker".to_string(),
+        name: WORKER_CONTAINER.to_string(),
         image: Some(
             spec.template
                 .image
@@ -259,13 +293,13 @@ pub fn build(
         args: Some(vec!["serve".to_string()]),
         ports: Some(vec![
             ContainerPort {
-                name: Some("http".into()),
+                name: Some(ports::HTTP_PORT_NAME.into()),
                 container_port: HTTP_PORT,
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
             ContainerPort {
-                name: Some("grpc".into()),
+                name: Some(ports::GRPC_PORT_NAME.into()),
                 container_port: GRPC_PORT,
                 protocol: Some("TCP".into()),
                 ..Default::default()

@@ -1,37 +1,12 @@
-//! The HCCL rank table (`hccl.json`, version 1.0) of one replica group, in ascend-operator's
-//! format: every value a string, `status` `initializing` until every rank's pod is known.
+//! Builds the HCCL rank table (`hccl.json`) of one replica group from its pods, in the
+//! contract's format ([`npufleet_contract::rank_table`]): `status` stays `initializing` until
+//! every rank's pod is known.
 
 use k8s_openapi::api::core::v1::Pod;
-use serde::{Deserialize, Serialize};
+use npufleet_contract::rank_table::{DeviceEntry, Document, ServerEntry};
+use serde::Deserialize;
 
 use crate::labels::ASCEND_910_CONFIGURATION;
-
-pub const FILE_NAME: &str = "hccl.json";
-pub const MOUNT_DIR: &str = "/user/serverid/devindex/config";
-pub const VERSION: &str = "1.0";
-
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-pub struct RankTable {
-    pub status: String,
-    pub version: String,
-    pub server_count: String,
-    pub server_list: Vec<Server>,
-}
-
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-pub struct Server {
-    pub server_id: String,
-    pub host_ip: String,
-    pub container_ip: String,
-    pub device: Vec<Device>,
-}
-
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-pub struct Device {
-    pub device_id: String,
-    pub device_ip: String,
-    pub rank_id: String,
-}
 
 /// The device plugin's `ascend-910-configuration` annotation (only the fields used here).
 #[derive(Deserialize, Debug)]
@@ -60,27 +35,16 @@ fn as_text(value: &serde_json::Value) -> String {
 /// Builds the rank table of a group from its pods, in rank order (`ranks[i]` is the pod of rank
 /// `i`, `None` while it does not exist). A rank is known once its pod has a pod IP; device ids and IPs come from the device plugin's annotation when present, else the
 /// devices are numbered from 0 and reached at the pod IP.
-pub fn build(ranks: &[Option<&Pod>], devices_per_pod: i32) -> RankTable {
-    let mut server_list = Vec::new();
-    for (rank_index, pod) in ranks.iter().enumerate() {
-        if let Some(server) = pod.and_then(|pod| server_of(pod, rank_index, devices_per_pod)) {
-            server_list.push(server);
-        }
-    }
-    let status = if server_list.len() == ranks.len() {
-        "completed"
-    } else {
-        "initializing"
-    };
-    RankTable {
-        status: status.to_string(),
-        version: VERSION.to_string(),
-        server_count: server_list.len().to_string(),
-        server_list,
-    }
+pub fn build(ranks: &[Option<&Pod>], devices_per_pod: i32) -> Document {
+    let server_list = ranks
+        .iter()
+        .enumerate()
+        .filter_map(|(rank_index, pod)| server_of((*pod)?, rank_index, devices_per_pod))
+        .collect();
+    Document::new(server_list, ranks.len())
 }
 
-fn server_of(pod: &Pod, rank_index: usize, devices_per_pod: i32) -> Option<Server> {
+fn server_of(pod: &Pod, rank_index: usize, devices_per_pod: i32) -> Option<ServerEntry> {
     let status = pod.status.as_ref()?;
     let container_ip = status.pod_ip.clone().filter(|ip| !ip.is_empty())?;
     let allocation = pod
@@ -113,16 +77,16 @@ fn server_of(pod: &Pod, rank_index: usize, devices_per_pod: i32) -> Option<Serve
     let device = devices
         .into_iter()
         .enumerate()
-        .map(|(i, (device_id, device_ip))| Device {
+        .map(|(i, (device_id, device_ip))| DeviceEntry {
             device_id,
             device_ip,
             rank_id: (first_rank + i).to_string(),
         })
         .collect();
-    Some(Server {
+    Some(ServerEntry {
         server_id,
-        host_ip,
-        container_ip,
+        host_ip: Some(host_ip),
+        container_ip: Some(container_ip),
         device,
     })
 }

@@ -9,6 +9,8 @@ use kube::{Resource, ResourceExt};
 use npufleet_crds::InferenceService;
 
 use super::names;
+use npufleet_contract::ports;
+
 use super::pod::{GRPC_PORT, HTTP_PORT};
 use crate::labels;
 
@@ -42,7 +44,7 @@ pub fn headless(isvc: &InferenceService) -> Service {
             cluster_ip: Some("None".to_string()),
             publish_not_ready_addresses: Some(true),
             selector: Some(labels::workers(isvc)),
-            ports: Some(vec![port("http", HTTP_PORT, "http")]),
+            ports: Some(vec![port(ports::HTTP_PORT_NAME, HTTP_PORT, "http")]),
             ..Default::default()
         }),
         status: None,
@@ -57,8 +59,8 @@ pub fn client(isvc: &InferenceService) -> Service {
             type_: Some("ClusterIP".to_string()),
             selector: Some(labels::group_leaders(isvc)),
             ports: Some(vec![
-                port("http", HTTP_PORT, "http"),
-                port("grpc", GRPC_PORT, "kubernetes.io/h2c"),
+                port(ports::HTTP_PORT_NAME, HTTP_PORT, "http"),
+                port(ports::GRPC_PORT_NAME, GRPC_PORT, "kubernetes.io/h2c"),
             ]),
             ..Default::default()
         }),

@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use npufleet_contract::proto::inference::ModelInferRequest;
 use npufleet_worker::server::oip;
-use npufleet_worker::server::proto::inference::ModelInferRequest;
 use prost::Message;
 
 fuzz_target!(|data: &[u8]| {

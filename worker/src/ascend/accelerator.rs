@@ -187,3 +187,27 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod contract_tests {
+    use clap::ValueEnum;
+    use npufleet_contract::accelerator::AcceleratorType;
+
+    use super::AcceleratorKind;
+
+    /// The operator passes an InferenceService's accelerator type through `NPUFLEET_ACCELERATOR`:
+    /// every one of those names must select a backend.
+    #[test]
+    fn every_accelerator_type_the_operator_passes_is_accepted() {
+        for kind in AcceleratorType::ALL {
+            let parsed = AcceleratorKind::from_str(kind.as_str(), true)
+                .unwrap_or_else(|e| panic!("{kind}: {e}"));
+            let expected = if kind.is_npu() {
+                AcceleratorKind::Ascend
+            } else {
+                AcceleratorKind::Cpu
+            };
+            assert_eq!(parsed, expected, "{kind}");
+        }
+    }
+}

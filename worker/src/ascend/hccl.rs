@@ -10,6 +10,9 @@ use std::ptr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use npufleet_contract::env;
+use npufleet_contract::rank_table::{PodIdentity, RankTable};
+
 use super::bindings::types::{
     HCCL_DATA_TYPE_FP32, HCCL_DATA_TYPE_UINT8, HCCL_DATA_TYPE_UINT64, HCCL_E_TIMEOUT,
     HCCL_REDUCE_SUM, HcclComm, HcclResult,
@@ -17,8 +20,8 @@ use super::bindings::types::{
 use super::device::{Acl, Scratch, Stream, logical_device};
 use super::error::AscendError;
 use crate::collective::hccl_env;
-use crate::collective::rank_table::{self, PodIdentity, RankTable};
-use crate::collective::setup::{RANK_ENV, RANK_TABLE_FILE_ENV, join_concurrently};
+use crate::collective::rank_table;
+use crate::collective::setup::join_concurrently;
 use crate::collective::{Collective, CollectiveError};
 
 /// What the HCCL transport reads from the pod's environment, checked before anything is loaded.
@@ -42,9 +45,10 @@ impl HcclSettings {
     /// Reads the settings through `lookup` (normally `std::env::var`), checking every value.
     pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<HcclSettings, AscendError> {
         let set = |name: &str| lookup(name).filter(|v| !v.trim().is_empty());
-        let rank_table = set(RANK_TABLE_FILE_ENV).ok_or_else(|| {
+        let rank_table = set(env::RANK_TABLE_FILE).ok_or_else(|| {
             AscendError::Config(format!(
-                "{RANK_TABLE_FILE_ENV} is not set; HCCL needs the hccl.json rank table"
+                "{} is not set; HCCL needs the hccl.json rank table",
+                env::RANK_TABLE_FILE
             ))
         })?;
         let number = |name: &str| {
@@ -57,14 +61,14 @@ impl HcclSettings {
                 .transpose()
         };
         let identity = PodIdentity {
-            rank_override: number(RANK_ENV)?,
-            pod_ip: set("POD_IP"),
-            local_index: number("LOCAL_RANK")?,
+            rank_override: number(env::RANK)?,
+            pod_ip: set(env::POD_IP),
+            local_index: number(env::LOCAL_RANK)?,
         };
         let connect_timeout =
-            hccl_env::connect_timeout(lookup("HCCL_CONNECT_TIMEOUT").as_deref(), false)
+            hccl_env::connect_timeout(lookup(env::HCCL_CONNECT_TIMEOUT).as_deref(), false)
                 .map_err(AscendError::Config)?;
-        let exec_timeout = hccl_env::exec_timeout(lookup("HCCL_EXEC_TIMEOUT").as_deref())
+        let exec_timeout = hccl_env::exec_timeout(lookup(env::HCCL_EXEC_TIMEOUT).as_deref())
             .map_err(AscendError::Config)?;
         Ok(HcclSettings {
             rank_table: PathBuf::from(rank_table),
@@ -493,9 +497,11 @@ mod tests {
                     {"device_id": "3", "device_ip": "192.168.102.2", "rank_id": "3"}]}]}"#;
 
     fn table() -> RankTable {
-        match rank_table::parse(TABLE).unwrap() {
-            rank_table::TableStatus::Completed(table) => table,
-            rank_table::TableStatus::Initializing => panic!("the test table is completed"),
+        match npufleet_contract::rank_table::parse(TABLE).unwrap() {
+            npufleet_contract::rank_table::TableStatus::Completed(table) => table,
+            npufleet_contract::rank_table::TableStatus::Initializing => {
+                panic!("the test table is completed")
+            }
         }
     }
 

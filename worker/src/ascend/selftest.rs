@@ -10,7 +10,7 @@ use super::device::Acl;
 use super::hccl::{HcclCollective, HcclSettings};
 use crate::collective::Collective;
 use crate::collective::bench::{contribution, expected_sum};
-use crate::collective::setup::{RANK_ENV, RANK_TABLE_FILE_ENV};
+use npufleet_contract::env::{RANK as RANK_ENV, RANK_TABLE_FILE as RANK_TABLE_FILE_ENV};
 
 #[derive(clap::Args, Debug)]
 pub struct SelftestArgs {

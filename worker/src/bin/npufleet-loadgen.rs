@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use futures::StreamExt;
+use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
+use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+use npufleet_contract::proto::inference::{InferTensorContents, ModelInferRequest};
 use npufleet_worker::server::oip;
-use npufleet_worker::server::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
-use npufleet_worker::server::proto::inference::infer_parameter::ParameterChoice;
-use npufleet_worker::server::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_worker::server::proto::inference::{InferTensorContents, ModelInferRequest};
 use serde_json::json;
 use tokio::sync::Mutex;
 
@@ -161,7 +161,7 @@ fn grpc_request(args: &Args) -> ModelInferRequest {
             ),
             (
                 "temperature".to_string(),
-                npufleet_worker::server::proto::inference::InferParameter {
+                npufleet_contract::proto::inference::InferParameter {
                     parameter_choice: Some(ParameterChoice::DoubleParam(args.temperature)),
                 },
             ),

@@ -18,6 +18,7 @@ use super::tp_bench::{self, Generation};
 use super::transport::{inproc, tcp};
 use super::{Collective, RingCollective, collective_from_env, hccl_env, setup};
 use crate::model::PrecisionPolicy;
+use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct CollectiveBenchArgs {
@@ -52,8 +53,8 @@ pub struct CollectiveBenchArgs {
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
     /// With --model: weight precision policy (int8, fp32, fp16, auto).
-    #[arg(long, default_value = "fp32")]
-    pub policy: String,
+    #[arg(long, default_value_t = Precision::Fp32)]
+    pub policy: Precision,
     /// Run as one rank of the ring given by RANK_TABLE_FILE and the HCCL_* / NPUFLEET_*
     /// variables, checking each all-reduce against the exact sum.
     #[arg(long, hide = true)]
@@ -92,7 +93,7 @@ pub fn run(args: CollectiveBenchArgs) -> anyhow::Result<()> {
         bail!("--ranks must be at least 1, got {bad}");
     }
     if let Some(model) = &args.model {
-        let policy = PrecisionPolicy::parse(&args.policy).map_err(anyhow::Error::msg)?;
+        let policy = PrecisionPolicy::new(args.policy, AUTO_INT8_MAX_PROMPT_TOKENS);
         return if args.join {
             join_generation(model, policy, &args)
         } else {
@@ -356,7 +357,10 @@ pub fn loopback_rank_env(
     timeout_secs: u64,
 ) -> Vec<(String, String)> {
     [
-        (setup::RANK_TABLE_FILE_ENV, rank_table.display().to_string()),
+        (
+            npufleet_contract::env::RANK_TABLE_FILE,
+            rank_table.display().to_string(),
+        ),
         ("POD_IP", format!("127.0.0.{}", rank + 2)),
         (setup::RING_PORT_ENV, port_base.to_string()),
         ("HCCL_CONNECT_TIMEOUT", timeout_secs.to_string()),
@@ -593,7 +597,7 @@ fn bench_generation(
                         &exe,
                         model,
                         p,
-                        &args.policy,
+                        args.policy.as_str(),
                         &args.prompt,
                         args.decode_tokens,
                     )?

@@ -6,15 +6,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use npufleet_contract::env;
+use npufleet_contract::rank_table::PodIdentity;
 
 use super::Collective;
 use super::hccl_env;
-use super::rank_table::{self, PodIdentity};
+use super::rank_table;
 use super::ring::RingCollective;
 use super::transport::{inproc, tcp};
 
-pub const RANK_TABLE_FILE_ENV: &str = "RANK_TABLE_FILE";
-pub const RANK_ENV: &str = "NPUFLEET_RANK";
 pub const RING_PORT_ENV: &str = "NPUFLEET_RING_PORT";
 pub const DEFAULT_RING_PORT: u16 = 29650;
 
@@ -38,18 +38,23 @@ pub struct RingSettings {
 impl RingSettings {
     /// Reads the settings through `lookup` (normally `std::env::var`), checking every value.
     pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
-        let rank_table = lookup(RANK_TABLE_FILE_ENV)
+        let rank_table = lookup(env::RANK_TABLE_FILE)
             .filter(|v| !v.is_empty())
-            .with_context(|| format!("{RANK_TABLE_FILE_ENV} is not set; tensor parallelism needs the hccl.json rank table"))?;
-        let rank_override = lookup(RANK_ENV)
+            .with_context(|| {
+                format!(
+                    "{} is not set; tensor parallelism needs the hccl.json rank table",
+                    env::RANK_TABLE_FILE
+                )
+            })?;
+        let rank_override = lookup(env::RANK)
             .filter(|v| !v.trim().is_empty())
             .map(|v| {
                 v.trim()
                     .parse::<usize>()
-                    .with_context(|| format!("{RANK_ENV} must be a rank number, got {v:?}"))
+                    .with_context(|| format!("{} must be a rank number, got {v:?}", env::RANK))
             })
             .transpose()?;
-        let local_index = lookup("LOCAL_RANK")
+        let local_index = lookup(env::LOCAL_RANK)
             .filter(|v| !v.trim().is_empty())
             .map(|v| {
                 v.trim()
@@ -69,13 +74,13 @@ impl RingSettings {
         let allow_short =
             lookup(hccl_env::ALLOW_SHORT_TIMEOUTS_ENV).is_some_and(|v| v.trim() == "1");
         let connect_timeout =
-            hccl_env::connect_timeout(lookup("HCCL_CONNECT_TIMEOUT").as_deref(), allow_short)
+            hccl_env::connect_timeout(lookup(env::HCCL_CONNECT_TIMEOUT).as_deref(), allow_short)
                 .map_err(anyhow::Error::msg)?;
-        let op_timeout = hccl_env::exec_timeout(lookup("HCCL_EXEC_TIMEOUT").as_deref())
+        let op_timeout = hccl_env::exec_timeout(lookup(env::HCCL_EXEC_TIMEOUT).as_deref())
             .map_err(anyhow::Error::msg)?;
-        hccl_env::check_algo(lookup("HCCL_ALGO").as_deref()).map_err(anyhow::Error::msg)?;
-        let if_ip = lookup("HCCL_IF_IP");
-        let socket_ifname = lookup("HCCL_SOCKET_IFNAME");
+        hccl_env::check_algo(lookup(env::HCCL_ALGO).as_deref()).map_err(anyhow::Error::msg)?;
+        let if_ip = lookup(env::HCCL_IF_IP);
+        let socket_ifname = lookup(env::HCCL_SOCKET_IFNAME);
         let bind_ip = if if_ip.is_some() || socket_ifname.is_some() {
             let interfaces = hccl_env::local_interfaces().map_err(anyhow::Error::msg)?;
             hccl_env::select_bind_ip(&interfaces, if_ip.as_deref(), socket_ifname.as_deref())
@@ -87,7 +92,7 @@ impl RingSettings {
             rank_table: rank_table.into(),
             identity: PodIdentity {
                 rank_override,
-                pod_ip: lookup("POD_IP").filter(|v| !v.is_empty()),
+                pod_ip: lookup(env::POD_IP).filter(|v| !v.is_empty()),
                 local_index,
             },
             port_base,
@@ -143,7 +148,7 @@ fn join_tcp(
 /// of a one-server group talk through shared memory, the ranks of a group spanning servers
 /// each over TCP. Returns one collective per local rank, in rank order.
 ///
-/// [`RankTable::local_ranks`]: super::rank_table::RankTable::local_ranks
+/// [`RankTable::local_ranks`]: npufleet_contract::rank_table::RankTable::local_ranks
 pub fn join_local_ranks(settings: &RingSettings) -> anyhow::Result<Vec<Arc<dyn Collective>>> {
     let table = rank_table::wait_for_completed(&settings.rank_table, settings.connect_timeout)?;
     let ranks = table.local_ranks(&settings.identity)?;

@@ -12,6 +12,7 @@ pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;
 
+use npufleet_contract::precision::Precision;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -118,29 +119,28 @@ impl PrecisionPolicy {
         }
     }
 
-    /// Parses "int8", "fp32", "fp16", "auto" or "auto:<max int8 prompt tokens>".
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "int8" => Ok(PrecisionPolicy::Int8),
-            "fp32" => Ok(PrecisionPolicy::Fp32),
-            "fp16" => Ok(PrecisionPolicy::Fp16),
-            "auto" => Ok(PrecisionPolicy::Auto {
-                int8_max_prompt_tokens: DEFAULT_AUTO_INT8_MAX_PROMPT,
-            }),
-            other => match other.strip_prefix("auto:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(PrecisionPolicy::Auto {
-                    int8_max_prompt_tokens: n,
-                }),
-                _ => Err(format!(
-                    "unknown precision {s:?}: expected int8, fp32, fp16, auto or auto:<tokens>"
-                )),
+    /// The policy for a configured precision; `auto_int8_max_prompt_tokens` only matters under
+    /// [`Precision::Auto`].
+    pub fn new(precision: Precision, auto_int8_max_prompt_tokens: usize) -> Self {
+        match precision {
+            Precision::Int8 => PrecisionPolicy::Int8,
+            Precision::Fp32 => PrecisionPolicy::Fp32,
+            Precision::Fp16 => PrecisionPolicy::Fp16,
+            Precision::Auto => PrecisionPolicy::Auto {
+                int8_max_prompt_tokens: auto_int8_max_prompt_tokens,
             },
         }
     }
-}
 
-/// Under `auto`, prompts longer than this go through f32 GEMM.
-pub const DEFAULT_AUTO_INT8_MAX_PROMPT: usize = 64;
+    pub fn precision(&self) -> Precision {
+        match self {
+            PrecisionPolicy::Int8 => Precision::Int8,
+            PrecisionPolicy::Fp32 => Precision::Fp32,
+            PrecisionPolicy::Fp16 => Precision::Fp16,
+            PrecisionPolicy::Auto { .. } => Precision::Auto,
+        }
+    }
+}
 
 pub struct LoadOptions {
     pub policy: PrecisionPolicy,

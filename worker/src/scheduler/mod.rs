@@ -81,16 +81,6 @@ impl Default for EngineConfig {
     }
 }
 
-/// The precision names accepted by [`PrecisionPolicy::parse`].
-pub fn precision_name(policy: PrecisionPolicy) -> &'static str {
-    match policy {
-        PrecisionPolicy::Int8 => "int8",
-        PrecisionPolicy::Fp32 => "fp32",
-        PrecisionPolicy::Fp16 => "fp16",
-        PrecisionPolicy::Auto { .. } => "auto",
-    }
-}
-
 /// How many KV-cache blocks `cfg` gives `model`. Every rank of a tensor-parallel group holds
 /// the same number of KV heads, so the followers size their caches to match the leader's.
 pub fn kv_cache_blocks(model: &Model, cfg: &EngineConfig) -> usize {
@@ -131,7 +121,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
         context_length: config.context_length,
         vocab_size: config.vocab_size,
         tensor_parallel: model.shard().world,
-        precision: precision_name(model.policy()).to_owned(),
+        precision: model.policy().precision().as_str().to_owned(),
     };
     let mut stop_ids = if cfg.ignore_eos {
         Vec::new()

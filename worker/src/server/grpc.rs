@@ -13,14 +13,14 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::api::{EngineState, GenerateRequest, GenerationEvent};
 use crate::server::error::ServeError;
 use crate::server::oip::{self, InferRequest};
-use crate::server::proto::inference::grpc_inference_service_server::GrpcInferenceService;
-use crate::server::proto::inference::model_metadata_response::TensorMetadata;
-use crate::server::proto::inference::*;
-use crate::server::proto::npufleet::v1::worker_load_server::WorkerLoad;
-use crate::server::proto::npufleet::v1::{
+use crate::server::shared::{Shared, TrackedStream};
+use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
+use npufleet_contract::proto::inference::model_metadata_response::TensorMetadata;
+use npufleet_contract::proto::inference::*;
+use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoad;
+use npufleet_contract::proto::npufleet::v1::{
     GetLoadRequest, LoadReport, WatchLoadRequest, WorkerState,
 };
-use crate::server::shared::{Shared, TrackedStream};
 
 pub const SERVER_NAME: &str = "npufleet-worker";
 

@@ -12,7 +12,6 @@ pub mod http;
 pub mod metrics;
 pub mod oip;
 pub mod openai;
-pub mod proto;
 pub mod ranks;
 pub mod rest;
 pub mod shared;
@@ -24,6 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
+use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -33,18 +34,26 @@ use crate::api::{Engine, EngineState};
 use crate::ascend::{AcceleratorKind, Selected};
 use crate::model::PrecisionPolicy;
 use crate::scheduler::{EngineConfig, KvCacheSize};
-use crate::server::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
-use crate::server::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
 use crate::server::shared::Shared;
+use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
+use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
 
-/// The precision policy a worker runs with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    Int8,
-    Fp32,
-    Fp16,
-    /// int8 for prompts up to `--auto-int8-max-prompt-tokens`, full precision above.
-    Auto,
+/// The precision policy, as `serve` and the benchmarks take it.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct PrecisionArgs {
+    /// int8, fp32, fp16, or auto: int8 for prompts up to `--auto-int8-max-prompt-tokens`
+    /// and for decode, full precision above.
+    #[arg(long, env = env::PRECISION, default_value_t = Precision::Auto)]
+    pub precision: Precision,
+    /// With `--precision auto`: the longest prompt served at int8.
+    #[arg(long, env = env::AUTO_INT8_MAX_PROMPT_TOKENS, default_value_t = AUTO_INT8_MAX_PROMPT_TOKENS)]
+    pub auto_int8_max_prompt_tokens: usize,
+}
+
+impl PrecisionArgs {
+    pub fn policy(&self) -> PrecisionPolicy {
+        PrecisionPolicy::new(self.precision, self.auto_int8_max_prompt_tokens)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -57,33 +66,26 @@ pub enum LogFormat {
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
     /// Most sequences in one engine step.
-    #[arg(long, env = "NPUFLEET_MAX_BATCH_SIZE", default_value_t = 128)]
+    #[arg(long, env = env::MAX_BATCH_SIZE, default_value_t = 128)]
     pub max_batch_size: usize,
     /// Most requests waiting to run; beyond it requests are refused with 429 /
     /// RESOURCE_EXHAUSTED.
-    #[arg(long, env = "NPUFLEET_QUEUE_LIMIT", default_value_t = 1024)]
+    #[arg(long, env = env::QUEUE_LIMIT, default_value_t = 1024)]
     pub queue_limit: usize,
     /// Forward passes run before the worker reports ready.
-    #[arg(long, env = "NPUFLEET_WARMUP_ITERATIONS", default_value_t = 100)]
+    #[arg(long, env = env::WARMUP_ITERATIONS, default_value_t = 100)]
     pub warmup_iterations: u32,
-    #[arg(long, env = "NPUFLEET_PRECISION", value_enum, default_value_t = Precision::Auto)]
-    pub precision: Precision,
-    /// With `--precision auto`: the longest prompt served at int8.
-    #[arg(
-        long,
-        env = "NPUFLEET_AUTO_INT8_MAX_PROMPT_TOKENS",
-        default_value_t = 512
-    )]
-    pub auto_int8_max_prompt_tokens: usize,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// Compute threads; 0 uses every core.
     #[arg(long, env = "NPUFLEET_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Prompt prefixes (system prompts) to keep in the prefix cache: a JSON array of strings,
     /// or the path of a file holding one.
-    #[arg(long, env = "NPUFLEET_PREFIX_TEMPLATES")]
+    #[arg(long, env = env::PREFIX_TEMPLATES)]
     pub prefix_templates: Option<String>,
     /// Where the kernels run: `auto` uses Ascend NPUs when CANN is installed, else the CPU.
-    #[arg(long, env = "NPUFLEET_ACCELERATOR", value_enum, default_value_t = AcceleratorKind::Auto)]
+    #[arg(long, env = env::ACCELERATOR, value_enum, default_value_t = AcceleratorKind::Auto)]
     pub accelerator: AcceleratorKind,
     /// Most tokens (prompt chunks plus decodes) in one engine step.
     #[arg(long, env = "NPUFLEET_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
@@ -106,21 +108,21 @@ pub struct EngineArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// The model: a GGUF file or a Hugging Face model directory.
-    #[arg(long, env = "NPUFLEET_MODEL")]
+    #[arg(long, env = env::MODEL)]
     pub model: PathBuf,
     /// The name clients address the model by; defaults to the model file's stem.
-    #[arg(long, env = "NPUFLEET_SERVED_MODEL_NAME")]
+    #[arg(long, env = env::SERVED_MODEL_NAME)]
     pub served_model_name: Option<String>,
     /// Address of the gRPC listener (Open Inference Protocol, load, health, reflection).
-    #[arg(long, env = "NPUFLEET_GRPC_ADDR", default_value = "0.0.0.0:8001")]
+    #[arg(long, env = env::GRPC_ADDR, default_value_t = SocketAddr::from(([0, 0, 0, 0], ports::GRPC_PORT)))]
     pub grpc_addr: SocketAddr,
     /// Address of the HTTP listener (OpenAI API, REST protocol, /metrics).
-    #[arg(long, env = "NPUFLEET_HTTP_ADDR", default_value = "0.0.0.0:8000")]
+    #[arg(long, env = env::HTTP_ADDR, default_value_t = SocketAddr::from(([0, 0, 0, 0], ports::HTTP_PORT)))]
     pub http_addr: SocketAddr,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Longest wait, in seconds, for accepted requests to finish after SIGTERM.
-    #[arg(long, env = "NPUFLEET_DRAIN_TIMEOUT", default_value_t = 30.0, value_parser = parse_seconds)]
+    #[arg(long, env = env::DRAIN_TIMEOUT, default_value_t = 30.0, value_parser = parse_seconds)]
     pub drain_timeout: f64,
     /// Largest accepted HTTP request body, in bytes.
     #[arg(long, env = "NPUFLEET_MAX_BODY_BYTES", default_value_t = 4 << 20)]
@@ -237,14 +239,7 @@ fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Rol
             tracing::info!(devices = runtime.device_count, "Ascend runtime available")
         }
     }
-    let policy = match engine_args.precision {
-        Precision::Int8 => PrecisionPolicy::Int8,
-        Precision::Fp32 => PrecisionPolicy::Fp32,
-        Precision::Fp16 => PrecisionPolicy::Fp16,
-        Precision::Auto => PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: engine_args.auto_int8_max_prompt_tokens,
-        },
-    };
+    let policy = engine_args.precision.policy();
     let config = EngineConfig {
         model_name: model_name.to_string(),
         max_batch_size: engine_args.max_batch_size,
@@ -344,7 +339,7 @@ pub async fn serve(
     }
 
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(npufleet_contract::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("cannot build the gRPC reflection service")?;

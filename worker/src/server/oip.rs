@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use crate::api::{Prompt, SamplingParams};
 use crate::server::error::ServeError;
-use crate::server::proto::inference::{
+use npufleet_contract::proto::inference::{
     InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
     infer_parameter::ParameterChoice, model_infer_request::InferInputTensor,
     model_infer_response::InferOutputTensor,

@@ -16,7 +16,8 @@ use crate::ascend::Selected;
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::collective::Collective;
-use crate::collective::setup::{RANK_TABLE_FILE_ENV, RingSettings, join_local_ranks};
+use crate::collective::setup::{RingSettings, join_local_ranks};
+use npufleet_contract::env;
 use crate::model::{LoadOptions, Model, PrecisionPolicy};
 use crate::scheduler::{EngineConfig, kv_cache_blocks};
 
@@ -132,7 +133,7 @@ pub fn start(
 
 /// The ranks of this process, joined to their group.
 fn local_slots(selected: &Selected) -> anyhow::Result<Vec<RankSlot>> {
-    let in_group = std::env::var_os(RANK_TABLE_FILE_ENV).is_some_and(|v| !v.is_empty());
+    let in_group = std::env::var_os(env::RANK_TABLE_FILE).is_some_and(|v| !v.is_empty());
     let npu = matches!(selected, Selected::Ascend(_));
     if !in_group {
         return Ok(vec![RankSlot {

@@ -14,11 +14,11 @@ use crate::server::error::ServeError;
 use crate::server::grpc::{self, SERVER_NAME};
 use crate::server::http::{BodyError, HttpState, JsonBody, with_retry_after};
 use crate::server::oip;
-use crate::server::proto::inference::infer_parameter::ParameterChoice;
-use crate::server::proto::inference::model_infer_request::{
+use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
+use npufleet_contract::proto::inference::model_infer_request::{
     InferInputTensor, InferRequestedOutputTensor,
 };
-use crate::server::proto::inference::{
+use npufleet_contract::proto::inference::{
     InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
 };
 
@@ -94,7 +94,7 @@ pub async fn model_ready_version(
 fn metadata_json(state: &HttpState) -> Value {
     let metadata = grpc::model_metadata(&state.shared);
     let tensors =
-        |tensors: &[crate::server::proto::inference::model_metadata_response::TensorMetadata]| {
+        |tensors: &[npufleet_contract::proto::inference::model_metadata_response::TensorMetadata]| {
             tensors
                 .iter()
                 .map(|t| json!({"name": t.name, "datatype": t.datatype, "shape": t.shape}))
