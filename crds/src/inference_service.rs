@@ -85,6 +85,10 @@ pub struct InferenceServiceSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingSpec>,
 
+    /// How `npufleet-router` spreads this model's requests over its replicas.
+    #[serde(default)]
+    pub routing: RoutingSpec,
+
     /// Where worker pods may run.
     #[serde(default)]
     pub scheduling: SchedulingSpec,
@@ -428,6 +432,36 @@ fn default_min_replicas() -> i32 {
 }
 fn default_target_queue_depth() -> i32 {
     5
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingSpec {
+    /// `least-load`: the replica with the fewest requests outstanding (the router's own count
+    /// and the worker's reported queue) and the emptiest KV cache. `prefix-affinity`: requests
+    /// whose prompts start alike go to the same replica, whose prefix cache then holds it, as
+    /// long as that replica is not loaded beyond a bound over the mean. `round-robin`: in turn.
+    #[serde(default)]
+    pub policy: RoutingPolicy,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoutingPolicy {
+    #[default]
+    LeastLoad,
+    PrefixAffinity,
+    RoundRobin,
+}
+
+impl RoutingPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::LeastLoad => "least-load",
+            Self::PrefixAffinity => "prefix-affinity",
+            Self::RoundRobin => "round-robin",
+        }
+    }
 }
 
 /// `builtin`: the operator's own loop writes the scale subresource. `hpa`: an
