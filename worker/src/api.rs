@@ -157,6 +157,8 @@ pub struct LoadSnapshot {
     /// Fraction of KV-cache blocks in use, 0..=1.
     pub kv_cache_usage: f64,
     pub kv_blocks_total: usize,
+    /// Positions per KV-cache block.
+    pub block_size: usize,
     /// Counters since start.
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,

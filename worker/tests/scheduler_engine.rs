@@ -474,7 +474,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
 }
 
 #[test]
-fn max_tokens_is_clamped_to_the_room_left_in_the_context() {
+fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
     // 8 blocks of 4 positions: sequences hold at most 32 tokens.
     let engine = start(EngineConfig {
         block_size: 4,
@@ -486,10 +486,10 @@ fn max_tokens_is_clamped_to_the_room_left_in_the_context() {
     let outcome = collect(
         engine
             .submit(GenerateRequest {
-                id: "clamp".into(),
+                id: "fill".into(),
                 prompt: Prompt::Tokens(prompt.clone()),
                 params: SamplingParams {
-                    max_tokens: Some(u32::MAX),
+                    max_tokens: None,
                     ..SamplingParams::default()
                 },
             })
@@ -500,6 +500,23 @@ fn max_tokens_is_clamped_to_the_room_left_in_the_context() {
     assert_eq!(outcome.usage.completion_tokens, 22);
     assert!(outcome.timings.first_token <= outcome.timings.total);
     assert!(outcome.timings.queued <= outcome.timings.first_token);
+
+    // Asking for more than the room left is a mistake the client hears about.
+    let too_many = engine.submit(GenerateRequest {
+        id: "too-many".into(),
+        prompt: Prompt::Tokens(prompt.clone()),
+        params: SamplingParams {
+            max_tokens: Some(23),
+            ..SamplingParams::default()
+        },
+    });
+    let Err(SubmitError::Invalid(message)) = too_many else {
+        panic!("expected Invalid, got {too_many:?}");
+    };
+    assert!(
+        message.contains("max_tokens is 23") && message.contains("at most 22"),
+        "{message}"
+    );
 
     let too_long = engine.submit(GenerateRequest {
         id: "long".into(),

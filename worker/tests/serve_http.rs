@@ -315,8 +315,8 @@ async fn metrics_expose_the_standard_names() {
         "vllm:request_success_total",
         "vllm:num_preemptions_total",
         "npufleet_batch_size",
-        "npufleet_prefix_cache_hits_total",
-        "npufleet_prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
         "npufleet_warmup_complete",
     ] {
         let line = text

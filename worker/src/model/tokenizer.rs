@@ -285,6 +285,11 @@ impl Tokenizer {
         self.special.get(id as usize).copied().unwrap_or(false)
     }
 
+    /// Bytes of the longest token (at least 1).
+    pub fn longest_token_bytes(&self) -> usize {
+        self.bytes.iter().map(Vec::len).max().unwrap_or(1).max(1)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()
     }

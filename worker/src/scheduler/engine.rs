@@ -323,6 +323,7 @@ impl EngineCore {
             max_batch_size: self.cfg.max_batch_size,
             kv_cache_usage: self.blocks.num_in_use() as f64 / total as f64,
             kv_blocks_total: total,
+            block_size: self.cfg.block_size,
             ..self.counters
         };
     }

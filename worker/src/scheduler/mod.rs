@@ -109,6 +109,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
                 queue_limit: cfg.queue_limit,
                 max_batch_size: cfg.max_batch_size,
                 kv_blocks_total: limits.num_blocks,
+                block_size: cfg.block_size,
                 ..LoadSnapshot::default()
             },
         }),
@@ -130,6 +131,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
     };
     stop_ids.sort_unstable();
     let max_sequence_tokens = limits.max_sequence_tokens;
+    let longest_token_bytes = model.tokenizer().longest_token_bytes();
     let policy = model.policy();
     let core = engine::EngineCore::new(Arc::clone(&model), cfg.clone(), limits, &shared);
     let thread = std::thread::Builder::new()
@@ -144,6 +146,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
         warmup_iterations: cfg.warmup_iterations,
         queue_limit: cfg.queue_limit,
         max_sequence_tokens,
+        longest_token_bytes,
         model_stop_ids: stop_ids,
         thread: Mutex::new(Some(thread)),
     }))
@@ -159,6 +162,9 @@ pub struct EngineHandle {
     queue_limit: usize,
     /// Longest sequence (prompt plus completion) the context and the KV cache allow.
     max_sequence_tokens: usize,
+    /// Bytes of the vocabulary's longest token: a text of `n` bytes has at least
+    /// `n / longest_token_bytes` tokens.
+    longest_token_bytes: usize,
     /// End-of-sequence ids of the model that end every request.
     model_stop_ids: Vec<u32>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -270,6 +276,17 @@ impl EngineHandle {
                 if text.is_empty() {
                     return Err(SubmitError::Invalid("the prompt is empty".into()));
                 }
+                // No token is longer than the vocabulary's longest entry, so a text this long
+                // cannot fit; refusing it here spares tokenising megabytes for nothing.
+                let fewest_tokens = text.len().div_ceil(self.longest_token_bytes);
+                if fewest_tokens >= self.max_sequence_tokens {
+                    return Err(SubmitError::Invalid(format!(
+                        "the prompt is {} bytes, at least {fewest_tokens} tokens, but {}; \
+                         it must be shorter to leave room for at least one generated token",
+                        text.len(),
+                        self.sequence_limit()
+                    )));
+                }
                 let mut tokens = Vec::new();
                 if config.add_bos
                     && let Some(bos) = config.bos_token_id
@@ -297,22 +314,23 @@ impl EngineHandle {
         };
         let prompt_len = tokens.len();
         if prompt_len >= self.max_sequence_tokens {
-            let limit = if self.max_sequence_tokens < config.context_length {
-                format!(
-                    "the KV cache holds at most {} tokens per sequence",
-                    self.max_sequence_tokens
-                )
-            } else {
-                format!("the context length is {}", config.context_length)
-            };
             return Err(SubmitError::Invalid(format!(
-                "the prompt has {prompt_len} tokens but {limit}; it must be shorter to leave room for at least one generated token"
+                "the prompt has {prompt_len} tokens but {}; it must be shorter to leave room for at least one generated token",
+                self.sequence_limit()
             )));
         }
         let room = self.max_sequence_tokens - prompt_len;
-        let max_new = params
-            .max_tokens
-            .map_or(room, |max| (max as usize).min(room));
+        let max_new = match params.max_tokens {
+            None => room,
+            Some(max) if max as usize <= room => max as usize,
+            Some(max) => {
+                return Err(SubmitError::Invalid(format!(
+                    "max_tokens is {max} but the prompt has {prompt_len} tokens and {}, \
+                     so at most {room} tokens can be generated",
+                    self.sequence_limit()
+                )));
+            }
+        };
         let precision = self.precision.for_prompt(prompt_len);
         let mut stop_ids = self.model_stop_ids.clone();
         stop_ids.extend(&params.stop_token_ids);
@@ -337,6 +355,19 @@ impl EngineHandle {
             admitted: None,
             first_token: None,
         })
+    }
+
+    /// What bounds a sequence's length, for error messages.
+    fn sequence_limit(&self) -> String {
+        let context = self.model.config().context_length;
+        if self.max_sequence_tokens < context {
+            format!(
+                "the KV cache holds at most {} tokens per sequence",
+                self.max_sequence_tokens
+            )
+        } else {
+            format!("the context length is {context}")
+        }
     }
 
     fn refuse_if_not_accepting(&self, state: &SharedState) -> Result<(), SubmitError> {

@@ -57,7 +57,7 @@ pub fn model_metadata(shared: &Shared) -> ModelMetadataResponse {
 }
 
 /// Checks, decodes and submits one inference request.
-pub fn start_infer(
+pub async fn start_infer(
     shared: &Arc<Shared>,
     request: &ModelInferRequest,
 ) -> Result<(InferRequest, TrackedStream), ServeError> {
@@ -72,11 +72,13 @@ pub fn start_infer(
     if decoded.id.is_empty() {
         decoded.id = shared.next_request_id("infer");
     }
-    let events = shared.submit(GenerateRequest {
-        id: decoded.id.clone(),
-        prompt: decoded.prompt.clone(),
-        params: decoded.params.clone(),
-    })?;
+    let events = shared
+        .submit(GenerateRequest {
+            id: decoded.id.clone(),
+            prompt: decoded.prompt.clone(),
+            params: decoded.params.clone(),
+        })
+        .await?;
     Ok((decoded, events))
 }
 
@@ -85,7 +87,7 @@ pub async fn infer_unary(
     shared: &Arc<Shared>,
     request: &ModelInferRequest,
 ) -> Result<ModelInferResponse, ServeError> {
-    let (decoded, events) = start_infer(shared, request)?;
+    let (decoded, events) = start_infer(shared, request).await?;
     let collected = events.collect_all().await?;
     let mut parameters = usage_parameters(&collected.usage);
     if let Some(reason) = collected.reason {
@@ -148,11 +150,14 @@ pub fn grpc_code_name(err: &ServeError) -> &'static str {
 /// Streams one request: a response per generated chunk, then a last response flagged
 /// `triton_final_response` that carries the finish reason and token usage.
 async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: StreamSender) {
-    let (decoded, mut events) = match start_infer(&shared, &request) {
+    let (decoded, mut events) = match start_infer(&shared, &request).await {
         Ok(started) => started,
         Err(err) => {
-            let _ = out
-                .send(Ok(stream_error(&request.id, &shared.model_name, &err)))
+            let _ = shared
+                .send_chunk(
+                    &out,
+                    Ok(stream_error(&request.id, &shared.model_name, &err)),
+                )
                 .await;
             return;
         }
@@ -186,37 +191,81 @@ async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: Stream
                 );
                 let response =
                     oip::build_response(&shared.model_name, &decoded, "", &pending_ids, parameters);
-                let _ = out
-                    .send(Ok(ModelStreamInferResponse {
-                        error_message: String::new(),
-                        infer_response: Some(response),
-                    }))
+                let _ = shared
+                    .send_chunk(
+                        &out,
+                        Ok(ModelStreamInferResponse {
+                            error_message: String::new(),
+                            infer_response: Some(response),
+                        }),
+                    )
                     .await;
                 return;
             }
             GenerationEvent::Failed { message } => {
                 let err = ServeError::Internal(message);
-                let _ = out
-                    .send(Ok(stream_error(&decoded.id, &shared.model_name, &err)))
+                let _ = shared
+                    .send_chunk(
+                        &out,
+                        Ok(stream_error(&decoded.id, &shared.model_name, &err)),
+                    )
                     .await;
                 return;
             }
         };
-        let sent = out
-            .send(Ok(ModelStreamInferResponse {
-                error_message: String::new(),
-                infer_response: Some(response),
-            }))
+        let sent = shared
+            .send_chunk(
+                &out,
+                Ok(ModelStreamInferResponse {
+                    error_message: String::new(),
+                    infer_response: Some(response),
+                }),
+            )
             .await;
         if sent.is_err() {
-            // The caller hung up; dropping the events cancels the request in the engine.
+            // The caller hung up or stopped reading; dropping the events cancels the request
+            // in the engine.
             return;
         }
     }
     let err = ServeError::Internal("the engine ended the request without a result".into());
-    let _ = out
-        .send(Ok(stream_error(&decoded.id, &shared.model_name, &err)))
+    let _ = shared
+        .send_chunk(
+            &out,
+            Ok(stream_error(&decoded.id, &shared.model_name, &err)),
+        )
         .await;
+}
+
+/// Responses of one `ModelStreamInfer` stream buffered ahead of its connection.
+const STREAM_BUFFER_RESPONSES: usize = 64;
+
+/// The transport refuses an oversized message with OUT_OF_RANGE and its own wording; clients
+/// get RESOURCE_EXHAUSTED and the setting that sets the limit, as HTTP clients get 413.
+pub fn message_limit_status(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange && status.message().contains("too large") {
+        Status::resource_exhausted(format!(
+            "the request message is too large: {} (the limit is set by --max-grpc-message-bytes)",
+            status.message()
+        ))
+    } else {
+        status
+    }
+}
+
+/// [`message_limit_status`] for the responses the transport writes itself: an oversized
+/// unary request never reaches a handler.
+pub fn name_message_limit<B>(mut response: http::Response<B>) -> http::Response<B> {
+    if let Some(status) = Status::from_header_map(response.headers())
+        && status.code() == tonic::Code::OutOfRange
+    {
+        let renamed = message_limit_status(status);
+        if renamed.code() != tonic::Code::OutOfRange {
+            // Only fails for a message that cannot be a header value; ours always can.
+            let _ = renamed.add_header(response.headers_mut());
+        }
+    }
+    response
 }
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -285,21 +334,47 @@ impl GrpcInferenceService for InferenceService {
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let mut incoming = request.into_inner();
-        let (out, responses) = mpsc::channel(64);
+        let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
         let shared = self.shared.clone();
+        // The response stream ends, with an OK status, when the client closes its side and
+        // every request has been answered, or when the server stops serving: an idle stream
+        // must not hold the process past its drain.
         tokio::spawn(async move {
+            let mut requests = tokio::task::JoinSet::new();
+            let mut closing = std::pin::pin!(shared.closing());
+            let mut client_done = false;
             loop {
-                match incoming.message().await {
-                    Ok(Some(request)) => {
-                        tokio::spawn(stream_one(shared.clone(), request, out.clone()));
-                    }
-                    Ok(None) => break,
-                    Err(status) => {
-                        let _ = out.send(Err(status)).await;
+                tokio::select! {
+                    message = incoming.message(), if !client_done => match message {
+                        Ok(Some(request)) => {
+                            requests.spawn(stream_one(shared.clone(), request, out.clone()));
+                        }
+                        Ok(None) => client_done = true,
+                        Err(status) => {
+                            let _ = out.send(Err(message_limit_status(status))).await;
+                            break;
+                        }
+                    },
+                    Some(_) = requests.join_next(), if !requests.is_empty() => {}
+                    () = &mut closing => {
+                        if !requests.is_empty() {
+                            let _ = out
+                                .send(Err(Status::unavailable(format!(
+                                    "the worker shut down with {} requests of this stream \
+                                     unanswered",
+                                    requests.len()
+                                ))))
+                                .await;
+                        }
                         break;
                     }
                 }
+                if client_done && requests.is_empty() {
+                    break;
+                }
             }
+            // Cancels whatever is left; dropping `out` ends the response stream.
+            requests.abort_all();
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(responses))))
     }
@@ -387,7 +462,10 @@ impl WorkerLoad for LoadService {
         let mut ticks = tokio::time::interval(interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let shared = self.shared.clone();
-        let reports = IntervalStream::new(ticks).map(move |_| Ok(load_report(&shared)));
+        let closing = shared.closing();
+        let reports = IntervalStream::new(ticks)
+            .map(move |_| Ok(load_report(&shared)))
+            .take_until(closing);
         Ok(Response::new(Box::pin(reports)))
     }
 }

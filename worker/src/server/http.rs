@@ -53,6 +53,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -160,16 +161,37 @@ impl IntoResponse for BodyError {
     }
 }
 
-async fn not_found(request: Request) -> Response {
+/// A response in the OpenAI error shape for failures outside any endpoint's own handling.
+fn error_response(status: StatusCode, message: String, code: &str) -> Response {
     let body = json!({
         "error": {
-            "message": format!("no route for {} {}", request.method(), request.uri().path()),
+            "message": message,
             "type": "invalid_request_error",
             "param": null,
-            "code": "not_found",
+            "code": code,
         }
     });
-    (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+    (status, axum::Json(body)).into_response()
+}
+
+async fn not_found(request: Request) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        format!("no route for {} {}", request.method(), request.uri().path()),
+        "not_found",
+    )
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} is not allowed on {}",
+            request.method(),
+            request.uri().path()
+        ),
+        "method_not_allowed",
+    )
 }
 
 /// The HTTP surface of a process whose ranks follow rank 0 in another pod: its probes pass
@@ -181,14 +203,15 @@ pub fn follower_router() -> Router {
         .route("/v2/health/ready", get(following))
         .route("/health", get(following))
         .fallback(|| async {
-            (
+            error_response(
                 StatusCode::NOT_FOUND,
-                axum::Json(json!({
-                    "error": "this pod runs tensor-parallel ranks that follow rank 0; \
-                              send inference requests to the group's rank-0 pod"
-                })),
+                "this pod runs tensor-parallel ranks that follow rank 0; \
+                 send inference requests to the group's rank-0 pod"
+                    .to_string(),
+                "not_found",
             )
         })
+        .method_not_allowed_fallback(method_not_allowed)
 }
 
 /// Mirrors readiness, as vLLM's `/health` does for load balancers.

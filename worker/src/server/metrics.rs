@@ -10,7 +10,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::api::{EngineState, FinishReason, LoadSnapshot, RequestTimings};
+use crate::api::{EngineState, FinishReason, LoadSnapshot, RequestTimings, Usage};
 use crate::server::telemetry::{self, NpuChip};
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -20,6 +20,11 @@ const TTFT_BUCKETS: &[f64] = &[
 const INTER_TOKEN_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
+];
+/// vLLM's token-count buckets (1, 2, 5 per decade) up to a 128k context.
+const TOKEN_COUNT_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
 ];
 const REQUEST_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -31,8 +36,13 @@ pub struct Metrics {
     running: IntGauge,
     waiting: IntGauge,
     kv_cache_usage: prometheus::Gauge,
+    gpu_cache_usage: prometheus::Gauge,
+    cache_config_info: GaugeVec,
     time_to_first_token: Histogram,
     inter_token_latency: Histogram,
+    time_per_output_token: Histogram,
+    request_prompt_tokens: Histogram,
+    request_generation_tokens: Histogram,
     e2e_latency: Histogram,
     queue_time: Histogram,
     prompt_tokens: IntCounter,
@@ -94,9 +104,24 @@ impl Metrics {
                 model_name,
             ))
             .expect("valid gauge"),
+            gpu_cache_usage: prometheus::Gauge::with_opts(model_opts(
+                "vllm:gpu_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (the older name of vllm:kv_cache_usage_perc).",
+                model_name,
+            ))
+            .expect("valid gauge"),
+            cache_config_info: GaugeVec::new(
+                model_opts(
+                    "vllm:cache_config_info",
+                    "The KV cache's configuration in labels (value 1).",
+                    model_name,
+                ),
+                &["block_size", "num_gpu_blocks"],
+            )
+            .expect("valid gauge"),
             time_to_first_token: histogram(
                 "vllm:time_to_first_token_seconds",
-                "Time from submission to the first generated token.",
+                "Time from receiving a request to handing its first generated token to the connection.",
                 model_name,
                 TTFT_BUCKETS,
             ),
@@ -105,6 +130,25 @@ impl Metrics {
                 "Time between consecutive generated tokens of a request.",
                 model_name,
                 INTER_TOKEN_BUCKETS,
+            ),
+            time_per_output_token: histogram(
+                "vllm:time_per_output_token_seconds",
+                "Time between consecutive generated tokens of a request (the older name of \
+                 vllm:inter_token_latency_seconds).",
+                model_name,
+                INTER_TOKEN_BUCKETS,
+            ),
+            request_prompt_tokens: histogram(
+                "vllm:request_prompt_tokens",
+                "Prompt tokens of each finished request.",
+                model_name,
+                TOKEN_COUNT_BUCKETS,
+            ),
+            request_generation_tokens: histogram(
+                "vllm:request_generation_tokens",
+                "Generated tokens of each finished request.",
+                model_name,
+                TOKEN_COUNT_BUCKETS,
             ),
             e2e_latency: histogram(
                 "vllm:e2e_request_latency_seconds",
@@ -135,11 +179,11 @@ impl Metrics {
             ),
             batch_size: gauge("npufleet_batch_size", "Sequences in the last engine step."),
             prefix_cache_hits: counter(
-                "npufleet_prefix_cache_hits_total",
+                "vllm:prefix_cache_hits_total",
                 "Prompt tokens served from the prefix cache.",
             ),
             prefix_cache_queries: counter(
-                "npufleet_prefix_cache_queries_total",
+                "vllm:prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
             ),
             warmup_complete: gauge(
@@ -187,8 +231,13 @@ impl Metrics {
             Box::new(metrics.running.clone()),
             Box::new(metrics.waiting.clone()),
             Box::new(metrics.kv_cache_usage.clone()),
+            Box::new(metrics.gpu_cache_usage.clone()),
+            Box::new(metrics.cache_config_info.clone()),
             Box::new(metrics.time_to_first_token.clone()),
             Box::new(metrics.inter_token_latency.clone()),
+            Box::new(metrics.time_per_output_token.clone()),
+            Box::new(metrics.request_prompt_tokens.clone()),
+            Box::new(metrics.request_generation_tokens.clone()),
             Box::new(metrics.e2e_latency.clone()),
             Box::new(metrics.queue_time.clone()),
             Box::new(metrics.prompt_tokens.clone()),
@@ -217,19 +266,29 @@ impl Metrics {
         metrics
     }
 
-    /// Records the engine's timings of one successful request.
-    pub fn observe_finished(&self, reason: FinishReason, timings: &RequestTimings) {
+    /// Records the engine's timings and token counts of one successful request.
+    pub fn observe_finished(&self, reason: FinishReason, timings: &RequestTimings, usage: &Usage) {
         self.request_success
             .with_label_values(&[reason.as_openai()])
             .inc();
-        self.time_to_first_token
-            .observe(timings.first_token.as_secs_f64());
         self.queue_time.observe(timings.queued.as_secs_f64());
         self.e2e_latency.observe(timings.total.as_secs_f64());
+        self.request_prompt_tokens
+            .observe(f64::from(usage.prompt_tokens));
+        self.request_generation_tokens
+            .observe(f64::from(usage.completion_tokens));
+    }
+
+    /// Records a request's first token as it is handed on, so a long or cancelled request's
+    /// time to first token counts as soon as the client sees it.
+    pub fn observe_first_token(&self, since_received: Duration) {
+        self.time_to_first_token
+            .observe(since_received.as_secs_f64());
     }
 
     pub fn observe_inter_token(&self, gap: Duration) {
         self.inter_token_latency.observe(gap.as_secs_f64());
+        self.time_per_output_token.observe(gap.as_secs_f64());
     }
 
     pub fn count_rejected(&self, reason: &str) {
@@ -246,6 +305,14 @@ impl Metrics {
         self.running.set(load.running as i64);
         self.waiting.set(load.waiting as i64);
         self.kv_cache_usage.set(load.kv_cache_usage);
+        self.gpu_cache_usage.set(load.kv_cache_usage);
+        self.cache_config_info.reset();
+        self.cache_config_info
+            .with_label_values(&[
+                load.block_size.to_string().as_str(),
+                load.kv_blocks_total.to_string().as_str(),
+            ])
+            .set(1.0);
         self.batch_size.set(load.last_batch_size as i64);
         self.warmup_complete
             .set(i64::from(!matches!(state, EngineState::WarmingUp { .. })));
@@ -327,12 +394,22 @@ mod tests {
                 first_token: Duration::from_millis(30),
                 total: Duration::from_millis(300),
             },
+            &Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3,
+                cached_prompt_tokens: 0,
+            },
         );
+        metrics.observe_first_token(Duration::from_millis(30));
         metrics.observe_inter_token(Duration::from_millis(20));
         let load = LoadSnapshot {
             waiting: 3,
             running: 2,
             kv_cache_usage: 0.25,
+            kv_blocks_total: 640,
+            block_size: 16,
+            prefix_cache_queries_total: 12,
+            prefix_cache_hits_total: 4,
             generation_tokens_total: 40,
             prompt_tokens_total: 12,
             ..Default::default()
@@ -342,6 +419,13 @@ mod tests {
             "vllm:num_requests_running{model_name=\"smollm2\"} 2",
             "vllm:num_requests_waiting{model_name=\"smollm2\"} 3",
             "vllm:kv_cache_usage_perc{model_name=\"smollm2\"} 0.25",
+            "vllm:gpu_cache_usage_perc{model_name=\"smollm2\"} 0.25",
+            "vllm:cache_config_info{block_size=\"16\",model_name=\"smollm2\",num_gpu_blocks=\"640\"} 1",
+            "vllm:prefix_cache_queries_total{model_name=\"smollm2\"} 12",
+            "vllm:prefix_cache_hits_total{model_name=\"smollm2\"} 4",
+            "vllm:time_per_output_token_seconds_count{model_name=\"smollm2\"} 1",
+            "vllm:request_prompt_tokens_sum{model_name=\"smollm2\"} 7",
+            "vllm:request_generation_tokens_sum{model_name=\"smollm2\"} 3",
             "vllm:generation_tokens_total{model_name=\"smollm2\"} 40",
             "vllm:prompt_tokens_total{model_name=\"smollm2\"} 12",
             "vllm:request_success_total{finished_reason=\"length\",model_name=\"smollm2\"} 1",

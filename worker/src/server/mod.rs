@@ -3,8 +3,10 @@
 //! front of one engine.
 //!
 //! Shutdown: on SIGTERM (or SIGINT) readiness turns false, new requests are refused with
-//! 503 / UNAVAILABLE, the engine drains, and once every accepted request has been answered
-//! (or `--drain-timeout` passes) both listeners close and the process exits 0.
+//! 503 / UNAVAILABLE, and the engine drains. Once every accepted request has been answered,
+//! open gRPC streams end with an OK status, both listeners close and the process exits 0.
+//! If `--drain-timeout` passes first, every unanswered request ends with an error its client
+//! sees (an SSE error event, a gRPC status, a 500) and the process exits non-zero.
 
 pub mod error;
 pub mod grpc;
@@ -12,6 +14,7 @@ pub mod http;
 pub mod metrics;
 pub mod oip;
 pub mod openai;
+
 pub mod ranks;
 pub mod rest;
 pub mod shared;
@@ -127,6 +130,14 @@ pub struct ServeArgs {
     /// Largest accepted HTTP request body, in bytes.
     #[arg(long, env = "NPUFLEET_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Largest accepted gRPC request message, in bytes; larger ones are refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "NPUFLEET_MAX_GRPC_MESSAGE_BYTES", default_value_t = 4 << 20)]
+    pub max_grpc_message_bytes: usize,
+    /// Longest wait, in seconds, for a client to take the next chunk of a streamed response;
+    /// a client that stops reading for longer has its request cancelled.
+    #[arg(long, env = "NPUFLEET_STALLED_READER_TIMEOUT", default_value_t = 30.0, value_parser = parse_seconds)]
+    pub stalled_reader_timeout: f64,
     #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
@@ -317,6 +328,7 @@ pub async fn serve(
         engine,
         model_name,
         args.engine.warmup_iterations,
+        Duration::from_secs_f64(args.stalled_reader_timeout),
     ));
     let grpc_listener = TcpListener::bind(args.grpc_addr)
         .await
@@ -344,11 +356,15 @@ pub async fn serve(
         .build_v1()
         .context("cannot build the gRPC reflection service")?;
     let grpc_server = tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(
+            grpc::name_message_limit::<tonic::body::Body>,
+        ))
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(GrpcInferenceServiceServer::new(
-            grpc::InferenceService::new(shared.clone()),
-        ))
+        .add_service(
+            GrpcInferenceServiceServer::new(grpc::InferenceService::new(shared.clone()))
+                .max_decoding_message_size(args.max_grpc_message_bytes),
+        )
         .add_service(WorkerLoadServer::new(grpc::LoadService::new(
             shared.clone(),
         )))
@@ -388,23 +404,29 @@ pub async fn serve(
     let drain_timeout = Duration::from_secs_f64(args.drain_timeout);
     let deadline = Instant::now() + drain_timeout;
     let drained = wait_drained(&shared, deadline).await;
+    let unanswered = shared.in_flight();
     if drained {
         tracing::info!("drained; every accepted request was answered");
     } else {
         tracing::warn!(
-            in_flight = shared.in_flight(),
+            in_flight = unanswered,
             "drain timeout of {:?} passed; closing with requests unanswered",
             drain_timeout
         );
+        // Each unanswered client gets an error (an SSE error event, a gRPC status, a 500)
+        // rather than a connection that just closes.
+        shared.abandon_in_flight(&format!(
+            "the worker shut down before this request finished: the drain timeout of {:?} passed",
+            drain_timeout
+        ));
+        wait_answered(&shared, Instant::now() + ABANDON_GRACE).await;
     }
     if let Some(failure) = shared.engine.failure() {
         anyhow::bail!("the engine stopped while draining: {failure}");
     }
+    shared.close();
     let _ = stop_tx.send(true);
-    let grace = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_secs(1));
-    let closed = tokio::time::timeout(grace, async {
+    let closed = tokio::time::timeout(CLOSE_GRACE, async {
         let grpc = grpc_task.await;
         let http = http_task.await;
         (grpc, http)
@@ -419,7 +441,24 @@ pub async fn serve(
         }
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }
+    if !drained {
+        anyhow::bail!(
+            "the drain timeout of {drain_timeout:?} passed with {unanswered} requests unanswered"
+        );
+    }
     Ok(())
+}
+
+/// How long clients whose requests a timed-out drain gave up on get to receive the error.
+const ABANDON_GRACE: Duration = Duration::from_secs(1);
+/// How long connections get to close once every stream has ended.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Waits until every response has been handed to its connection, or the deadline.
+async fn wait_answered(shared: &Shared, deadline: Instant) {
+    while shared.in_flight() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Resolves once the stop flag is set.

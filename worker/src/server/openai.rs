@@ -2,6 +2,7 @@
 //! server-sent-event streaming) and `/v1/models`.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -17,7 +18,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::api::{ChatMessage, GenerateRequest, GenerationEvent, Prompt, SamplingParams, Usage};
 use crate::server::error::ServeError;
 use crate::server::http::{BodyError, HttpState, JsonBody, OpenAiError};
-use crate::server::shared::TrackedStream;
+use crate::server::shared::{Shared, TrackedStream};
+
+/// Chunks of one streamed response buffered ahead of its connection.
+const STREAM_BUFFER_CHUNKS: usize = 64;
 
 /// Sampling fields shared by both endpoints.
 #[derive(Debug, Default, Deserialize)]
@@ -43,6 +47,17 @@ pub struct SamplingFields {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    response_format: Option<Value>,
+    /// vLLM's extensions for log probabilities of the prompt and for guided decoding.
+    prompt_logprobs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -95,13 +110,19 @@ impl SamplingFields {
             .logprobs
             .as_ref()
             .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-            || self.top_logprobs.is_some_and(|n| n > 0)
         {
             return Err(unsupported(
                 "logprobs",
                 "log probabilities are not supported",
             ));
         }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(unsupported(
+                "top_logprobs",
+                "log probabilities are not supported",
+            ));
+        }
+        self.refuse_unimplemented_features()?;
         if self.echo == Some(true) {
             return Err(unsupported("echo", "echoing the prompt is not supported"));
         }
@@ -138,6 +159,69 @@ impl SamplingFields {
             stop: parse_stop(self.stop.as_ref())?,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
         })
+    }
+
+    /// Features whose silent omission would change what the client gets (a tool call, JSON
+    /// that follows a schema) are refused rather than ignored.
+    fn refuse_unimplemented_features(&self) -> Result<(), ServeError> {
+        let given = |value: &Option<Value>| value.as_ref().is_some_and(|v| !v.is_null());
+        let empty_list = |value: &Option<Value>| {
+            value
+                .as_ref()
+                .is_none_or(|v| v.is_null() || v.as_array().is_some_and(Vec::is_empty))
+        };
+        let no_choice = |value: &Option<Value>| {
+            value
+                .as_ref()
+                .is_none_or(|v| v.is_null() || v == "none" || v == "auto")
+        };
+        if !empty_list(&self.tools) {
+            return Err(unsupported("tools", "tool calling is not supported"));
+        }
+        if !no_choice(&self.tool_choice) {
+            return Err(unsupported(
+                "tool_choice",
+                "tool calling is not supported; only \"none\" or \"auto\" without tools",
+            ));
+        }
+        if !empty_list(&self.functions) {
+            return Err(unsupported(
+                "functions",
+                "function calling is not supported",
+            ));
+        }
+        if !no_choice(&self.function_call) {
+            return Err(unsupported(
+                "function_call",
+                "function calling is not supported; only \"none\" or \"auto\" without functions",
+            ));
+        }
+        if let Some(format) = self.response_format.as_ref().filter(|v| !v.is_null()) {
+            let kind = format.get("type").and_then(Value::as_str);
+            if kind != Some("text") {
+                return Err(unsupported(
+                    "response_format",
+                    format!(
+                        "only {{\"type\": \"text\"}} is supported, not {}; structured output \
+                         (JSON mode, JSON schema) is not implemented",
+                        kind.map_or_else(|| format.to_string(), |k| format!("\"{k}\""))
+                    )
+                    .as_str(),
+                ));
+            }
+        }
+        for (param, value) in [
+            ("prompt_logprobs", &self.prompt_logprobs),
+            ("guided_json", &self.guided_json),
+            ("guided_regex", &self.guided_regex),
+            ("guided_choice", &self.guided_choice),
+            ("guided_grammar", &self.guided_grammar),
+        ] {
+            if given(value) {
+                return Err(unsupported(param, "this vLLM extension is not supported"));
+            }
+        }
+        Ok(())
     }
 
     fn include_usage(&self) -> bool {
@@ -355,9 +439,20 @@ fn error_chunk(err: &ServeError) -> Value {
     }})
 }
 
-/// Forwards engine events as SSE chunks, ending with `data: [DONE]`.
-async fn stream_events(reply: Reply, mut events: TrackedStream, out: mpsc::Sender<Event>) {
-    if reply.endpoint == Endpoint::Chat && out.send(sse_json(&reply.role_chunk())).await.is_err() {
+/// Forwards engine events as SSE chunks, ending with `data: [DONE]`. A failure, including
+/// a drain that gave up on the request, arrives as an error event before `[DONE]`.
+async fn stream_events(
+    shared: Arc<Shared>,
+    reply: Reply,
+    mut events: TrackedStream,
+    out: mpsc::Sender<Event>,
+) {
+    if reply.endpoint == Endpoint::Chat
+        && shared
+            .send_chunk(&out, sse_json(&reply.role_chunk()))
+            .await
+            .is_err()
+    {
         return;
     }
     let mut ended = false;
@@ -379,8 +474,9 @@ async fn stream_events(reply: Reply, mut events: TrackedStream, out: mpsc::Sende
             }
         };
         for chunk in chunks {
-            if out.send(sse_json(&chunk)).await.is_err() {
-                // The client went away; dropping the events cancels the request.
+            if shared.send_chunk(&out, sse_json(&chunk)).await.is_err() {
+                // The client went away or stopped reading; dropping the events cancels the
+                // request.
                 return;
             }
         }
@@ -411,14 +507,17 @@ async fn generate(
         model: state.shared.model_name.clone(),
         include_usage: sampling.include_usage(),
     };
-    let events = state.shared.submit(GenerateRequest {
-        id: reply.id.clone(),
-        prompt,
-        params,
-    })?;
+    let events = state
+        .shared
+        .submit(GenerateRequest {
+            id: reply.id.clone(),
+            prompt,
+            params,
+        })
+        .await?;
     if sampling.stream {
-        let (out, chunks) = mpsc::channel(64);
-        tokio::spawn(stream_events(reply, events, out));
+        let (out, chunks) = mpsc::channel(STREAM_BUFFER_CHUNKS);
+        tokio::spawn(stream_events(state.shared.clone(), reply, events, out));
         let body = ReceiverStream::new(chunks).map(Ok::<_, Infallible>);
         return Ok(Sse::new(body).into_response());
     }
@@ -480,7 +579,7 @@ pub async fn chat_completions(
                 })
             })
             .collect::<Result<Vec<_>, ServeError>>()?;
-        let prompt = state.shared.engine.apply_chat_template(&messages)?;
+        let prompt = state.shared.apply_chat_template(messages).await?;
         generate(
             state,
             Endpoint::Chat,
@@ -536,10 +635,39 @@ mod tests {
     }
 
     #[test]
+    fn harmless_forms_of_unimplemented_features_are_accepted() {
+        for body in [
+            json!({"response_format": {"type": "text"}}),
+            json!({"tools": [], "tool_choice": "none"}),
+            json!({"tool_choice": "auto", "function_call": null, "guided_json": null}),
+            json!({"logprobs": false, "top_logprobs": 0}),
+        ] {
+            assert!(fields(body.clone()).to_params(None).is_ok(), "{body}");
+        }
+    }
+
+    #[test]
     fn unsupported_options_are_refused_by_name() {
         for (body, param) in [
             (json!({"n": 2}), "n"),
             (json!({"logprobs": 3}), "logprobs"),
+            (json!({"top_logprobs": 2}), "top_logprobs"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (json!({"guided_json": {"type": "object"}}), "guided_json"),
+            (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
             (json!({"echo": true}), "echo"),
             (json!({"presence_penalty": 0.5}), "presence_penalty"),
             (json!({"stop": 5}), "stop"),

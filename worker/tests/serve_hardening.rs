@@ -1,0 +1,448 @@
+//! The real worker binary against hostile or careless clients: huge prompts do not stall the
+//! probes, unimplemented OpenAI features are refused by name, streams end cleanly on
+//! shutdown, a drain that gives up says so, oversized gRPC messages name their limit, and the latency metrics are observed as tokens are sent.
+
+mod serve_support;
+
+use std::time::{Duration, Instant};
+
+use npufleet_contract::proto::inference::ModelInferRequest;
+use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+use npufleet_contract::proto::inference::{InferTensorContents, ModelStreamInferResponse};
+use npufleet_worker::server::oip;
+use serde_json::{Value, json};
+use serve_support::{MODEL_NAME, Worker, poll_until};
+
+async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let response = client.post(url).json(&body).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+fn text_request(id: &str, text: &[u8], max_tokens: i64) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: MODEL_NAME.into(),
+        id: id.into(),
+        inputs: vec![InferInputTensor {
+            name: "text_input".into(),
+            datatype: "BYTES".into(),
+            shape: vec![1],
+            contents: Some(InferTensorContents {
+                bytes_contents: vec![text.to_vec()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        parameters: [
+            ("max_tokens".to_string(), oip::int_param(max_tokens)),
+            ("temperature".to_string(), oip::int_param(0)),
+        ]
+        .into(),
+        ..Default::default()
+    }
+}
+
+/// The value of the first sample of `name` whose line contains every one of `labels`.
+fn metric(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|line| line.starts_with(name) && labels.iter().all(|l| line.contains(l)))
+        .find_map(|line| line.rsplit(' ').next()?.parse().ok())
+}
+
+async fn scrape(client: &reqwest::Client, worker: &Worker) -> String {
+    client
+        .get(format!("{}/metrics", worker.http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_answers_while_huge_prompts_are_refused() {
+    let worker = Worker::start(&["--max-body-bytes", "8388608"]).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", worker.http);
+    // Eight concurrent 4 MB prompts, each far beyond the 2048-token context: one of many
+    // words, one of a single long word.
+    let prompts: Vec<String> = (0..8)
+        .map(|i| {
+            if i % 2 == 0 {
+                "lorem ipsum ".repeat(4 << 20 >> 4)
+            } else {
+                "a".repeat(4 << 20)
+            }
+        })
+        .collect();
+    let refused: Vec<_> = prompts
+        .into_iter()
+        .map(|prompt| {
+            let request = client
+                .post(&url)
+                .json(&json!({"prompt": prompt, "max_tokens": 4}))
+                .send();
+            tokio::spawn(async move {
+                let response = request.await.unwrap();
+                let status = response.status().as_u16();
+                (status, response.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    let health_url = format!("{}/health", worker.http);
+    let mut slowest = Duration::ZERO;
+    let mut probes = 0;
+    while probes < 20 || refused.iter().any(|task| !task.is_finished()) {
+        let started = Instant::now();
+        let response = client.get(&health_url).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        slowest = slowest.max(started.elapsed());
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for task in refused {
+        let (status, body) = task.await.unwrap();
+        assert_eq!(status, 400, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("context length is 2048"), "{message}");
+    }
+    assert!(
+        slowest < Duration::from_millis(100),
+        "/health took {slowest:?} while large prompts were refused"
+    );
+}
+
+#[tokio::test]
+async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
+    let worker = Worker::start(&[]).await;
+    let client = reqwest::Client::new();
+    let chat = format!("{}/v1/chat/completions", worker.http);
+    let messages = json!([{"role": "user", "content": "What is the weather?"}]);
+    for (fields, param) in [
+        (
+            json!({
+                "tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}],
+                "tool_choice": "required",
+            }),
+            "tools",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {}}}}),
+            "response_format",
+        ),
+        (json!({"logprobs": true, "top_logprobs": 2}), "logprobs"),
+    ] {
+        let mut body = json!({"messages": messages, "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(fields.as_object().unwrap().clone());
+        let (status, body) = post(&client, &chat, body).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["param"], param, "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(param),
+            "{body}"
+        );
+    }
+    // The harmless spellings are served.
+    let (status, body) = post(
+        &client,
+        &chat,
+        json!({"messages": messages, "max_tokens": 2, "response_format": {"type": "text"},
+               "tools": [], "tool_choice": "none"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+
+    // max_tokens beyond what the context leaves is refused, not clamped.
+    let (status, body) = post(
+        &client,
+        &format!("{}/v1/completions", worker.http),
+        json!({"prompt": "hello", "max_tokens": 5000}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("max_tokens is 5000") && message.contains("2048"),
+        "{message}"
+    );
+
+    // Every error has the OpenAI shape, a wrong method included.
+    let response = client
+        .get(format!("{}/v1/completions", worker.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 405);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("GET is not allowed on /v1/completions"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn an_idle_grpc_stream_does_not_hold_shutdown() {
+    let mut worker = Worker::start(&["--drain-timeout", "30"]).await;
+    let mut client = worker.grpc_client().await;
+    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
+    let mut responses = client
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    requests
+        .send(text_request("idle-1", b"hello", 3))
+        .await
+        .unwrap();
+    // Read the one request's responses to its final one; the stream then stays open, idle.
+    loop {
+        let response: ModelStreamInferResponse = responses.message().await.unwrap().unwrap();
+        assert!(response.error_message.is_empty(), "{response:?}");
+        let last = response
+            .infer_response
+            .unwrap()
+            .parameters
+            .get("triton_final_response")
+            .and_then(|p| p.parameter_choice.clone())
+            == Some(
+                npufleet_contract::proto::inference::infer_parameter::ParameterChoice::BoolParam(
+                    true,
+                ),
+            );
+        if last {
+            break;
+        }
+    }
+
+    let signalled = Instant::now();
+    worker.sigterm();
+    // The server ends the stream with an OK status.
+    let ended = tokio::time::timeout(Duration::from_secs(5), responses.message())
+        .await
+        .expect("the stream stayed open after SIGTERM");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    let status = worker.wait_exit(Duration::from_secs(10)).await;
+    let took = signalled.elapsed();
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "the worker took {took:?} to exit with an idle stream open"
+    );
+    drop(requests);
+}
+
+#[tokio::test]
+async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
+    let mut worker = Worker::start(&[
+        "--ignore-eos",
+        "--max-batch-size",
+        "1",
+        "--drain-timeout",
+        "0.5",
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    // Enough queued work that half a second cannot finish it.
+    let streams: Vec<_> = (0..6)
+        .map(|_| {
+            let request = client
+                .post(format!("{}/v1/completions", worker.http))
+                .json(&json!({"prompt": "hello world", "max_tokens": 2000,
+                              "temperature": 0, "stream": true}))
+                .send();
+            tokio::spawn(async move { request.await.unwrap().text().await.unwrap() })
+        })
+        .collect();
+    let mut grpc = worker.grpc_client().await;
+    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
+    let mut grpc_responses = grpc
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    requests
+        .send(text_request("long", b"hello world", 2000))
+        .await
+        .unwrap();
+    let http = worker.http.clone();
+    poll_until(
+        Duration::from_secs(30),
+        "every request to be queued",
+        || {
+            let (client, http) = (client.clone(), http.clone());
+            async move {
+                let text = client
+                    .get(format!("{http}/metrics"))
+                    .send()
+                    .await
+                    .ok()?
+                    .text()
+                    .await
+                    .ok()?;
+                let waiting = metric(&text, "vllm:num_requests_waiting", &[])?;
+                let running = metric(&text, "vllm:num_requests_running", &[])?;
+                (waiting + running >= 7.0).then_some(())
+            }
+        },
+    )
+    .await;
+    worker.sigterm();
+
+    for stream in streams {
+        let body = stream.await.unwrap();
+        let events: Vec<&str> = body
+            .split("\n\n")
+            .filter_map(|e| e.trim().strip_prefix("data:").map(str::trim))
+            .collect();
+        assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+        let error: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("drain timeout"),
+            "{error}"
+        );
+    }
+    // The gRPC stream's request gets an in-stream error, then the stream ends with a status.
+    let mut saw_error = false;
+    loop {
+        match grpc_responses.message().await {
+            Ok(Some(response)) => {
+                if !response.error_message.is_empty() {
+                    assert!(
+                        response.error_message.contains("drain timeout"),
+                        "{response:?}"
+                    );
+                    saw_error = true;
+                }
+            }
+            Ok(None) => break,
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                break;
+            }
+        }
+    }
+    assert!(
+        saw_error,
+        "the gRPC client was not told its request was dropped"
+    );
+    let status = worker.wait_exit(Duration::from_secs(10)).await;
+    assert!(!status.success(), "exit status {status:?}");
+    assert!(
+        worker.log().contains("requests unanswered"),
+        "{}",
+        worker.log()
+    );
+    drop(requests);
+}
+
+#[tokio::test]
+async fn an_oversized_grpc_message_names_the_limit() {
+    let worker = Worker::start(&["--max-grpc-message-bytes", "1048576"]).await;
+    let mut client = worker.grpc_client().await;
+    let big = vec![b'a'; 2 << 20];
+    let status = client
+        .model_infer(text_request("big", &big, 4))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--max-grpc-message-bytes"),
+        "{status:?}"
+    );
+
+    let (requests, outgoing) = tokio::sync::mpsc::channel(1);
+    let mut responses = client
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    requests.send(text_request("big", &big, 4)).await.unwrap();
+    let status = responses.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--max-grpc-message-bytes"),
+        "{status:?}"
+    );
+    // A message under the limit is served.
+    client
+        .model_infer(text_request("small", b"hello", 2))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn time_to_first_token_is_observed_when_the_first_token_is_sent() {
+    let worker = Worker::start(&["--ignore-eos", "--max-batch-size", "1"]).await;
+    let client = reqwest::Client::new();
+    let mut response = client
+        .post(format!("{}/v1/completions", worker.http))
+        .json(
+            &json!({"prompt": "hello world", "max_tokens": 2000, "temperature": 0,
+                      "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let first = response.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let text = scrape(&client, &worker).await;
+    // The request is still running, yet its time to first token is already recorded.
+    assert_eq!(
+        metric(&text, "vllm:num_requests_running", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "vllm:time_to_first_token_seconds_count", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "vllm:request_generation_tokens_count", &[]),
+        Some(0.0)
+    );
+    drop(response);
+
+    // The rest of vLLM's names, and the ones a Gateway API Inference Extension endpoint
+    // picker reads, move under load.
+    let (status, _) = post(
+        &client,
+        &format!("{}/v1/completions", worker.http),
+        json!({"prompt": "hello world", "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = scrape(&client, &worker).await;
+    assert_eq!(
+        metric(&text, "vllm:request_generation_tokens_sum", &[]),
+        Some(5.0),
+        "{text}"
+    );
+    assert!(metric(&text, "vllm:request_prompt_tokens_sum", &[]).unwrap() >= 2.0);
+    assert!(metric(&text, "vllm:time_per_output_token_seconds_count", &[]).unwrap() >= 4.0);
+    assert!(metric(&text, "vllm:prefix_cache_queries_total", &[]).unwrap() >= 2.0);
+    assert!(metric(&text, "vllm:prefix_cache_hits_total", &[]).is_some());
+    assert!(metric(&text, "vllm:gpu_cache_usage_perc", &[]).is_some());
+    assert!(metric(&text, "vllm:kv_cache_usage_perc", &[]).is_some());
+    assert_eq!(
+        metric(
+            &text,
+            "vllm:cache_config_info",
+            &["block_size=\"16\"", "num_gpu_blocks=\""]
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}
