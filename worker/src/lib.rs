@@ -11,6 +11,7 @@ pub mod ascend;
 pub mod backend;
 pub mod bench;
 pub mod collective;
+pub mod fuzz;
 pub mod model;
 pub mod scheduler;
 pub mod server;
