@@ -1,15 +1,26 @@
-//! Client-side view of a worker fleet: which pods serve, and least-outstanding-requests
-//! routing across them (nothing routes Service traffic on a machine without kube-proxy).
+//! A fleet's front door in tests: the product's router (`npufleet-router`) started as a
+//! process against the test cluster, closed-loop clients that send their requests through it,
+//! and which worker pods serve.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use tokio::sync::{Mutex, Notify};
+
+use crate::cluster::Cluster;
+use crate::net::free_addr;
+use crate::process::Process;
+use crate::{paths, wait};
+
+/// The router's response header naming the pod that answered.
+pub const REPLICA_HEADER: &str = "x-npufleet-replica";
 
 /// Ready and not terminating.
 pub fn is_serving(pod: &Pod) -> bool {
@@ -35,7 +46,9 @@ pub async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Routes each request to the serving address with the fewest requests in flight.
+/// Picks worker addresses directly, fewest requests in flight first, for tests that exercise
+/// the workers themselves without the router in between (the product's routing is
+/// `npufleet-router`, [`RunningRouter`]).
 #[derive(Default)]
 pub struct Router {
     addresses: Mutex<Vec<String>>,
@@ -78,11 +91,77 @@ impl Router {
     }
 }
 
-/// Closed-loop clients: each sends one request through the [`Router`], waits for the answer,
-/// and repeats until stopped. Counts what was sent, what failed and which address answered.
-#[derive(Default)]
+/// `npufleet-router` running as a child process with the cluster's admin credentials; killed
+/// when dropped.
+pub struct RunningRouter {
+    pub process: Process,
+    pub http: SocketAddr,
+    pub grpc: SocketAddr,
+}
+
+impl RunningRouter {
+    /// Starts the router binary watching `namespace`, with `extra_args` appended to its flags,
+    /// and waits until it has listed the cluster (`/readyz`). Logs to `<name>.log` in the
+    /// cluster's scratch directory.
+    pub async fn start(
+        cluster: &Cluster,
+        name: &str,
+        namespace: &str,
+        extra_args: &[&str],
+    ) -> Result<Self> {
+        let (http, grpc) = (free_addr()?, free_addr()?);
+        let mut cmd = Command::new(paths::workspace_bin("npufleet-router")?);
+        cmd.arg("--http-addr")
+            .arg(http.to_string())
+            .arg("--grpc-addr")
+            .arg(grpc.to_string())
+            .args(["--namespace", namespace])
+            .args(extra_args)
+            .env("KUBECONFIG", cluster.kubeconfig())
+            .env("RUST_LOG", "info,npufleet_router=debug");
+        let mut process =
+            Process::start(name, cmd, &cluster.scratch().join(format!("{name}.log")))?;
+        let probe = reqwest::Client::new();
+        let ready = format!("http://{http}/readyz");
+        let became_ready = wait::until(
+            &format!("{name} ready"),
+            Duration::from_secs(30),
+            || async {
+                let response = probe.get(&ready).send().await?;
+                Ok(response.status().is_success().then_some(()))
+            },
+        )
+        .await;
+        if let Err(not_ready) = became_ready {
+            process.ensure_running()?;
+            return Err(not_ready.context(process.log_tail(20)));
+        }
+        Ok(RunningRouter {
+            process,
+            http,
+            grpc,
+        })
+    }
+
+    /// `http://<router>` followed by `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    /// The router's `/metrics` text.
+    pub async fn metrics(&self) -> Result<String> {
+        Ok(reqwest::get(self.url("/metrics"))
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+}
+
+/// Closed-loop clients: each posts one request to the router, reads the whole answer, and
+/// repeats until stopped. Counts what was sent, what failed and which pod answered.
 pub struct Load {
-    pub router: Router,
+    base_url: String,
     sent: AtomicU64,
     failed: AtomicU64,
     failures: Mutex<Vec<String>>,
@@ -91,13 +170,26 @@ pub struct Load {
 }
 
 impl Load {
-    /// Starts `clients` loops posting `body` to `path` on the picked worker's HTTP port.
+    /// Clients that send through the router at `router`.
+    pub fn through(router: &RunningRouter) -> Arc<Self> {
+        Arc::new(Load {
+            base_url: router.url(""),
+            sent: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            failures: Mutex::default(),
+            answered_by: Mutex::default(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    /// Starts `clients` loops posting `body` to `path`.
     pub fn start(
         self: &Arc<Self>,
         clients: u32,
         path: &'static str,
         body: serde_json::Value,
     ) -> Vec<tokio::task::JoinHandle<()>> {
+        // A bound on each request, so that a hang fails the test instead of stalling it.
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
             .build()
@@ -113,31 +205,14 @@ impl Load {
         path: &str,
         body: serde_json::Value,
     ) {
+        let url = format!("{}{path}", self.base_url);
         while !self.stop.load(Ordering::Relaxed) {
-            let Some(address) = self.router.pick(Duration::from_millis(250)).await else {
-                continue;
-            };
             self.sent.fetch_add(1, Ordering::Relaxed);
-            let response = http
-                .post(format!("http://{address}:8000{path}"))
-                .json(&body)
-                .send()
-                .await;
-            let outcome = match response {
-                Ok(r) if r.status().is_success() => r
-                    .json::<serde_json::Value>()
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                Ok(r) => Err(format!("{address}: HTTP {}", r.status())),
-                Err(e) => Err(format!("{address}: {e}")),
-            };
-            self.router.release(&address).await;
-            match outcome {
-                Ok(()) => *self.answered_by.lock().await.entry(address).or_default() += 1,
+            match request_once(&http, &url, &body).await {
+                Ok(replica) => *self.answered_by.lock().await.entry(replica).or_default() += 1,
                 Err(failure) => {
                     self.failed.fetch_add(1, Ordering::Relaxed);
-                    self.failures.lock().await.push(failure);
+                    self.failures.lock().await.push(format!("{failure:#}"));
                 }
             }
         }
@@ -160,8 +235,31 @@ impl Load {
         self.failures.lock().await.clone()
     }
 
-    /// Answered requests per worker address.
+    /// Answered requests per pod.
     pub async fn answered_by(&self) -> HashMap<String, u64> {
         self.answered_by.lock().await.clone()
     }
+}
+
+/// One request through the router, read to the end; the pod that answered.
+pub async fn request_once(
+    http: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<String> {
+    let response = http.post(url).json(body).send().await?;
+    let status = response.status();
+    let replica = response
+        .headers()
+        .get(REPLICA_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let text = response.text().await.context("reading the answer")?;
+    if !status.is_success() {
+        anyhow::bail!("HTTP {status} from {replica:?}: {text}");
+    }
+    serde_json::from_str::<serde_json::Value>(&text)
+        .with_context(|| format!("the answer from {replica} is not JSON: {text}"))?;
+    Ok(replica)
 }

@@ -26,3 +26,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "npufleet.routerLabels" -}}
+app.kubernetes.io/name: npufleet-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "npufleet.routerSelectorLabels" -}}
+app.kubernetes.io/name: npufleet-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

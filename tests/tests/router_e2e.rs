@@ -1,0 +1,504 @@
+//! `npufleet-router` end to end on the real control plane: the router runs as its own process
+//! and watches the cluster; the operator makes worker pods, the node agent runs them (SmolLM2
+//! on CPU) on their own loopback addresses, and every request goes through the router.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+use npufleet_contract::proto::inference::{
+    InferTensorContents, ModelInferRequest, ModelReadyRequest,
+};
+use npufleet_crds::InferenceService;
+use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, serving_addresses};
+use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::{cluster, paths, wait};
+use serde_json::{Value, json};
+
+const MANAGER: &str = "router-e2e-test";
+const MODEL: &str = "smollm2";
+
+fn chat(content: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    })
+}
+
+/// An InferenceService `chat` serving SmolLM2 on the node agent `node`, with `replicas`.
+async fn service(namespace: &str, node: &str, replicas: i32) -> Result<InferenceService> {
+    let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": namespace},
+        "spec": {
+            "model": {"name": MODEL, "source": {"imagePath": model_path.display().to_string()}},
+            "replicas": replicas,
+            "accelerator": {"type": "cpu"},
+            "engine": {"warmupIterations": 1, "drainSeconds": 30},
+            "routing": {"policy": "least-load"},
+            "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+            "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+        }
+    }))?)
+}
+
+async fn set_replicas(services: &Api<InferenceService>, replicas: i32) -> Result<()> {
+    services
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A namespace with a node agent, the operator, and the router watching it.
+struct Fleet {
+    client: Client,
+    namespace: String,
+    agent: NodeAgent,
+    router: RunningRouter,
+    _operator: npufleet_tests::operator::RunningOperator,
+}
+
+impl Fleet {
+    async fn start(test: &str, subnet: u8, router_args: &[&str]) -> Result<Fleet> {
+        let c = cluster::shared();
+        let client = c.client().await?;
+        let namespace = c.namespace(&client, test).await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let node = format!("agent-{test}");
+        let agent = NodeAgent::start(
+            client.clone(),
+            NodeAgentConfig::new(
+                &node,
+                paths::workspace_bin("npufleet-worker")?,
+                c.scratch().join(format!("agent-{test}")),
+                subnet,
+            ),
+        )
+        .await?;
+        let operator =
+            npufleet_tests::operator::start_with_builtin_autoscaler(&client, &namespace)?;
+        let router =
+            RunningRouter::start(c, &format!("router-{test}"), &namespace, router_args).await?;
+        Ok(Fleet {
+            client,
+            namespace,
+            agent,
+            router,
+            _operator: operator,
+        })
+    }
+
+    fn services(&self) -> Api<InferenceService> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    async fn apply(&self, replicas: i32) -> Result<()> {
+        let service = service(&self.namespace, self.agent.node_name(), replicas).await?;
+        npufleet_tests::operator::apply(&self.services(), MANAGER, &service).await
+    }
+
+    async fn wait_serving(&self, replicas: usize) -> Result<()> {
+        let pods = self.pods();
+        wait::until(
+            &format!("{replicas} replicas serving"),
+            Duration::from_secs(120),
+            || async {
+                let serving = serving_addresses(&pods).await?.len();
+                Ok((serving == replicas).then_some(()))
+            },
+        )
+        .await
+    }
+}
+
+async fn error_of(response: reqwest::Response) -> Result<(u16, String)> {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await?;
+    let message = match &body["error"] {
+        Value::String(message) => message.clone(),
+        error => error["message"]
+            .as_str()
+            .with_context(|| format!("no error message in {body}"))?
+            .to_owned(),
+    };
+    Ok((status, message))
+}
+
+/// Bad input and the hold's bounds, with no worker running: an unknown model is 404 (and
+/// NOT_FOUND over gRPC) naming it; a malformed body 400; an oversized body 413; a request for
+/// a fleet at zero waits its time-to-live and gets 503 saying why; past the hold queue's bound,
+/// 429 with Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_and_a_full_or_expired_hold_get_clear_errors() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let namespace = c.namespace(&client, "router-errors").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
+        // No operator here: the service stays at zero replicas.
+        npufleet_tests::operator::apply(
+            &services,
+            MANAGER,
+            &service(&namespace, "nowhere", 0).await?,
+        )
+        .await?;
+        let router = RunningRouter::start(
+            c,
+            "router-errors",
+            &namespace,
+            &[
+                "--max-body-bytes",
+                "2048",
+                "--hold-queue",
+                "1",
+                "--hold-timeout-seconds",
+                "3",
+                "--hold-retry-after-seconds",
+                "7",
+            ],
+        )
+        .await?;
+        let http = reqwest::Client::new();
+        let post = |path: &str, body: String| {
+            http.post(router.url(path))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+        };
+
+        let (status, message) = error_of(
+            post(
+                "/v1/chat/completions",
+                json!({"model": "no-such-model", "messages": []}).to_string(),
+            )
+            .await?,
+        )
+        .await?;
+        assert_eq!(status, 404);
+        assert!(message.contains("'no-such-model'"), "{message}");
+        let (status, message) =
+            error_of(post("/v2/models/no-such-model/infer", "{}".to_owned()).await?).await?;
+        assert_eq!(status, 404);
+        assert!(message.contains("'no-such-model'"), "{message}");
+
+        let (status, message) =
+            error_of(post("/v1/completions", "{\"model\": ".to_owned()).await?).await?;
+        assert_eq!(status, 400);
+        assert!(message.contains("not valid JSON"), "{message}");
+        let (status, message) =
+            error_of(post("/v1/completions", json!({"prompt": "hi"}).to_string()).await?).await?;
+        assert_eq!(status, 400);
+        assert!(message.contains("`model`"), "{message}");
+
+        let oversized = json!({"model": MODEL, "prompt": "x".repeat(4096)}).to_string();
+        let (status, message) = error_of(post("/v1/completions", oversized).await?).await?;
+        assert_eq!(status, 413);
+        assert!(message.contains("2048 bytes"), "{message}");
+
+        let mut grpc =
+            GrpcInferenceServiceClient::connect(format!("http://{}", router.grpc)).await?;
+        let unknown = grpc
+            .model_infer(ModelInferRequest {
+                model_name: "no-such-model".into(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("an unknown model is an error");
+        assert_eq!(unknown.code(), tonic::Code::NotFound);
+        assert!(
+            unknown.message().contains("'no-such-model'"),
+            "{}",
+            unknown.message()
+        );
+        let ready = grpc
+            .model_ready(ModelReadyRequest {
+                name: MODEL.into(),
+                version: String::new(),
+            })
+            .await?
+            .into_inner();
+        assert!(!ready.ready, "a fleet at zero is not ready");
+
+        // One request fills the hold queue of one; the next is turned away at once.
+        let held_started = Instant::now();
+        let held = tokio::spawn(post("/v1/chat/completions", chat("Hello", 4).to_string()));
+        wait::until("one request held", Duration::from_secs(10), || async {
+            let metrics = router.metrics().await?;
+            Ok(metrics
+                .lines()
+                .any(|l| l.starts_with("npufleet_router_held_requests{") && l.ends_with(" 1"))
+                .then_some(()))
+        })
+        .await?;
+        let refused = post("/v1/chat/completions", chat("Hello", 4).to_string()).await?;
+        assert_eq!(refused.status(), 429);
+        assert_eq!(refused.headers()["retry-after"], "7");
+        let (_, message) = error_of(refused).await?;
+        assert!(message.contains("no ready replica"), "{message}");
+
+        let (status, message) = error_of(held.await??).await?;
+        let waited = held_started.elapsed();
+        assert_eq!(status, 503);
+        assert!(message.contains("no ready replica within 3s"), "{message}");
+        assert!(
+            waited >= Duration::from_secs(3) && waited < Duration::from_secs(6),
+            "held {waited:?}"
+        );
+
+        // The router asked for a wake-up while it held the request.
+        let annotated = services.get("chat").await?;
+        assert!(
+            annotated.annotations().contains_key(WAKE_REQUESTED_AT),
+            "{:?}",
+            annotated.annotations()
+        );
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// A fleet at zero answers 20 concurrent held requests once a replica is Ready, and the
+/// router's wake-up annotation is what tells the scaler to start one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken() -> Result<()> {
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-zero", 72, &["--wake-interval-seconds", "1"]).await?;
+        fleet.apply(0).await?;
+        let services = fleet.services();
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(90)).build()?;
+        let started = Instant::now();
+        let requests: Vec<_> = (0..20)
+            .map(|i| {
+                let (http, url) = (http.clone(), fleet.router.url("/v1/chat/completions"));
+                tokio::spawn(async move {
+                    let response = http.post(url).json(&chat(&format!("Count to {i}."), 4)).send().await?;
+                    let status = response.status();
+                    let text = response.text().await?;
+                    anyhow::ensure!(status.is_success(), "HTTP {status}: {text}");
+                    anyhow::Ok(started.elapsed())
+                })
+            })
+            .collect();
+        // Stand in for the autoscaler: wake the fleet when the router asks.
+        let asked = wait::until("the router's wake-up request", Duration::from_secs(20), || async {
+            let service = services.get("chat").await?;
+            Ok(service.annotations().contains_key(WAKE_REQUESTED_AT).then(|| started.elapsed()))
+        })
+        .await?;
+        set_replicas(&services, 1).await?;
+        fleet.wait_serving(1).await?;
+        let ready_after = started.elapsed();
+        let mut answered = Vec::new();
+        for request in requests {
+            answered.push(request.await??);
+        }
+        let last = answered.iter().max().copied().unwrap_or_default();
+        eprintln!(
+            "wake-up asked {:.2} s after the first request; replica ready at {:.2} s; all 20 answered by {:.2} s",
+            asked.as_secs_f64(),
+            ready_after.as_secs_f64(),
+            last.as_secs_f64()
+        );
+        assert!(asked < Duration::from_secs(2), "the wake-up came {asked:?} after the requests");
+        let metrics = fleet.router.metrics().await?;
+        assert!(
+            metrics.lines().any(|l| l.starts_with("npufleet_router_hold_seconds_count{") && l.contains("outcome=\"replica\"") && l.ends_with(" 20")),
+            "{metrics}"
+        );
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The router picks replicas up as they turn Ready, spreads load over them, stops sending to
+/// a replica once it terminates, and a scale-down under load fails no request. Streams,
+/// `/v1/models` and gRPC go through too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_failures()
+-> Result<()> {
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-scale", 71, &[]).await?;
+        fleet.apply(1).await?;
+        fleet.wait_serving(1).await?;
+        let http = reqwest::Client::new();
+
+        let models: Value = http.get(fleet.router.url("/v1/models")).send().await?.json().await?;
+        assert_eq!(models["data"][0]["id"], MODEL, "{models}");
+
+        // A stream comes through as events, ending with [DONE].
+        let response = http
+            .post(fleet.router.url("/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16, "stream": true}))
+            .send()
+            .await?;
+        assert!(response.status().is_success());
+        assert!(response.headers()["content-type"].to_str()?.starts_with("text/event-stream"));
+        let mut body = response.bytes_stream();
+        let mut chunks = 0;
+        let mut text = String::new();
+        while let Some(bytes) = body.next().await {
+            chunks += 1;
+            text.push_str(std::str::from_utf8(&bytes?)?);
+        }
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert!(chunks > 1, "the stream arrived in one piece: {text}");
+
+        let mut grpc = GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
+        let answer = grpc
+            .model_infer(ModelInferRequest {
+                model_name: MODEL.into(),
+                inputs: vec![InferInputTensor {
+                    name: "text_input".into(),
+                    datatype: "BYTES".into(),
+                    shape: vec![1],
+                    contents: Some(InferTensorContents { bytes_contents: vec![b"Hello".to_vec()], ..Default::default() }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await?;
+        assert!(answer.metadata().contains_key(REPLICA_HEADER));
+        assert!(!answer.into_inner().outputs.is_empty());
+
+        let load = Load::through(&fleet.router);
+        let clients = load.start(4, "/v1/chat/completions", chat("Name a river.", 8));
+        let services = fleet.services();
+        set_replicas(&services, 2).await?;
+        let joined = wait::until("the second replica answering", Duration::from_secs(90), || async {
+            let answered = load.answered_by().await;
+            Ok((answered.len() == 2).then_some(answered))
+        })
+        .await?;
+        eprintln!("answers per replica with two serving: {joined:?}");
+
+        set_replicas(&services, 1).await?;
+        let pods = fleet.pods();
+        wait::until("one worker pod left", Duration::from_secs(90), || async {
+            let live = pods.list(&ListParams::default()).await?.items.len();
+            Ok((live == 1).then_some(()))
+        })
+        .await?;
+        let remaining = pods.list(&ListParams::default()).await?.items.remove(0).name_any();
+        let before = load.answered_by().await;
+        let sent_before = load.sent();
+        wait::until("another round of answers", Duration::from_secs(60), || async {
+            Ok((load.sent() >= sent_before + 8).then_some(()))
+        })
+        .await?;
+        load.stop();
+        for client in clients {
+            client.await?;
+        }
+        let after = load.answered_by().await;
+        let new_answers: HashSet<&String> = after
+            .iter()
+            .filter(|(pod, n)| before.get(*pod) != Some(n))
+            .map(|(pod, _)| pod)
+            .collect();
+        eprintln!("sent {}, failed {}; answers per replica: {after:?}", load.sent(), load.failed());
+        assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
+        assert_eq!(new_answers, HashSet::from([&remaining]), "answers after the scale-down came from {new_answers:?}");
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// A worker killed with SIGKILL under load: requests it had not answered go to the other
+/// replica (the client sees no failure), streams it was sending end with an error event, and no
+/// client waits past its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-kill", 73, &[]).await?;
+        fleet.apply(2).await?;
+        fleet.wait_serving(2).await?;
+        let load = Load::through(&fleet.router);
+        let clients = load.start(4, "/v1/chat/completions", chat("Name a river.", 16));
+        let answered = wait::until("both replicas answering", Duration::from_secs(60), || async {
+            let answered = load.answered_by().await;
+            Ok((answered.len() == 2).then_some(answered))
+        })
+        .await?;
+        // A stream on the replica about to die.
+        let victim = answered.keys().next().context("an answering replica")?.clone();
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
+        let stream = loop {
+            let response = http
+                .post(fleet.router.url("/v1/completions"))
+                .json(&json!({"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 400, "stream": true}))
+                .send()
+                .await?;
+            if response.headers()[REPLICA_HEADER] == victim.as_str() {
+                break response;
+            }
+        };
+        let mut stream = stream.bytes_stream();
+        let first = stream.next().await.context("the stream's first bytes")??;
+        assert!(!first.is_empty());
+
+        let pid = fleet
+            .agent
+            .pid(&format!("{}/{victim}", fleet.namespace))
+            .with_context(|| format!("no process for {victim}"))?;
+        // SAFETY: a worker process this test's node agent started.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+        let killed = Instant::now();
+
+        let mut rest = String::new();
+        while let Some(bytes) = stream.next().await {
+            rest.push_str(std::str::from_utf8(&bytes?)?);
+        }
+        let stream_ended = killed.elapsed();
+        assert!(rest.contains("\"error\""), "the stream ended without an error event: {rest}");
+        assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+
+        let sent_at_kill = load.sent();
+        wait::until("more answers after the kill", Duration::from_secs(60), || async {
+            Ok((load.sent() >= sent_at_kill + 8).then_some(()))
+        })
+        .await?;
+        load.stop();
+        for client in clients {
+            client.await?;
+        }
+        eprintln!(
+            "stream ended {:.2} s after SIGKILL; sent {}, failed {}",
+            stream_ended.as_secs_f64(),
+            load.sent(),
+            load.failed()
+        );
+        assert!(stream_ended < Duration::from_secs(5), "the stream ended {stream_ended:?} after the kill");
+        assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
+        let metrics = fleet.router.metrics().await?;
+        if !metrics.contains("npufleet_router_retries_total") {
+            bail!("no retry recorded: {metrics}");
+        }
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
