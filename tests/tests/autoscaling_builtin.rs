@@ -3,7 +3,8 @@
 //! worker (SmolLM2 on CPU) on its own loopback address, and the autoscaler reads the workers'
 //! load signal and scales the `InferenceService` through its scale subresource. A burst of
 //! closed-loop clients takes the service from 1 replica to what the load needs and, after the
-//! burst, back to 1, with every request answered.
+//! burst, back to 1, with every request answered. The clients send through `npufleet-router`,
+//! started as its own process, which spreads them over the replicas as they turn ready.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -13,7 +14,7 @@ use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -68,9 +69,10 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         // Watch the desired count while the load runs.
         let max_desired = Arc::new(AtomicU32::new(1));
         let first_scale_up: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let load = Arc::new(Load::default());
+        let router = RunningRouter::start(c, "router-builtin", &ns, &[]).await?;
+        let load = Load::through(&router);
         let watcher = {
-            let (services, pods, load) = (services.clone(), pods.clone(), load.clone());
+            let services = services.clone();
             let (max_desired, first_scale_up) = (max_desired.clone(), first_scale_up.clone());
             tokio::spawn(async move {
                 loop {
@@ -80,9 +82,6 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
                         if desired > 1 {
                             first_scale_up.lock().await.get_or_insert_with(Instant::now);
                         }
-                    }
-                    if let Ok(addresses) = serving_addresses(&pods).await {
-                        load.router.set_addresses(addresses).await;
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -101,11 +101,12 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             "one group of ranks 0 and 1 expected, got {first:?}"
         );
 
-        let load = Arc::new(Load::default());
+        let router = RunningRouter::start(c, "router-tp", &ns, &[]).await?;
+        let load = Load::through(&router);
         let max_desired = Arc::new(AtomicU32::new(1));
         let max_groups = Arc::new(AtomicU32::new(1));
         let watcher = {
-            let (services, pods, load) = (services.clone(), pods.clone(), load.clone());
+            let (services, pods) = (services.clone(), pods.clone());
             let (max_desired, max_groups) = (max_desired.clone(), max_groups.clone());
             tokio::spawn(async move {
                 let mut samples = tokio::time::interval(Duration::from_millis(100));
@@ -117,9 +118,6 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
                     }
                     if let Ok(groups) = groups(&pods).await {
                         max_groups.fetch_max(groups.len() as u32, Ordering::Relaxed);
-                    }
-                    if let Ok(addresses) = serving_addresses(&pods).await {
-                        load.router.set_addresses(addresses).await;
                     }
                 }
             })
