@@ -4,9 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{
-    Affinity, EnvVar, ResourceRequirements, Toleration, Volume, VolumeMount,
-};
+use k8s_openapi::api::core::v1::{Affinity, EnvVar, Toleration, Volume, VolumeMount};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -53,9 +52,12 @@ pub const VERSION: &str = "v1alpha1";
 #[x_kube(validation = Rule::new("!(self.accelerator.platform == 'cce' && self.accelerator.type == 'ascend910') || !has(self.scheduling) || !has(self.scheduling.schedulerName) || self.scheduling.schedulerName == 'volcano'")
     .message("spec.scheduling.schedulerName must be volcano: CCE schedules Ascend 910 (ascend-1980) devices only through Volcano")
     .field_path(".scheduling.schedulerName"))]
-#[x_kube(validation = Rule::new("!has(self.model.source.volume) || (has(self.template) && has(self.template.volumes))")
-    .message("spec.model.source.volume names a volume, so spec.template.volumes must declare it")
-    .field_path(".model.source.volume"))]
+#[x_kube(validation = Rule::new("!has(self.model.source.volume) || (has(self.template) && has(self.template.volumes) && self.template.volumes.exists(v, v.name == self.model.source.volume.name))")
+    .message("spec.model.source.volume.name must name a volume declared in spec.template.volumes")
+    .field_path(".model.source.volume.name"))]
+#[x_kube(validation = Rule::new("!has(self.rollout) || self.rollout.maxSurge > 0 || self.rollout.maxUnavailable > 0")
+    .message("spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0: a rollout could never start")
+    .field_path(".rollout"))]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceSpec {
     /// The model to serve.
@@ -93,12 +95,80 @@ pub struct InferenceServiceSpec {
     #[serde(default)]
     pub scheduling: SchedulingSpec,
 
+    /// How a changed spec replaces running replica groups.
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+
+    /// Replica groups a voluntary disruption (a node drain, an eviction) may take out of
+    /// service at once.
+    #[serde(default)]
+    pub disruption_budget: DisruptionBudgetSpec,
+
+    /// Seconds a replica group may take to become ready before `Progressing` turns `False`
+    /// with reason `ProgressDeadlineExceeded`, naming why it waits (as a Deployment's).
+    #[serde(default = "default_progress_deadline_seconds")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub progress_deadline_seconds: i32,
+
     /// Overrides for the worker container.
     #[serde(default)]
     pub template: WorkerTemplate,
 }
 
 fn default_replicas() -> i32 {
+    1
+}
+
+fn default_progress_deadline_seconds() -> i32 {
+    600
+}
+
+/// Rollout bounds, in replica groups, as a Deployment's `RollingUpdate` counts pods.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Groups created above `replicas` while old ones are replaced.
+    #[serde(default = "default_max_surge")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub max_surge: i32,
+    /// Groups below `replicas` that may be out of service during a rollout.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 1000))]
+    pub max_unavailable: i32,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            max_surge: default_max_surge(),
+            max_unavailable: 0,
+        }
+    }
+}
+
+/// One surge group and none unavailable: a one-replica service keeps serving while it rolls.
+fn default_max_surge() -> i32 {
+    1
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DisruptionBudgetSpec {
+    /// Replica groups that evictions may take out of service at once.
+    #[serde(default = "default_max_unavailable_groups")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub max_unavailable: i32,
+}
+
+impl Default for DisruptionBudgetSpec {
+    fn default() -> Self {
+        Self {
+            max_unavailable: default_max_unavailable_groups(),
+        }
+    }
+}
+
+fn default_max_unavailable_groups() -> i32 {
     1
 }
 
@@ -485,6 +555,9 @@ pub struct SchedulingSpec {
     pub scheduler_name: Option<String>,
 
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 16), transform = bound_label_values)]
+    #[x_kube(validation = Rule::new(format!("self.all(k, k.matches('{LABEL_KEY}') && self[k].matches('{LABEL_VALUE}'))"))
+        .message("spec.scheduling.nodeSelector keys must be label keys ([prefix/]name, the name 1-63 letters, digits, '-', '_' or '.' starting and ending with a letter or digit) and values label values"))]
     pub node_selector: BTreeMap<String, String>,
 
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -508,21 +581,115 @@ pub struct WorkerTemplate {
     pub image: Option<String>,
 
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_pull_policy: Option<String>,
+    pub image_pull_policy: Option<ImagePullPolicy>,
 
     /// Extra variables; they override the operator's on name clashes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128), transform = bound_env_names)]
+    #[x_kube(validation = Rule::new("self.all(e, e.name.matches('^[ -<>-~]+$'))")
+        .message("spec.template.env names must be non-empty printable ASCII without '='"))]
     pub env: Vec<EnvVar>,
 
     /// CPU and memory; the accelerator request is added by the operator.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resources: Option<ResourceRequirements>,
+    pub resources: Option<WorkerResources>,
 
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), transform = bound_volume_names)]
+    #[x_kube(validation = Rule::new(format!("self.all(v, !(v.name in ['{TMP_VOLUME}', '{RANK_TABLE_VOLUME}', '{MODEL_VOLUME}']))"))
+        .message(format!("spec.template.volumes must not use the operator's volume names {TMP_VOLUME}, {RANK_TABLE_VOLUME} and {MODEL_VOLUME}").as_str()))]
     pub volumes: Vec<Volume>,
 
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), transform = bound_mount_paths)]
+    #[x_kube(validation = Rule::new(format!("self.all(m, !(m.mountPath in ['{TMP_DIR}', '{TMP_DIR}/', '{MODEL_DIR}', '{MODEL_DIR}/', '{RANK_TABLE_DIR}', '{RANK_TABLE_DIR}/']))"))
+        .message(format!("spec.template.volumeMounts must not mount at {TMP_DIR}, {MODEL_DIR} or {RANK_TABLE_DIR}: the operator mounts there").as_str()))]
     pub volume_mounts: Vec<VolumeMount>,
+}
+
+// Length bounds on strings that CEL rules read: the apiserver refuses a rule whose cost it
+// cannot bound below its budget. Each matches the limit the pod API itself enforces.
+
+/// Sets `maxLength` on the string at `path` (a chain of schema keys) below `schema`.
+fn bound_string(schema: &mut schemars::Schema, path: &[&str], max: u64) {
+    let Some(mut target) = schema.as_object_mut() else {
+        return;
+    };
+    for key in path {
+        match target.get_mut(*key).and_then(|next| next.as_object_mut()) {
+            Some(next) => target = next,
+            None => return,
+        }
+    }
+    target.insert("maxLength".to_string(), max.into());
+}
+
+fn bound_env_names(schema: &mut schemars::Schema) {
+    bound_string(schema, &["items", "properties", "name"], 256);
+}
+
+fn bound_volume_names(schema: &mut schemars::Schema) {
+    bound_string(schema, &["items", "properties", "name"], 63);
+}
+
+fn bound_mount_paths(schema: &mut schemars::Schema) {
+    bound_string(schema, &["items", "properties", "mountPath"], 1024);
+}
+
+fn bound_label_values(schema: &mut schemars::Schema) {
+    bound_string(schema, &["additionalProperties"], 63);
+}
+
+fn bound_quantities(schema: &mut schemars::Schema) {
+    bound_string(schema, &["additionalProperties"], 64);
+}
+
+/// Paths and volume names the operator's pod uses, which a template may not take.
+pub const TMP_DIR: &str = "/tmp";
+pub const MODEL_DIR: &str = "/models";
+pub const RANK_TABLE_DIR: &str = npufleet_contract::rank_table::MOUNT_DIR;
+pub const TMP_VOLUME: &str = "tmp";
+pub const RANK_TABLE_VOLUME: &str = "rank-table";
+pub const MODEL_VOLUME: &str = "model";
+
+/// A Kubernetes label key: an optional DNS-subdomain prefix and a name.
+const LABEL_KEY: &str = "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$";
+/// A Kubernetes label value (may be empty).
+const LABEL_VALUE: &str = "^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$";
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImagePullPolicy {
+    Always,
+    IfNotPresent,
+    Never,
+}
+
+impl ImagePullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Always => "Always",
+            Self::IfNotPresent => "IfNotPresent",
+            Self::Never => "Never",
+        }
+    }
+}
+
+/// The worker container's CPU and memory, checked at admission as the pod would be.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) || !isQuantity(string(self.requests[k])) || !isQuantity(string(self.limits[k])) || quantity(string(self.requests[k])).compareTo(quantity(string(self.limits[k]))) <= 0)")
+    .message("spec.template.resources.requests must be less than or equal to spec.template.resources.limits for each resource"))]
+pub struct WorkerResources {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 8), transform = bound_quantities)]
+    #[x_kube(validation = Rule::new("self.all(k, isQuantity(string(self[k])))")
+        .message("spec.template.resources.limits values must be quantities such as 500m, 4 or 16Gi"))]
+    pub limits: BTreeMap<String, Quantity>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 8), transform = bound_quantities)]
+    #[x_kube(validation = Rule::new("self.all(k, isQuantity(string(self[k])))")
+        .message("spec.template.resources.requests values must be quantities such as 500m, 4 or 16Gi"))]
+    pub requests: BTreeMap<String, Quantity>,
 }
 
 /// Observed state, written by the operator (and `autoscaling` by the autoscaler).

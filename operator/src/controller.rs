@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -20,11 +20,13 @@ use npufleet_crds::InferenceService;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::cache::{self, Cache};
 use crate::labels::{self, FIELD_MANAGER};
 use crate::metrics::Metrics;
-use crate::reconcile::{self, Observed};
+use crate::reconcile::{self, Note, Observed, Related};
 use crate::resources::pod_group;
 use crate::settings::Settings;
+use crate::status;
 
 const CONTROLLER: &str = "inferenceservice";
 /// How often Volcano's API is looked for again, so installing Volcano later is noticed.
@@ -36,6 +38,12 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("{0} has no namespace")]
     NoNamespace(String),
+    #[error("{count} write(s) refused, first: {first}")]
+    Refused {
+        count: usize,
+        first: String,
+        transient: bool,
+    },
 }
 
 impl Error {
@@ -44,6 +52,10 @@ impl Error {
             Self::Kube(kube::Error::Api(_)) => "api",
             Self::Kube(_) => "client",
             Self::NoNamespace(_) => "no_namespace",
+            Self::Refused {
+                transient: true, ..
+            } => "client",
+            Self::Refused { .. } => "refused",
         }
     }
 }
@@ -56,6 +68,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Whether `scheduling.volcano.sh/v1beta1` PodGroups are served; refreshed periodically.
     pub volcano_served: AtomicBool,
+    /// The informer cache the reconcile and the autoscaler read.
+    pub cache: Cache,
 }
 
 impl Context {
@@ -75,6 +89,7 @@ impl Context {
             settings,
             metrics,
             volcano_served: AtomicBool::new(false),
+            cache: Cache::new(),
         }
     }
 }
@@ -90,42 +105,58 @@ pub async fn discover_volcano(client: &Client) -> bool {
     }
 }
 
-/// Runs the InferenceService controller until its watches end.
+/// Runs the InferenceService controller, and the watches of the shared cache, until they end.
 pub async fn run(ctx: Arc<Context>) {
     let client = ctx.client.clone();
+    let Some(started) = ctx.cache.start(&client) else {
+        tracing::error!("the operator's cache was already started");
+        return;
+    };
     let managed =
         watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
+    let stores = ctx.cache.stores.clone();
+    let mut pod_group_watch = Some(started.pod_group_watch);
     let discovery = {
         let ctx = ctx.clone();
         async move {
+            let mut pod_groups = futures::future::OptionFuture::from(None);
             loop {
                 let served = discover_volcano(&ctx.client).await;
                 if ctx.volcano_served.swap(served, Ordering::Relaxed) != served {
                     tracing::info!(served, "Volcano PodGroup API availability changed");
                 }
-                tokio::time::sleep(DISCOVERY_INTERVAL).await;
+                if served && let Some(watch) = pod_group_watch.take() {
+                    pod_groups = Some(watch).into();
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(DISCOVERY_INTERVAL) => {}
+                    Some(()) = &mut pod_groups => tracing::warn!("the PodGroup watch ended"),
+                }
             }
         }
     };
-    ctx.volcano_served
-        .store(discover_volcano(&client).await, Ordering::Relaxed);
-    let controller = Controller::new(
-        Api::<InferenceService>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .owns(Api::<Pod>::all(client.clone()), managed.clone())
-    .owns(Api::<Service>::all(client.clone()), managed.clone())
-    .owns(Api::<ConfigMap>::all(client.clone()), managed.clone())
-    .owns(Api::<PodDisruptionBudget>::all(client.clone()), managed)
-    .shutdown_on_signal()
-    .run(reconcile, error_policy, ctx)
-    .for_each(|result| async move {
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "reconcile did not complete");
-        }
-    });
+    let controller = async move {
+        // A reconcile must see every pod and rank table that exists, or it would create them
+        // again.
+        stores.pods.wait_until_ready().await.ok();
+        stores.rank_tables.wait_until_ready().await.ok();
+        Controller::for_shared_stream(started.services, stores.services.clone())
+            .owns_shared_stream(started.pods)
+            .owns_shared_stream(started.rank_tables)
+            .owns(Api::<Service>::all(client.clone()), managed.clone())
+            .owns(Api::<PodDisruptionBudget>::all(client.clone()), managed)
+            .shutdown_on_signal()
+            .run(reconcile, error_policy, ctx)
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "reconcile did not complete");
+                }
+            })
+            .await;
+    };
     tokio::select! {
         () = controller => {}
+        () = started.watches => tracing::warn!("the cache's watches ended"),
         () = discovery => {}
     }
 }
@@ -136,84 +167,160 @@ fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context>) -
     Action::requeue(Duration::from_secs(5))
 }
 
-async fn apply<K>(api: &Api<K>, object: &K) -> Result<(), Error>
-where
-    K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
-{
-    let params = PatchParams::apply(FIELD_MANAGER).force();
-    api.patch(&object.name_any(), &params, &Patch::Apply(object))
-        .await?;
-    Ok(())
+/// A write the apiserver refused, with its own words.
+#[derive(Debug)]
+struct Failure {
+    /// `create` (server-side apply) or `delete`.
+    verb: &'static str,
+    kind: String,
+    name: String,
+    message: String,
+    /// The request never got an answer (transport, client): worth a retry, not a user's fix.
+    transient: bool,
 }
 
-/// Deletes `name`, treating "already gone" as done.
-async fn delete<K>(api: &Api<K>, name: &str) -> Result<(), Error>
-where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
-{
-    match api.delete(name, &DeleteParams::background()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
-        Err(e) => Err(e.into()),
+impl Failure {
+    fn new(verb: &'static str, kind: &str, name: &str, error: kube::Error) -> Self {
+        let (message, transient) = match error {
+            kube::Error::Api(status) => (status.message.clone(), false),
+            other => (other.to_string(), true),
+        };
+        Self {
+            verb,
+            kind: kind.to_string(),
+            name: name.to_string(),
+            message,
+            transient,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let verb = if self.verb == "delete" {
+            "deleting"
+        } else {
+            "creating"
+        };
+        format!("{verb} {} {}: {}", self.kind, self.name, self.message)
+    }
+
+    fn reason(&self) -> &'static str {
+        if self.verb == "delete" {
+            "FailedDelete"
+        } else {
+            "FailedCreate"
+        }
     }
 }
 
-/// Only objects this InferenceService controls: a same-named object of an earlier
-/// incarnation, or someone else's with the same label, is not ours to count or delete.
-fn owned_by(meta: &kube::api::ObjectMeta, isvc: &InferenceService) -> bool {
-    let uid = isvc.uid();
-    meta.owner_references.as_ref().is_some_and(|refs| {
-        refs.iter()
-            .any(|r| Some(&r.uid) == uid.as_ref() && r.controller == Some(true))
-    })
+/// The writes of one reconcile: each one is tried, and every refusal is kept for status and
+/// events instead of ending the reconcile.
+struct Writer<'a> {
+    client: &'a Client,
+    namespace: &'a str,
+    failures: Vec<Failure>,
 }
 
-async fn observe(
-    isvc: &InferenceService,
-    ctx: &Context,
-    namespace: &str,
-) -> Result<Observed, Error> {
-    let client = ctx.client.clone();
-    let selector = ListParams::default().labels(&format!(
-        "{}={}",
-        labels::INFERENCE_SERVICE,
-        isvc.name_any()
-    ));
-    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
-        .list(&selector)
-        .await?;
-    let rank_tables = Api::<ConfigMap>::namespaced(client.clone(), namespace)
-        .list_metadata(&selector)
-        .await?;
+impl Writer<'_> {
+    async fn apply<K>(&mut self, object: &K)
+    where
+        K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + Serialize
+            + std::fmt::Debug,
+    {
+        let api = Api::<K>::namespaced(self.client.clone(), self.namespace);
+        self.apply_with(&api, &K::kind(&()), object).await;
+    }
+
+    async fn apply_with<K>(&mut self, api: &Api<K>, kind: &str, object: &K)
+    where
+        K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
+    {
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let name = object.name_any();
+        if let Err(error) = api.patch(&name, &params, &Patch::Apply(object)).await {
+            self.failures
+                .push(Failure::new("create", kind, &name, error));
+        }
+    }
+
+    /// Deletes `name`, treating "already gone" as done.
+    async fn delete<K>(&mut self, api: &Api<K>, kind: &str, name: &str)
+    where
+        K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(error) => self
+                .failures
+                .push(Failure::new("delete", kind, name, error)),
+        }
+    }
+}
+
+/// What the cache holds for `isvc`: no request to the apiserver.
+fn observe(isvc: &InferenceService, ctx: &Context, namespace: &str) -> Observed {
+    let stores = &ctx.cache.stores;
     let volcano_served = ctx.volcano_served.load(Ordering::Relaxed);
     let pod_groups = if volcano_served {
-        let api =
-            Api::<DynamicObject>::namespaced_with(client, namespace, &pod_group::api_resource());
-        api.list_metadata(&selector)
-            .await?
-            .items
-            .into_iter()
-            .filter(|o| owned_by(&o.metadata, isvc))
+        cache::owned_by(&stores.pod_groups, namespace, isvc)
+            .iter()
             .map(|o| o.name_any())
             .collect()
     } else {
         Vec::new()
     };
-    Ok(Observed {
-        pods: pods
-            .items
-            .into_iter()
-            .filter(|p| owned_by(&p.metadata, isvc))
+    Observed {
+        pods: cache::owned_by(&stores.pods, namespace, isvc)
+            .iter()
+            .map(|p| Pod::clone(p))
             .collect(),
-        rank_tables: rank_tables
-            .items
-            .into_iter()
-            .filter(|o| owned_by(&o.metadata, isvc))
+        rank_tables: cache::owned_by(&stores.rank_tables, namespace, isvc)
+            .iter()
             .map(|o| o.name_any())
             .collect(),
         pod_groups,
         volcano_served,
-    })
+    }
+}
+
+/// Longest event note the Events API accepts.
+const MAX_EVENT_NOTE: usize = 1024;
+/// The longest a reconcile waits before looking again when nothing changes.
+const RESYNC: Duration = Duration::from_secs(300);
+
+async fn publish(ctx: &Context, isvc: &InferenceService, namespace: &str, note: &Note) {
+    let related = note.related.as_ref().map(|r| ObjectReference {
+        api_version: Some(related_api_version(&r.kind).to_string()),
+        kind: Some(r.kind.clone()),
+        name: Some(r.name.clone()),
+        namespace: Some(namespace.to_string()),
+        ..Default::default()
+    });
+    let event = Event {
+        type_: if note.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: note.reason.to_string(),
+        note: Some(status::truncate(&note.message, MAX_EVENT_NOTE)),
+        action: "Reconcile".to_string(),
+        secondary: related,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &isvc.object_ref(&())).await {
+        tracing::warn!(error = %e, reason = note.reason, "could not record an event");
+    }
+}
+
+fn related_api_version(kind: &str) -> &'static str {
+    match kind {
+        "PodDisruptionBudget" => "policy/v1",
+        "PodGroup" => "scheduling.volcano.sh/v1beta1",
+        _ => "v1",
+    }
 }
 
 async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -224,26 +331,26 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     if isvc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let observed = observe(&isvc, &ctx, &namespace).await?;
+    let observed = observe(&isvc, &ctx, &namespace);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let plan = reconcile::plan(&isvc, &observed, &ctx.settings, &now);
     let client = ctx.client.clone();
+    let mut writer = Writer {
+        client: &client,
+        namespace: &namespace,
+        failures: Vec::new(),
+    };
 
-    let services = Api::<Service>::namespaced(client.clone(), &namespace);
     for service in &plan.services {
-        apply(&services, service).await?;
+        writer.apply(service).await;
     }
-    apply(
-        &Api::<PodDisruptionBudget>::namespaced(client.clone(), &namespace),
-        &plan.disruption_budget,
-    )
-    .await?;
-    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &namespace);
+    writer.apply(&plan.disruption_budget).await;
     for table in &plan.rank_tables {
-        apply(&config_maps, table).await?;
+        writer.apply(table).await;
     }
+    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &namespace);
     for name in &plan.delete_rank_tables {
-        delete(&config_maps, name).await?;
+        writer.delete(&config_maps, "ConfigMap", name).await;
     }
     let pod_groups = Api::<DynamicObject>::namespaced_with(
         client.clone(),
@@ -251,52 +358,64 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
         &pod_group::api_resource(),
     );
     for group in &plan.pod_groups {
-        let params = PatchParams::apply(FIELD_MANAGER).force();
-        pod_groups
-            .patch(&group.name_any(), &params, &Patch::Apply(group))
-            .await?;
+        writer.apply_with(&pod_groups, "PodGroup", group).await;
     }
     for name in &plan.delete_pod_groups {
-        delete(&pod_groups, name).await?;
+        writer.delete(&pod_groups, "PodGroup", name).await;
     }
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     for name in &plan.delete_pods {
-        delete(&pods, name).await?;
+        writer.delete(&pods, "Pod", name).await;
     }
     for pod in &plan.create_pods {
-        apply(&pods, pod).await?;
+        writer.apply(pod).await;
     }
+    let failures = writer.failures;
 
-    let status = serde_json::json!({
+    let status = if failures.is_empty() {
+        plan.status.clone()
+    } else {
+        let mut seen = plan.observation.clone();
+        seen.apply_failures = failures.iter().map(Failure::describe).collect();
+        status::build(&isvc, &ctx.settings, &seen, &now)
+    };
+    let status_patch = serde_json::json!({
         "apiVersion": InferenceService::api_version(&()),
         "kind": InferenceService::kind(&()),
-        "status": plan.status,
+        "status": status,
     });
-    Api::<InferenceService>::namespaced(client, &namespace)
+    let status_written = Api::<InferenceService>::namespaced(client, &namespace)
         .patch_status(
             &isvc.name_any(),
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&status),
+            &Patch::Apply(&status_patch),
         )
-        .await?;
+        .await;
 
-    let reference = isvc.object_ref(&());
-    for note in &plan.notes {
-        let event = Event {
-            type_: if note.warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: note.reason.to_string(),
-            note: Some(note.message.clone()),
-            action: "Reconcile".to_string(),
-            secondary: None,
-        };
-        if let Err(e) = ctx.recorder.publish(&event, &reference).await {
-            tracing::warn!(error = %e, reason = note.reason, "could not record an event");
-        }
+    let refusals = failures.iter().map(|f| Note {
+        warning: true,
+        reason: f.reason(),
+        message: f.describe(),
+        related: Some(Related {
+            kind: f.kind.clone(),
+            name: f.name.clone(),
+        }),
+    });
+    for note in plan.notes.iter().cloned().chain(refusals) {
+        publish(&ctx, &isvc, &namespace, &note).await;
     }
-    tracing::debug!(name = %isvc.name_any(), %namespace, created = plan.create_pods.len(), deleted = plan.delete_pods.len(), "reconciled");
-    Ok(Action::requeue(Duration::from_secs(300)))
+    status_written?;
+    tracing::debug!(name = %isvc.name_any(), %namespace, created = plan.create_pods.len(), deleted = plan.delete_pods.len(), failed = failures.len(), "reconciled");
+    if let Some(failure) = failures.first() {
+        return Err(Error::Refused {
+            count: failures.len(),
+            first: failure.describe(),
+            transient: failures.iter().all(|f| f.transient),
+        });
+    }
+    // One second past a progress deadline, so the group is seen on the other side of it.
+    let next = plan
+        .recheck_after
+        .map_or(RESYNC, |after| (after + Duration::from_secs(1)).min(RESYNC));
+    Ok(Action::requeue(next))
 }

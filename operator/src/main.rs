@@ -78,11 +78,16 @@ impl FromStr for ListenAddr {
 
 /// What only the leader runs: the reconcile and the autoscaler. Returns when any part stops.
 async fn lead(ctx: Arc<Context>, client: kube::Client, store: MetricsStore) -> anyhow::Result<()> {
-    let (scaler, watches) = Autoscaler::new(client, None, autoscaler::Settings::default(), store)?;
+    let scaler = Autoscaler::new(
+        client,
+        None,
+        &ctx.cache.stores,
+        autoscaler::Settings::default(),
+        store,
+    )?;
     tokio::select! {
         () = npufleet_operator::run(ctx) => tracing::warn!("the controller stopped"),
         () = scaler.run() => tracing::warn!("the autoscaler stopped"),
-        () = watches => tracing::warn!("the autoscaler's watches stopped"),
     }
     Ok(())
 }

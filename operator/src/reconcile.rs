@@ -3,6 +3,7 @@
 //! unit-tested with plain data.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -13,6 +14,7 @@ use npufleet_crds::{InferenceService, InferenceServiceStatus};
 
 use crate::autoscaler::SCALE_DOWN_ANNOTATION;
 use crate::labels;
+use crate::replica_group::{self, ReplicaGroup, phase, pod_is_ready};
 use crate::resources::{self, names, pod, pod_group, rank_table, services};
 use crate::settings::Settings;
 use crate::status::{self, Observation};
@@ -30,12 +32,31 @@ pub struct Observed {
     pub volcano_served: bool,
 }
 
+/// An object an Event is about besides the InferenceService (the Events API's `related`).
+/// The recorder aggregates events by reason and related object, so naming the object keeps
+/// one series, with its own message, per object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Related {
+    pub kind: String,
+    pub name: String,
+}
+
+impl Related {
+    pub fn pod(name: String) -> Self {
+        Self {
+            kind: "Pod".to_string(),
+            name,
+        }
+    }
+}
+
 /// Something worth an Event on the InferenceService.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Note {
     pub warning: bool,
     pub reason: &'static str,
     pub message: String,
+    pub related: Option<Related>,
 }
 
 /// The desired objects and the changes that get there.
@@ -52,33 +73,73 @@ pub struct Plan {
     pub delete_rank_tables: Vec<String>,
     pub delete_pod_groups: Vec<String>,
     pub notes: Vec<Note>,
+    /// What the status was built from; the controller rebuilds it with the failures of its
+    /// writes.
+    pub observation: Observation,
     pub status: InferenceServiceStatus,
+    /// When a waiting group reaches its progress deadline, so the reconcile runs again then.
+    pub recheck_after: Option<Duration>,
 }
 
-/// One replica group's pods, indexed by rank.
-#[derive(Default)]
-struct Group<'a> {
-    live: BTreeMap<i32, &'a Pod>,
-    terminating: usize,
+/// Why a pod that is not ready waits, in the words of whoever said so: the scheduler (an
+/// unschedulable pod, a missing PersistentVolumeClaim) or the kubelet (an image that cannot be
+/// pulled, a container that cannot be created).
+fn waiting_reason(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let name = pod.name_any();
+    let unscheduled = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False");
+    if let Some(condition) = unscheduled {
+        return Some(format!(
+            "pod {name} {}: {}",
+            condition.reason.as_deref().unwrap_or("not scheduled"),
+            condition.message.as_deref().unwrap_or("no message")
+        ));
+    }
+    let containers = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten());
+    for container in containers {
+        let Some(waiting) = container.state.as_ref().and_then(|s| s.waiting.as_ref()) else {
+            continue;
+        };
+        let reason = waiting.reason.as_deref().unwrap_or_default();
+        // The normal steps of a start, not a reason to worry.
+        if reason.is_empty() || reason == "ContainerCreating" || reason == "PodInitializing" {
+            continue;
+        }
+        let mut text = format!("pod {name} container {} {reason}", container.name);
+        if let Some(message) = waiting.message.as_deref().filter(|m| !m.is_empty()) {
+            text.push_str(": ");
+            text.push_str(message);
+        }
+        return Some(text);
+    }
+    None
 }
 
-fn label_number(pod: &Pod, key: &str) -> Option<i32> {
-    pod.labels().get(key)?.parse().ok()
-}
-
-fn is_ready(pod: &Pod) -> bool {
-    let status = pod.status.as_ref();
-    status.and_then(|s| s.phase.as_deref()) == Some("Running")
-        && status
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-fn phase(pod: &Pod) -> &str {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.phase.as_deref())
-        .unwrap_or("Pending")
+/// Since when a group that is not ready has been waiting: the newest of its pods' creation
+/// and of their last Ready transitions, so a pod that turns unready later starts its clock
+/// then.
+fn waiting_since(pods: &[&Pod]) -> Option<k8s_openapi::jiff::Timestamp> {
+    pods.iter()
+        .flat_map(|p| {
+            let created = p.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            let unready = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status != "True"))
+                .and_then(|c| c.last_transition_time.as_ref())
+                .map(|t| t.0);
+            created.into_iter().chain(unready)
+        })
+        .max()
 }
 
 fn failure_of(pod: &Pod) -> String {
@@ -119,28 +180,14 @@ pub fn kept_groups(existing: &BTreeMap<i32, bool>, desired: i32) -> BTreeSet<i32
 }
 
 pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
-    let desired = isvc.spec.replicas.max(0);
+    let desired = crate::autoscaler::desired_replicas(isvc);
     let ranks = isvc.pods_per_replica();
     let hash = resources::template_hash(isvc, settings);
     let scheduler = pod::scheduler_name(isvc);
     let wants_volcano = scheduler.as_deref() == Some("volcano");
     let uses_rank_table = pod::uses_rank_table(isvc);
 
-    let mut groups: BTreeMap<i32, Group> = BTreeMap::new();
-    for p in &observed.pods {
-        let (Some(g), Some(r)) = (
-            label_number(p, labels::GROUP),
-            label_number(p, labels::RANK),
-        ) else {
-            continue;
-        };
-        let group = groups.entry(g).or_default();
-        if p.metadata.deletion_timestamp.is_some() {
-            group.terminating += 1;
-        } else {
-            group.live.insert(r, p);
-        }
-    }
+    let groups = replica_group::groups(&observed.pods);
 
     let mut create_pods = Vec::new();
     let mut delete_pods = Vec::new();
@@ -155,6 +202,10 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     let mut outdated = Vec::new();
     let mut in_transition = false;
     let mut failures = Vec::new();
+    let mut recheck_after = None;
+    let progress_deadline = k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
+        isvc.spec.progress_deadline_seconds,
+    ));
 
     let existing: BTreeMap<i32, bool> = groups
         .iter()
@@ -176,24 +227,26 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                 warning: false,
                 reason: "ScaledDown",
                 message: format!("deleting replica group {g}"),
+                related: Some(Related::pod(names::pod(isvc, g, 0))),
             });
         }
     }
 
     for &g in &kept {
-        let empty = Group::default();
+        let empty = ReplicaGroup::default();
         let group = groups.get(&g).unwrap_or(&empty);
         let failed = group.live.values().find(|p| phase(p) == "Failed");
-        let complete =
-            group.live.len() == ranks as usize && (0..ranks).all(|r| group.live.contains_key(&r));
+        let complete = group.is_complete(ranks);
         let stale = group
             .live
             .values()
             .any(|p| p.labels().get(labels::TEMPLATE_HASH) != Some(&hash));
         let mut recreating = false;
 
+        let mut failed_pod = None;
         if let Some(failed) = failed {
             failures.push(failure_of(failed));
+            failed_pod = Some(failed.name_any());
             recreating = true;
         } else if !group.live.is_empty() && !complete && !stale {
             let missing: Vec<String> = (0..ranks)
@@ -212,6 +265,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                 warning: false,
                 reason: "RollingGroup",
                 message: format!("replacing replica group {g} with the current spec"),
+                related: Some(Related::pod(names::pod(isvc, g, 0))),
             });
             in_transition = true;
             continue;
@@ -226,6 +280,9 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                     "recreating replica group {g}: {}",
                     failures.last().cloned().unwrap_or_default()
                 ),
+                related: Some(Related::pod(
+                    failed_pod.unwrap_or_else(|| names::pod(isvc, g, 0)),
+                )),
             });
             in_transition = true;
         } else if group.live.is_empty() {
@@ -236,14 +293,48 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                     warning: false,
                     reason: "CreatingGroup",
                     message: format!("creating replica group {g} ({ranks} pods)"),
+                    related: Some(Related::pod(names::pod(isvc, g, 0))),
                 });
             }
         } else {
-            let group_ready = group.live.values().all(|p| is_ready(p));
-            if group_ready {
+            if group.is_ready(ranks) {
                 seen.ready_groups += 1;
             } else {
                 in_transition = true;
+                let waiting = group
+                    .live
+                    .values()
+                    .filter(|p| !pod_is_ready(p))
+                    .find_map(|p| waiting_reason(p));
+                let pods: Vec<&Pod> = group.live.values().copied().collect();
+                let deadline = waiting_since(&pods).map(|since| since + progress_deadline);
+                match deadline {
+                    Some(deadline) if deadline <= now.0 => {
+                        let message = format!(
+                            "replica group {g} not ready within spec.progressDeadlineSeconds ({}s): {}",
+                            isvc.spec.progress_deadline_seconds,
+                            waiting.as_deref().unwrap_or("its pods are not ready")
+                        );
+                        if seen.stalled.is_none() {
+                            notes.push(Note {
+                                warning: true,
+                                reason: "ProgressDeadlineExceeded",
+                                message: message.clone(),
+                                related: Some(Related::pod(names::pod(isvc, g, 0))),
+                            });
+                            seen.stalled = Some(message);
+                        }
+                    }
+                    Some(deadline) => {
+                        let left =
+                            Duration::try_from(deadline.duration_since(now.0)).unwrap_or_default();
+                        recheck_after = Some(recheck_after.map_or(left, |r: Duration| r.min(left)));
+                    }
+                    None => {}
+                }
+                if seen.waiting.is_none() {
+                    seen.waiting = waiting;
+                }
             }
             if stale {
                 outdated.push(g);
@@ -279,6 +370,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             warning: false,
             reason: "RollingGroup",
             message: format!("replacing replica group {g} with the current spec"),
+            related: Some(Related::pod(names::pod(isvc, g, 0))),
         });
     }
     seen.existing_groups = groups.values().filter(|g| !g.live.is_empty()).count() as i32;
@@ -319,6 +411,8 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             .collect(),
         notes,
         status: status::build(isvc, settings, &seen, now),
+        observation: seen,
+        recheck_after,
     }
 }
 

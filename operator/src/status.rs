@@ -13,6 +13,10 @@ pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
 pub const DEGRADED: &str = "Degraded";
 pub const RANK_TABLE_READY: &str = "RankTableReady";
+/// Present while the operator cannot create or delete an object, as on a Deployment.
+pub const REPLICA_FAILURE: &str = "ReplicaFailure";
+/// Longest message a condition carries here; the API allows 32 KiB, a reader far less.
+const MAX_CONDITION_MESSAGE: usize = 4096;
 
 /// What the planner counted.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -32,6 +36,24 @@ pub struct Observation {
     pub any_pod_running: bool,
     /// Volcano was asked for but its PodGroup API is not served.
     pub volcano_missing: bool,
+    /// Why the first group that is not ready waits (scheduler or kubelet message).
+    pub waiting: Option<String>,
+    /// A group that has not become ready within the progress deadline, and why.
+    pub stalled: Option<String>,
+    /// Writes the apiserver refused in this reconcile, with its message (set by the controller).
+    pub apply_failures: Vec<String>,
+}
+
+/// Cuts `text` to at most `max` bytes on a character boundary.
+pub fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max.saturating_sub(3);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
 }
 
 fn set(
@@ -89,10 +111,15 @@ pub fn build(
             format!("{desired} of {desired} replica groups ready"),
         )
     } else {
+        let mut message = format!("{} of {desired} replica groups ready", seen.ready_groups);
+        if let Some(waiting) = &seen.waiting {
+            message.push_str("; ");
+            message.push_str(waiting);
+        }
         (
             false,
             "ReplicasNotReady",
-            format!("{} of {desired} replica groups ready", seen.ready_groups),
+            truncate(&message, MAX_CONDITION_MESSAGE),
         )
     };
     set(
@@ -108,6 +135,12 @@ pub fn build(
             false,
             "Converged",
             "every replica group runs the current spec".to_string(),
+        )
+    } else if let Some(stalled) = &seen.stalled {
+        (
+            false,
+            "ProgressDeadlineExceeded",
+            truncate(stalled, MAX_CONDITION_MESSAGE),
         )
     } else if seen.volcano_missing {
         (
@@ -158,6 +191,21 @@ pub fn build(
         now,
         (DEGRADED, degraded.0, &degraded.1, degraded.2.clone()),
     );
+
+    if !seen.apply_failures.is_empty() {
+        set(
+            &mut conditions,
+            &previous.conditions,
+            generation,
+            now,
+            (
+                REPLICA_FAILURE,
+                true,
+                "FailedCreate",
+                truncate(&seen.apply_failures.join("; "), MAX_CONDITION_MESSAGE),
+            ),
+        );
+    }
 
     let rank_table = if !seen.uses_rank_table {
         (

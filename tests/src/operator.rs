@@ -47,16 +47,16 @@ pub fn start_with_builtin_autoscaler(client: &Client, namespace: &str) -> Result
         },
         ..autoscaler::Settings::default()
     };
-    let (scaler, watches) = Autoscaler::new(
+    let scaler = Autoscaler::new(
         client.clone(),
         Some(namespace),
+        &operator.cache.stores,
         settings,
         MetricsStore::default(),
     )?;
     Ok(RunningOperator {
         tasks: vec![
             tokio::spawn(npufleet_operator::run(operator)),
-            tokio::spawn(watches),
             tokio::spawn(scaler.run()),
         ],
     })

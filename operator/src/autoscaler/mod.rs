@@ -13,22 +13,22 @@ pub mod sim;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::core::SelectorExt;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use npufleet_crds::{AutoscalingMode, AutoscalingSpec, InferenceService};
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::cache::Stores;
 use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
-use crate::labels::{GROUP as GROUP_LABEL, RANK as RANK_LABEL};
+use crate::labels::GROUP as GROUP_LABEL;
+use crate::replica_group;
 use load::LoadReader;
 use npufleet_contract::ports;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
@@ -147,6 +147,8 @@ pub struct Autoscaler {
     metrics: MetricsStore,
     reader: LoadReader,
     recorder: Recorder,
+    /// Only services in this namespace, when set.
+    namespace: Option<String>,
     services: Store<InferenceService>,
     pods: Store<Pod>,
     policies: HashMap<ObjectRef<InferenceService>, ServiceState>,
@@ -159,59 +161,34 @@ pub struct Autoscaler {
 }
 
 impl Autoscaler {
-    /// Starts watching services and worker pods (in `namespace`, or everywhere) and returns
-    /// the loop, ready to [`Autoscaler::run`].
+    /// The loop over the services in `namespace` (or everywhere), reading services and worker
+    /// pods from the operator's shared cache; ready to [`Autoscaler::run`].
     pub fn new(
         client: Client,
         namespace: Option<&str>,
+        stores: &Stores,
         settings: Settings,
         metrics: MetricsStore,
-    ) -> anyhow::Result<(Self, impl std::future::Future<Output = ()> + Send + 'static)> {
+    ) -> anyhow::Result<Self> {
         settings.policy.validate()?;
-        let (services_api, pods_api): (Api<InferenceService>, Api<Pod>) = match namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client.clone(), ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        };
-        let (services, services_writer) = reflector::store();
-        let (pods, pods_writer) = reflector::store();
-        let service_watch = reflector::reflector(
-            services_writer,
-            watcher(services_api, watcher::Config::default()),
-        )
-        .default_backoff()
-        .applied_objects()
-        .for_each(|_| async {});
-        let pod_config = watcher::Config::default().labels(GROUP_LABEL);
-        let pod_watch = reflector::reflector(pods_writer, watcher(pods_api, pod_config))
-            .default_backoff()
-            .applied_objects()
-            .for_each(|_| async {});
-        let watches = async move {
-            futures::join!(service_watch, pod_watch);
-        };
         let reporter = Reporter {
             controller: FIELD_MANAGER.to_owned(),
             instance: std::env::var("POD_NAME").ok(),
         };
-        Ok((
-            Self {
-                recorder: Recorder::new(client.clone(), reporter),
-                reader: LoadReader::new(settings.read_timeout),
-                client,
-                settings,
-                metrics,
-                services,
-                pods,
-                policies: HashMap::new(),
-                hpas: HashMap::new(),
-                invalid: HashMap::new(),
-                started: Instant::now(),
-            },
-            watches,
-        ))
+        Ok(Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            reader: LoadReader::new(settings.read_timeout),
+            client,
+            settings,
+            metrics,
+            namespace: namespace.map(str::to_owned),
+            services: stores.services.clone(),
+            pods: stores.pods.clone(),
+            policies: HashMap::new(),
+            hpas: HashMap::new(),
+            invalid: HashMap::new(),
+            started: Instant::now(),
+        })
     }
 
     pub async fn run(mut self) {
@@ -224,7 +201,10 @@ impl Autoscaler {
     }
 
     async fn tick(&mut self) {
-        let services = self.services.state();
+        let namespace = self.namespace.as_deref();
+        let services = self
+            .services
+            .state_filter(|s| namespace.is_none_or(|ns| s.namespace().as_deref() == Some(ns)));
         let live: HashSet<ObjectRef<InferenceService>> = services
             .iter()
             .map(|s| ObjectRef::from_obj(s.as_ref()))
@@ -295,16 +275,10 @@ impl Autoscaler {
             .iter()
             .filter(|pod| pod.namespace() == namespace && selector.matches(pod.labels()))
             .filter_map(|pod| {
-                let labels = pod.labels();
-                let group = labels.get(GROUP_LABEL)?.parse().ok()?;
-                let rank = labels
-                    .get(RANK_LABEL)
-                    .and_then(|r| r.parse().ok())
-                    .unwrap_or(0);
+                let (group, rank) = replica_group::group_and_rank(pod)?;
+                let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
                 let status = pod.status.as_ref();
-                let pod_ready = status
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                let pod_ready = replica_group::pod_is_ready(pod);
                 let leaving = pod.metadata.deletion_timestamp.is_some();
                 let address = status
                     .and_then(|s| s.pod_ip.as_deref())

@@ -731,3 +731,213 @@ fn accelerator_spec_helpers_agree_with_the_pod() {
         Some("huawei.com/ascend-310")
     );
 }
+
+/// `pods` as the cluster shows them `age_seconds` after their creation, not ready.
+fn pending(mut pods: Vec<Pod>, age_seconds: i64) -> Vec<Pod> {
+    let created = Time(now().0 - k8s_openapi::jiff::SignedDuration::from_secs(age_seconds));
+    for pod in &mut pods {
+        pod.metadata.creation_timestamp = Some(created.clone());
+        pod.status = Some(PodStatus {
+            phase: Some("Pending".into()),
+            ..Default::default()
+        });
+    }
+    pods
+}
+
+fn unschedulable(pod: &mut Pod, message: &str) {
+    pod.status.get_or_insert_with(Default::default).conditions = Some(vec![PodCondition {
+        type_: "PodScheduled".into(),
+        status: "False".into(),
+        reason: Some("Unschedulable".into()),
+        message: Some(message.into()),
+        ..Default::default()
+    }]);
+}
+
+#[test]
+fn a_waiting_group_names_the_schedulers_reason_and_stalls_after_its_deadline() {
+    let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 16, 16, 1);
+    isvc.spec.progress_deadline_seconds = 60;
+    let created = plan(&isvc, &Observed::default(), &Settings::default(), &now()).create_pods;
+    let why = "0/4 nodes are available: 4 Insufficient huawei.com/Ascend910.";
+
+    // Within the deadline: Ready says why, and the reconcile comes back at the deadline.
+    let mut pods = pending(created.clone(), 20);
+    unschedulable(&mut pods[0], why);
+    let observed = Observed {
+        pods,
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    let ready = condition(&p.status, status::READY);
+    assert!(
+        ready
+            .message
+            .contains("pod llm-0-0 Unschedulable: 0/4 nodes"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(condition(&p.status, status::PROGRESSING).status, "True");
+    assert_eq!(p.recheck_after, Some(std::time::Duration::from_secs(40)));
+    assert!(p.create_pods.is_empty() && p.delete_pods.is_empty());
+
+    // Past it: Progressing turns False naming the reason, with a warning about the pod.
+    let mut pods = pending(created, 61);
+    unschedulable(&mut pods[0], why);
+    let observed = Observed {
+        pods,
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    let progressing = condition(&p.status, status::PROGRESSING);
+    assert_eq!(
+        (progressing.status.as_str(), progressing.reason.as_str()),
+        ("False", "ProgressDeadlineExceeded")
+    );
+    assert!(
+        progressing.message.contains("(60s)") && progressing.message.contains(why),
+        "{}",
+        progressing.message
+    );
+    let note = p
+        .notes
+        .iter()
+        .find(|n| n.reason == "ProgressDeadlineExceeded")
+        .unwrap();
+    assert!(note.warning);
+    assert_eq!(note.related, Some(super::Related::pod("llm-0-0".into())));
+    assert_eq!(p.recheck_after, None);
+}
+
+#[test]
+fn an_image_that_cannot_be_pulled_is_the_waiting_reason() {
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus};
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let created = plan(&isvc, &Observed::default(), &Settings::default(), &now()).create_pods;
+    let mut pods = pending(created, 5);
+    pods[0].status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+        name: "worker".into(),
+        state: Some(ContainerState {
+            waiting: Some(ContainerStateWaiting {
+                reason: Some("ImagePullBackOff".into()),
+                message: Some("Back-off pulling image \"registry.example/worker:9\"".into()),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }]);
+    let observed = Observed {
+        pods,
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    let ready = condition(&p.status, status::READY);
+    assert!(
+        ready
+            .message
+            .contains("pod llm-0-0 container worker ImagePullBackOff: Back-off pulling image"),
+        "{}",
+        ready.message
+    );
+}
+
+#[test]
+fn refused_writes_become_a_replica_failure_condition_until_they_succeed() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    assert!(
+        p.status
+            .conditions
+            .iter()
+            .all(|c| c.type_ != status::REPLICA_FAILURE),
+        "no condition while every write succeeds"
+    );
+    let mut seen = p.observation.clone();
+    seen.apply_failures = vec![
+        "creating Pod llm-0-0: pods \"llm-0-0\" is forbidden: no PriorityClass with name x was found"
+            .into(),
+    ];
+    let with_failure = status::build(&isvc, &Settings::default(), &seen, &now());
+    let failure = condition(&with_failure, status::REPLICA_FAILURE);
+    assert_eq!(
+        (failure.status.as_str(), failure.reason.as_str()),
+        ("True", "FailedCreate")
+    );
+    assert!(failure.message.contains("no PriorityClass with name x"));
+    assert!(status::truncate(&"é".repeat(3000), 4096).len() <= 4096);
+}
+
+#[test]
+fn events_about_groups_name_the_group_so_each_keeps_its_message() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 3);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let related: Vec<(String, String)> = p
+        .notes
+        .iter()
+        .map(|n| {
+            let r = n.related.clone().unwrap();
+            (r.name, n.message.clone())
+        })
+        .collect();
+    assert_eq!(
+        related,
+        [
+            (
+                "llm-0-0".to_string(),
+                "creating replica group 0 (1 pods)".to_string()
+            ),
+            (
+                "llm-1-0".to_string(),
+                "creating replica group 1 (1 pods)".to_string()
+            ),
+            (
+                "llm-2-0".to_string(),
+                "creating replica group 2 (1 pods)".to_string()
+            ),
+        ]
+    );
+}
+
+#[test]
+fn the_disruption_budget_counts_pods_so_one_eviction_spends_one_group() {
+    let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 2);
+    let budget = resources::services::disruption_budget(&isvc);
+    let spec = budget.spec.unwrap();
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    assert_eq!(spec.min_available, Some(IntOrString::Int(3)));
+    assert_eq!(spec.max_unavailable, None, "no scale-subresource counting");
+    assert_eq!(
+        spec.unhealthy_pod_eviction_policy.as_deref(),
+        Some("AlwaysAllow")
+    );
+    isvc.spec.disruption_budget.max_unavailable = 2;
+    isvc.spec.replicas = 1;
+    let spec = resources::services::disruption_budget(&isvc).spec.unwrap();
+    assert_eq!(spec.min_available, Some(IntOrString::Int(0)));
+}
+
+#[test]
+fn model_like_names_name_every_object_validly() {
+    let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 1);
+    isvc.metadata.name = Some("qwen2.5-0.5b".into());
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    let base = resources::names::base_of("qwen2.5-0.5b");
+    let pod = &p.create_pods[0];
+    assert_eq!(pod.name_any(), format!("{base}-0-0"));
+    let spec = pod.spec.as_ref().unwrap();
+    assert_eq!(
+        spec.hostname.as_deref(),
+        Some(format!("{base}-0-0").as_str())
+    );
+    assert_eq!(
+        spec.subdomain.as_deref(),
+        Some(format!("{base}-ranks").as_str())
+    );
+    assert_eq!(p.services[1].name_any(), base);
+    assert_eq!(
+        pod.labels()[labels::INFERENCE_SERVICE],
+        "qwen2.5-0.5b",
+        "labels keep the InferenceService's own name"
+    );
+}

@@ -3,13 +3,15 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, Probe,
-    ResourceFieldSelector, ResourceRequirements, SeccompProfile, SecurityContext, SleepAction,
-    Volume, VolumeMount,
+    Affinity, Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, NodeAffinity, NodeSelector,
+    NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
+    PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodAntiAffinity,
+    PodSecurityContext, PodSpec, Probe, ResourceFieldSelector, ResourceRequirements,
+    SeccompProfile, SecurityContext, SleepAction, Volume, VolumeMount, WeightedPodAffinityTerm,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::ObjectMeta;
 use kube::{Resource, ResourceExt};
@@ -23,7 +25,8 @@ use crate::settings::Settings;
 
 pub const HTTP_PORT: i32 = ports::HTTP_PORT as i32;
 pub const GRPC_PORT: i32 = ports::GRPC_PORT as i32;
-pub const MODEL_DIR: &str = "/models";
+pub use npufleet_crds::MODEL_DIR;
+use npufleet_crds::{MODEL_VOLUME, RANK_TABLE_VOLUME, TMP_DIR, TMP_VOLUME};
 pub const WORKER_CONTAINER: &str = "worker";
 /// The distroless `nonroot` user the worker image runs as.
 const WORKER_UID: i64 = 65532;
@@ -170,20 +173,20 @@ pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
 }
 
 fn resources(isvc: &InferenceService) -> Option<ResourceRequirements> {
-    let mut resources = isvc.spec.template.resources.clone().unwrap_or_default();
+    let template = isvc.spec.template.resources.clone().unwrap_or_default();
+    let mut requests = template.requests;
+    let mut limits = template.limits;
     if let Some(name) = isvc.spec.accelerator.resource_name() {
         // Extended resources must be requested with requests equal to limits.
         let count = Quantity(isvc.spec.accelerator.devices_per_pod.to_string());
-        resources
-            .requests
-            .get_or_insert_with(BTreeMap::new)
-            .insert(name.clone(), count.clone());
-        resources
-            .limits
-            .get_or_insert_with(BTreeMap::new)
-            .insert(name, count);
+        requests.insert(name.clone(), count.clone());
+        limits.insert(name, count);
     }
-    (resources != ResourceRequirements::default()).then_some(resources)
+    (!requests.is_empty() || !limits.is_empty()).then(|| ResourceRequirements {
+        requests: (!requests.is_empty()).then_some(requests),
+        limits: (!limits.is_empty()).then_some(limits),
+        claims: None,
+    })
 }
 
 fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe {
@@ -208,43 +211,132 @@ fn volumes(isvc: &InferenceService, group: i32) -> (Vec<Volume>, Vec<VolumeMount
         ..Default::default()
     };
     let mut volumes = vec![Volume {
-        name: "tmp".to_string(),
+        name: TMP_VOLUME.to_string(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
         ..Default::default()
     }];
     let mut mounts = vec![VolumeMount {
-        name: "tmp".to_string(),
-        mount_path: "/tmp".to_string(),
+        name: TMP_VOLUME.to_string(),
+        mount_path: TMP_DIR.to_string(),
         ..Default::default()
     }];
     if uses_rank_table(isvc) {
         volumes.push(Volume {
-            name: "rank-table".to_string(),
+            name: RANK_TABLE_VOLUME.to_string(),
             config_map: Some(ConfigMapVolumeSource {
                 name: names::rank_table(isvc, group),
                 ..Default::default()
             }),
             ..Default::default()
         });
-        mounts.push(mount("rank-table", rank_table::MOUNT_DIR));
+        mounts.push(mount(RANK_TABLE_VOLUME, rank_table::MOUNT_DIR));
     }
     let source = &isvc.spec.model.source;
     if let Some(claim) = &source.persistent_volume_claim {
         volumes.push(Volume {
-            name: "model".to_string(),
+            name: MODEL_VOLUME.to_string(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
                 claim_name: claim.claim_name.clone(),
                 read_only: Some(true),
             }),
             ..Default::default()
         });
-        mounts.push(mount("model", MODEL_DIR));
+        mounts.push(mount(MODEL_VOLUME, MODEL_DIR));
     } else if let Some(volume) = &source.volume {
         mounts.push(mount(&volume.name, MODEL_DIR));
     }
     volumes.extend(isvc.spec.template.volumes.iter().cloned());
     mounts.extend(isvc.spec.template.volume_mounts.iter().cloned());
     (volumes, mounts)
+}
+
+/// The node label that names one server: the ranks of a group talk over HCCS inside it.
+pub const SERVER_TOPOLOGY_KEY: &str = "kubernetes.io/hostname";
+/// NPUs of one Ascend training/inference server (Atlas 800, Atlas 900 module): a group that
+/// needs more cannot share one server, so its co-location is only preferred.
+const NPUS_PER_SERVER: i32 = 8;
+
+/// Placement of a group's pods. The parts of `spec.scheduling.affinity` the user sets are
+/// theirs; the operator fills the rest:
+/// - pod affinity: the pods of one group on one server (required where the group's devices fit
+///   in one server, preferred otherwise and for CPU groups);
+/// - pod anti-affinity: groups preferably on different servers, so one server's loss takes one
+///   group;
+/// - node affinity: CPU workers only on nodes without an `accelerator` label, so they never take
+///   an NPU server's CPU and memory.
+pub fn affinity(isvc: &InferenceService, group: i32) -> Option<Affinity> {
+    let mut affinity = isvc.spec.scheduling.affinity.clone().unwrap_or_default();
+    let service = labels::workers(isvc);
+    let mut this_group = service.clone();
+    this_group.insert(labels::GROUP.to_string(), group.to_string());
+    let pods = isvc.pods_per_replica();
+    if affinity.pod_affinity.is_none() && pods > 1 {
+        let term = PodAffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: Some(this_group),
+                match_expressions: None,
+            }),
+            topology_key: SERVER_TOPOLOGY_KEY.to_string(),
+            ..Default::default()
+        };
+        let accelerator = &isvc.spec.accelerator;
+        let fits =
+            accelerator.kind.is_npu() && pods * accelerator.devices_per_pod <= NPUS_PER_SERVER;
+        affinity.pod_affinity = Some(if fits {
+            PodAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![term]),
+                ..Default::default()
+            }
+        } else {
+            PodAffinity {
+                preferred_during_scheduling_ignored_during_execution: Some(vec![
+                    WeightedPodAffinityTerm {
+                        weight: 100,
+                        pod_affinity_term: term,
+                    },
+                ]),
+                ..Default::default()
+            }
+        });
+    }
+    if affinity.pod_anti_affinity.is_none() {
+        affinity.pod_anti_affinity = Some(PodAntiAffinity {
+            preferred_during_scheduling_ignored_during_execution: Some(vec![
+                WeightedPodAffinityTerm {
+                    weight: 50,
+                    pod_affinity_term: PodAffinityTerm {
+                        label_selector: Some(LabelSelector {
+                            match_labels: Some(service),
+                            match_expressions: Some(vec![LabelSelectorRequirement {
+                                key: labels::GROUP.to_string(),
+                                operator: "NotIn".to_string(),
+                                values: Some(vec![group.to_string()]),
+                            }]),
+                        }),
+                        topology_key: SERVER_TOPOLOGY_KEY.to_string(),
+                        ..Default::default()
+                    },
+                },
+            ]),
+            ..Default::default()
+        });
+    }
+    if affinity.node_affinity.is_none() && !isvc.spec.accelerator.kind.is_npu() {
+        affinity.node_affinity = Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: npufleet_crds::NODE_LABEL_ACCELERATOR.to_string(),
+                        operator: "DoesNotExist".to_string(),
+                        values: None,
+                    }]),
+                    match_fields: None,
+                }],
+            }),
+            ..Default::default()
+        });
+    }
+    Some(affinity)
 }
 
 /// The pod of rank `rank` in replica group `group`, labelled with `template_hash` so a
@@ -289,7 +381,10 @@ pub fn build(
                 .clone()
                 .unwrap_or_else(|| settings.worker_image.clone()),
         ),
-        image_pull_policy: spec.template.image_pull_policy.clone(),
+        image_pull_policy: spec
+            .template
+            .image_pull_policy
+            .map(|p| p.as_str().to_string()),
         args: Some(vec!["serve".to_string()]),
         ports: Some(vec![
             ContainerPort {
@@ -365,7 +460,7 @@ pub fn build(
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!spec.scheduling.tolerations.is_empty())
                 .then(|| spec.scheduling.tolerations.clone()),
-            affinity: spec.scheduling.affinity.clone(),
+            affinity: affinity(isvc, group),
             priority_class_name: spec.scheduling.priority_class_name.clone(),
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),

@@ -184,7 +184,7 @@ mod tests {
         let table = build(&[Some(&p)], 1);
         let server = &table.server_list[0];
         assert_eq!(server.server_id, "7");
-        assert_eq!(server.host_ip, "10.0.0.11");
+        assert_eq!(server.host_ip.as_deref(), Some("10.0.0.11"));
         assert_eq!(server.device[0].device_id, "3");
     }
 }

@@ -68,17 +68,25 @@ pub fn client(isvc: &InferenceService) -> Service {
     }
 }
 
-/// At most one worker pod voluntarily disrupted at a time: losing any rank stops its whole
-/// group, so one pod is one replica group.
+/// Evictions take at most `spec.disruptionBudget.maxUnavailable` replica groups out of
+/// service. The budget counts pods: `minAvailable` is every desired pod but that many, so each
+/// eviction spends one group's allowance, and the operator then stops the evicted pod's
+/// peers (a group missing a rank cannot serve), which takes the group out as a whole. An
+/// integer `minAvailable` also keeps the disruption controller from counting expected pods
+/// through the scale subresource, which counts groups, not pods. Pods that are not ready may
+/// always be evicted, so a drain never waits on a group that is down anyway.
 pub fn disruption_budget(isvc: &InferenceService) -> PodDisruptionBudget {
+    let pods = isvc.spec.replicas.max(0) * isvc.pods_per_replica();
+    let min_available = (pods - isvc.spec.disruption_budget.max_unavailable).max(0);
     PodDisruptionBudget {
         metadata: metadata(isvc, names::disruption_budget(isvc)),
         spec: Some(PodDisruptionBudgetSpec {
-            max_unavailable: Some(IntOrString::Int(1)),
+            min_available: Some(IntOrString::Int(min_available)),
             selector: Some(LabelSelector {
                 match_labels: Some(labels::workers(isvc)),
                 match_expressions: None,
             }),
+            unhealthy_pod_eviction_policy: Some("AlwaysAllow".to_string()),
             ..Default::default()
         }),
         status: None,

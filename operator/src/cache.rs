@@ -1,0 +1,163 @@
+//! The operator's one informer cache: a reflector per kind it reads (InferenceServices, their
+//! worker pods, the metadata of their rank-table ConfigMaps, Volcano PodGroups), shared by the
+//! controller, which is triggered from the same watches, and by the autoscaler. A reconcile
+//! reads these stores and never LISTs.
+
+use std::sync::Mutex;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{Api, DynamicObject, PartialObjectMeta};
+use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource};
+use npufleet_crds::InferenceService;
+use serde::de::DeserializeOwned;
+
+use crate::labels::{self, FIELD_MANAGER};
+use crate::resources::pod_group;
+
+/// Events a slow subscriber may fall behind before the reflector waits for it.
+const SUBSCRIBER_BUFFER: usize = 1024;
+
+/// Readers of every store. Cloning a [`Store`] shares it.
+#[derive(Clone)]
+pub struct Stores {
+    pub services: Store<InferenceService>,
+    pub pods: Store<Pod>,
+    pub rank_tables: Store<PartialObjectMeta<ConfigMap>>,
+    /// Empty until the PodGroup API is found to be served.
+    pub pod_groups: Store<DynamicObject>,
+}
+
+struct Writers {
+    services: Writer<InferenceService>,
+    pods: Writer<Pod>,
+    rank_tables: Writer<PartialObjectMeta<ConfigMap>>,
+    pod_groups: Writer<DynamicObject>,
+}
+
+pub struct Cache {
+    pub stores: Stores,
+    /// Taken once by [`Cache::start`].
+    writers: Mutex<Option<Writers>>,
+}
+
+/// The change streams of the shared stores that trigger reconciles, and the futures that keep
+/// the stores filled (they must be polled for anything to arrive).
+pub struct Started {
+    pub services: ReflectHandle<InferenceService>,
+    pub pods: ReflectHandle<Pod>,
+    pub rank_tables: ReflectHandle<PartialObjectMeta<ConfigMap>>,
+    pub watches: futures::future::BoxFuture<'static, ()>,
+    /// Fills the PodGroup store; run once the PodGroup API is served.
+    pub pod_group_watch: futures::future::BoxFuture<'static, ()>,
+}
+
+fn drive<S, E>(stream: S) -> impl std::future::Future<Output = ()> + Send + 'static
+where
+    S: Stream<Item = Result<E, watcher::Error>> + Send + 'static,
+    E: Send + 'static,
+{
+    stream.for_each(|event| {
+        if let Err(error) = event {
+            tracing::debug!(%error, "watch interrupted; retrying with backoff");
+        }
+        std::future::ready(())
+    })
+}
+
+impl Default for Cache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Cache {
+    pub fn new() -> Self {
+        let (services, services_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (pods, pods_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (rank_tables, rank_tables_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let pod_groups_writer = Writer::new(pod_group::api_resource());
+        let pod_groups = pod_groups_writer.as_reader();
+        Self {
+            stores: Stores {
+                services,
+                pods,
+                rank_tables,
+                pod_groups,
+            },
+            writers: Mutex::new(Some(Writers {
+                services: services_writer,
+                pods: pods_writer,
+                rank_tables: rank_tables_writer,
+                pod_groups: pod_groups_writer,
+            })),
+        }
+    }
+
+    /// The watches behind the stores, cluster-wide; `None` when already started.
+    pub fn start(&self, client: &Client) -> Option<Started> {
+        let writers = self.writers.lock().ok()?.take()?;
+        let managed =
+            watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
+        let services_handle = writers.services.subscribe()?;
+        let pods_handle = writers.pods.subscribe()?;
+        let rank_tables_handle = writers.rank_tables.subscribe()?;
+        let services = watcher(
+            Api::<InferenceService>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect_shared(writers.services);
+        let pods = watcher(Api::<Pod>::all(client.clone()), managed.clone())
+            .default_backoff()
+            .reflect_shared(writers.pods);
+        let rank_tables = watcher(
+            Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()),
+            managed.clone(),
+        )
+        .default_backoff()
+        .reflect_shared(writers.rank_tables);
+        let pod_group_api =
+            Api::<DynamicObject>::all_with(client.clone(), &pod_group::api_resource());
+        let pod_groups = watcher(pod_group_api, managed)
+            .default_backoff()
+            .reflect(writers.pod_groups);
+        let watches = async move {
+            futures::join!(drive(services), drive(pods), drive(rank_tables));
+        };
+        Some(Started {
+            services: services_handle,
+            pods: pods_handle,
+            rank_tables: rank_tables_handle,
+            watches: Box::pin(watches),
+            pod_group_watch: Box::pin(drive(pod_groups)),
+        })
+    }
+}
+
+/// The objects of `store` in `namespace` that `isvc` controls (by owner UID, so a same-named
+/// object of an earlier incarnation is not counted).
+pub fn owned_by<K>(
+    store: &Store<K>,
+    namespace: &str,
+    isvc: &InferenceService,
+) -> Vec<std::sync::Arc<K>>
+where
+    K: Resource + Clone + DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    let Some(uid) = isvc.meta().uid.as_deref() else {
+        return Vec::new();
+    };
+    store.state_filter(|object| {
+        let meta = object.meta();
+        meta.namespace.as_deref() == Some(namespace)
+            && meta
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|r| r.uid == uid && r.controller == Some(true))
+    })
+}

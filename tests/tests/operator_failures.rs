@@ -1,0 +1,514 @@
+//! What a user sees when an InferenceService cannot run as asked, on the local control plane
+//! (kube-apiserver, kube-controller-manager with its disruption controller, kube-scheduler
+//! and KWOK nodes), with the operator's controller running in this process: a rejection at
+//! admission, a condition in status and a Warning event naming the object and the
+//! apiserver's or scheduler's own message.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::Client;
+use kube::api::{Api, DynamicObject, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use npufleet_operator::metrics::Metrics;
+use npufleet_operator::{Context, Settings};
+use npufleet_tests::cluster::FakeNode;
+use npufleet_tests::{cluster, crd, wait};
+use serde_json::{Value, json};
+
+const TIMEOUT: Duration = Duration::from_secs(45);
+
+fn isvc_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
+        "inferenceservices",
+    )
+}
+
+/// The CRD and one controller for every test of this binary, on a thread and runtime of
+/// their own so they outlive each test's runtime.
+fn operator() {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    STARTED.get_or_init(|| {
+        let c = cluster::shared();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let started = async {
+                    let client = c.client().await?;
+                    crd::install_inference_service(&client, "operator-failures-test").await?;
+                    let ctx = Context::new(client, Settings::default(), Metrics::new()?, None);
+                    anyhow::Ok(std::sync::Arc::new(ctx))
+                }
+                .await;
+                match started {
+                    Ok(ctx) => {
+                        ready_tx.send(Ok(())).expect("test waits");
+                        npufleet_operator::run(ctx).await;
+                    }
+                    Err(e) => ready_tx.send(Err(e)).expect("test waits"),
+                }
+            });
+        });
+        ready_rx
+            .recv()
+            .expect("operator thread")
+            .unwrap_or_else(|e| panic!("starting the operator: {e:#}"));
+    });
+}
+
+struct Fixture {
+    client: Client,
+    namespace: String,
+    services: Api<DynamicObject>,
+}
+
+async fn fixture(test: &str) -> Result<Fixture> {
+    operator();
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let namespace = c.namespace(&client, test).await?;
+    let services = Api::namespaced_with(client.clone(), &namespace, &isvc_resource());
+    Ok(Fixture {
+        client,
+        namespace,
+        services,
+    })
+}
+
+fn service(name: &str, spec: Value) -> Result<DynamicObject> {
+    let mut object = json!({
+        "apiVersion": "npufleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
+            "accelerator": {"type": "cpu"},
+        }
+    });
+    merge(&mut object["spec"], spec);
+    Ok(serde_json::from_value(object)?)
+}
+
+fn merge(target: &mut Value, patch: Value) {
+    match (target, patch) {
+        (Value::Object(target), Value::Object(patch)) => {
+            for (key, value) in patch {
+                merge(target.entry(key).or_insert(Value::Null), value);
+            }
+        }
+        (target, patch) => *target = patch,
+    }
+}
+
+/// The condition `type_` of the service, as (status, reason, message).
+async fn condition(
+    services: &Api<DynamicObject>,
+    name: &str,
+    type_: &str,
+) -> Result<Option<(String, String, String)>> {
+    let object = services.get(name).await?;
+    Ok(object.data["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .map(|c| {
+            let text = |key: &str| c[key].as_str().unwrap_or_default().to_string();
+            (text("status"), text("reason"), text("message"))
+        }))
+}
+
+/// Waits until condition `type_` has `status` and `reason`, returning its message.
+async fn wait_condition(
+    f: &Fixture,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: &str,
+) -> Result<String> {
+    let found = wait::until(
+        &format!("{name} {type_}={status} ({reason})"),
+        TIMEOUT,
+        || async {
+            let found = condition(&f.services, name, type_).await?;
+            match found {
+                Some((s, r, message)) if s == status && r == reason => Ok(Some(message)),
+                other => bail!("{type_} is {other:?}"),
+            }
+        },
+    )
+    .await;
+    cluster::shared().diagnose(found)
+}
+
+/// The events about InferenceService `name`, as (type, reason, related object name, note).
+async fn events(f: &Fixture, name: &str) -> Result<Vec<(String, String, String, String)>> {
+    let list = Api::<Event>::namespaced(f.client.clone(), &f.namespace)
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("InferenceService")
+        })
+        .map(|e| {
+            (
+                e.type_.unwrap_or_default(),
+                e.reason.unwrap_or_default(),
+                e.related.and_then(|r| r.name).unwrap_or_default(),
+                e.note.unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+async fn wait_event(
+    f: &Fixture,
+    name: &str,
+    reason: &str,
+    related: &str,
+) -> Result<(String, String)> {
+    wait::until(
+        &format!("{reason} event about {related}"),
+        TIMEOUT,
+        || async {
+            let found = events(f, name).await?;
+            Ok(found
+                .into_iter()
+                .find(|(_, r, rel, _)| r == reason && rel == related)
+                .map(|(type_, _, _, note)| (type_, note)))
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_refused_pod_shows_as_a_replica_failure_and_a_warning_event_while_the_rest_is_made()
+-> Result<()> {
+    let f = fixture("refused-pod").await?;
+    let isvc = service(
+        "llm",
+        json!({"scheduling": {"priorityClassName": "no-such-class"}}),
+    )?;
+    f.services.create(&PostParams::default(), &isvc).await?;
+
+    let message = wait_condition(&f, "llm", "ReplicaFailure", "True", "FailedCreate").await?;
+    assert!(
+        message.contains("creating Pod llm-0-0")
+            && message.contains("no PriorityClass with name no-such-class was found"),
+        "{message}"
+    );
+    let (type_, note) = wait_event(&f, "llm", "FailedCreate", "llm-0-0").await?;
+    assert_eq!(type_, "Warning");
+    assert!(note.contains("no PriorityClass"), "{note}");
+    // The reconcile went on past the refusal: the Services exist.
+    let services: Api<Service> = Api::namespaced(f.client.clone(), &f.namespace);
+    assert!(services.get_opt("llm").await?.is_some());
+    assert!(services.get_opt("llm-ranks").await?.is_some());
+
+    // Fixing the spec clears the condition, as a Deployment's.
+    f.services
+        .patch(
+            "llm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"scheduling": {"priorityClassName": null}}})),
+        )
+        .await?;
+    wait_condition(&f, "llm", "Ready", "True", "AllReplicasReady").await?;
+    assert_eq!(condition(&f.services, "llm", "ReplicaFailure").await?, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
+    let f = fixture("restricted").await?;
+    let namespaces: Api<Namespace> = Api::all(f.client.clone());
+    let label =
+        json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
+    namespaces
+        .patch(&f.namespace, &PatchParams::default(), &Patch::Merge(label))
+        .await?;
+    let isvc = service(
+        "cann",
+        json!({"template": {
+            "volumes": [{"name": "cann", "hostPath": {"path": "/usr/local/Ascend"}}],
+            "volumeMounts": [{"name": "cann", "mountPath": "/usr/local/Ascend", "readOnly": true}],
+        }}),
+    )?;
+    f.services.create(&PostParams::default(), &isvc).await?;
+    let message = wait_condition(&f, "cann", "ReplicaFailure", "True", "FailedCreate").await?;
+    assert!(
+        message.contains("violates PodSecurity \"restricted:latest\"")
+            && message.contains("hostPath"),
+        "{message}"
+    );
+    let (_, note) = wait_event(&f, "cann", "FailedCreate", "cann-0-0").await?;
+    assert!(note.contains("hostPath"), "{note}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn model_like_names_get_valid_object_names_and_events_name_each_group() -> Result<()> {
+    let f = fixture("model-names").await?;
+    for name in ["qwen2.5-0.5b", "7b-chat"] {
+        let isvc = service(name, json!({}))?;
+        f.services.create(&PostParams::default(), &isvc).await?;
+    }
+    for name in ["qwen2.5-0.5b", "7b-chat"] {
+        wait_condition(&f, name, "Ready", "True", "AllReplicasReady").await?;
+    }
+    let base = npufleet_operator::resources::names::base_of("qwen2.5-0.5b");
+    assert!(base.starts_with("qwen2-5-0-5b-"), "{base}");
+    let services: Api<Service> = Api::namespaced(f.client.clone(), &f.namespace);
+    assert!(services.get_opt(&base).await?.is_some());
+    let status = f.services.get("qwen2.5-0.5b").await?.data["status"].clone();
+    assert_eq!(
+        status["endpoints"]["grpc"],
+        format!("{base}.{}.svc.cluster.local:8001", f.namespace)
+    );
+    let pods: Api<Pod> = Api::namespaced(f.client.clone(), &f.namespace);
+    let digit = npufleet_operator::resources::names::base_of("7b-chat");
+    assert!(pods.get_opt(&format!("{digit}-0-0")).await?.is_some());
+
+    // Scaling 1 -> 3: one event per new group, each with its own message.
+    f.services
+        .patch(
+            "qwen2.5-0.5b",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 3}})),
+        )
+        .await?;
+    for group in 1..3 {
+        let (_, note) = wait_event(
+            &f,
+            "qwen2.5-0.5b",
+            "CreatingGroup",
+            &format!("{base}-{group}-0"),
+        )
+        .await?;
+        assert_eq!(note, format!("creating replica group {group} (1 pods)"));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn pod_template_mistakes_are_rejected_at_admission_naming_the_field() -> Result<()> {
+    let f = fixture("admission").await?;
+    let cases = [
+        (
+            json!({"template": {"resources": {"limits": {"memory": "lots"}}}}),
+            "spec.template.resources.limits values must be quantities",
+        ),
+        (
+            json!({"template": {"resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}}}),
+            "spec.template.resources.requests must be less than or equal to spec.template.resources.limits",
+        ),
+        (
+            json!({"template": {"imagePullPolicy": "Sometimes"}}),
+            "spec.template.imagePullPolicy: Unsupported value: \"Sometimes\"",
+        ),
+        (
+            json!({"template": {"env": [{"name": "A=B", "value": "x"}]}}),
+            "spec.template.env names must be non-empty printable ASCII without '='",
+        ),
+        (
+            json!({"scheduling": {"nodeSelector": {"bad key!": "x"}}}),
+            "spec.scheduling.nodeSelector keys must be label keys",
+        ),
+        (
+            json!({"model": {"source": {"imagePath": null, "volume": {"name": "weights", "path": "m.gguf"}}},
+                   "template": {"volumes": [{"name": "other", "emptyDir": {}}]}}),
+            "spec.model.source.volume.name must name a volume declared in spec.template.volumes",
+        ),
+        (
+            json!({"template": {"volumes": [{"name": "tmp", "emptyDir": {}}]}}),
+            "spec.template.volumes must not use the operator's volume names",
+        ),
+        (
+            json!({"template": {"volumes": [{"name": "w", "emptyDir": {}}],
+                   "volumeMounts": [{"name": "w", "mountPath": "/models"}]}}),
+            "spec.template.volumeMounts must not mount at /tmp, /models",
+        ),
+        (
+            json!({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}),
+            "spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0",
+        ),
+    ];
+    for (i, (spec, expected)) in cases.into_iter().enumerate() {
+        let isvc = service(&format!("bad-{i}"), spec.clone())?;
+        match f.services.create(&PostParams::default(), &isvc).await {
+            Ok(_) => bail!("{spec} was admitted; expected: {expected}"),
+            Err(kube::Error::Api(status)) => {
+                assert_eq!(status.code, 422, "{spec}: {}", status.message);
+                assert!(
+                    status.message.contains(expected),
+                    "{spec}: {} does not say {expected}",
+                    status.message
+                );
+            }
+            Err(other) => return Err(other).context(format!("creating {spec}")),
+        }
+    }
+    // A valid template with a volume and a mount is admitted.
+    let good = service(
+        "good",
+        json!({"template": {
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": 2, "memory": "2Gi"}},
+            "imagePullPolicy": "IfNotPresent",
+            "env": [{"name": "RUST_LOG", "value": "debug"}],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+        }, "scheduling": {"nodeSelector": {"example.com/pool": "inference"}}}),
+    )?;
+    f.services.create(&PostParams::default(), &good).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn pending_groups_turn_into_progress_deadline_exceeded_naming_the_reason() -> Result<()> {
+    let f = fixture("pending").await?;
+    let too_big = service(
+        "too-big",
+        json!({"accelerator": {"type": "ascend910", "devicesPerPod": 16},
+               "parallelism": {"tensor": 16}, "progressDeadlineSeconds": 3}),
+    )?;
+    let no_claim = service(
+        "no-claim",
+        json!({"model": {"source": {"imagePath": null,
+                   "persistentVolumeClaim": {"claimName": "weights", "path": "m.gguf"}}},
+               "progressDeadlineSeconds": 3}),
+    )?;
+    f.services.create(&PostParams::default(), &too_big).await?;
+    f.services.create(&PostParams::default(), &no_claim).await?;
+
+    let message = wait_condition(
+        &f,
+        "too-big",
+        "Progressing",
+        "False",
+        "ProgressDeadlineExceeded",
+    )
+    .await?;
+    assert!(
+        message.contains("pod too-big-0-0 Unschedulable")
+            && message.contains("Insufficient huawei.com/Ascend910"),
+        "{message}"
+    );
+    let (_, _, ready) = condition(&f.services, "too-big", "Ready")
+        .await?
+        .context("Ready")?;
+    assert!(
+        ready.contains("Insufficient huawei.com/Ascend910"),
+        "{ready}"
+    );
+    let (type_, note) =
+        wait_event(&f, "too-big", "ProgressDeadlineExceeded", "too-big-0-0").await?;
+    assert_eq!(type_, "Warning");
+    assert!(note.contains("Insufficient"), "{note}");
+
+    let message = wait_condition(
+        &f,
+        "no-claim",
+        "Progressing",
+        "False",
+        "ProgressDeadlineExceeded",
+    )
+    .await?;
+    assert!(
+        message.contains("persistentvolumeclaim \"weights\" not found"),
+        "{message}"
+    );
+    Ok(())
+}
+
+/// Cordons or uncordons `node`, as `kubectl drain` starts and `kubectl uncordon` ends.
+async fn set_unschedulable(client: &Client, node: &str, unschedulable: bool) -> Result<()> {
+    Api::<Node>::all(client.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": unschedulable}})),
+        )
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn evictions_never_take_more_than_the_budgeted_groups_out_of_service() -> Result<()> {
+    let f = fixture("disruption").await?;
+    // A server of its own, drained as `kubectl drain` does: cordoned, then evicted pod by pod.
+    // Cordoned, it cannot take an evicted group back, so the group stays out of service the
+    // way a real group does while its model loads.
+    let node = "drain-test-node";
+    cluster::shared()
+        .add_fake_node(&f.client, &FakeNode::ascend910(node))
+        .await?;
+    let isvc = service(
+        "tp2",
+        json!({"replicas": 2, "accelerator": {"type": "ascend910", "devicesPerPod": 1},
+               "parallelism": {"tensor": 2},
+               "scheduling": {"nodeSelector": {"kubernetes.io/hostname": node}}}),
+    )?;
+    f.services.create(&PostParams::default(), &isvc).await?;
+    wait_condition(&f, "tp2", "Ready", "True", "AllReplicasReady").await?;
+    let budgets: Api<PodDisruptionBudget> = Api::namespaced(f.client.clone(), &f.namespace);
+    // The disruption controller has counted all four pods and allows one disruption.
+    wait::until("the budget allows one disruption", TIMEOUT, || async {
+        let status = budgets.get("tp2").await?.status.context("status")?;
+        Ok((status.expected_pods == 4
+            && status.current_healthy == 4
+            && status.disruptions_allowed == 1)
+            .then_some(()))
+    })
+    .await?;
+
+    set_unschedulable(&f.client, node, true).await?;
+    let pods: Api<Pod> = Api::namespaced(f.client.clone(), &f.namespace);
+    pods.evict("tp2-0-0", &EvictParams::default())
+        .await
+        .context("the first eviction is within the budget")?;
+    match pods.evict("tp2-1-0", &EvictParams::default()).await {
+        Ok(_) => bail!("a second group was evicted while the first is out of service"),
+        Err(kube::Error::Api(status)) => {
+            assert_eq!(status.code, 429, "{}", status.message);
+            assert!(
+                status
+                    .message
+                    .contains("would violate the pod's disruption budget"),
+                "{}",
+                status.message
+            );
+        }
+        Err(other) => return Err(other.into()),
+    }
+    // Still refused once the controller has recounted: the evicted group is down as a whole.
+    wait::until("group 0 out of service", TIMEOUT, || async {
+        let status = budgets.get("tp2").await?.status.context("status")?;
+        Ok((status.current_healthy == 2 && status.disruptions_allowed == 0).then_some(()))
+    })
+    .await?;
+    let refused = pods.evict("tp2-1-1", &EvictParams::default()).await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.code == 429),
+        "{refused:?}"
+    );
+    let (_, _, ready) = condition(&f.services, "tp2", "Ready")
+        .await?
+        .context("Ready")?;
+    assert!(
+        ready.starts_with("1 of 2 replica groups ready") && ready.contains("unschedulable"),
+        "{ready}"
+    );
+    set_unschedulable(&f.client, node, false).await?;
+    Ok(())
+}
