@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -109,8 +110,20 @@ impl RunningRouter {
         namespace: &str,
         extra_args: &[&str],
     ) -> Result<Self> {
+        let binary = paths::workspace_bin("npufleet-router")?;
+        Self::start_binary(&binary, cluster, name, namespace, extra_args).await
+    }
+
+    /// [`RunningRouter::start`] with the router binary at `binary`.
+    pub async fn start_binary(
+        binary: &Path,
+        cluster: &Cluster,
+        name: &str,
+        namespace: &str,
+        extra_args: &[&str],
+    ) -> Result<Self> {
         let (http, grpc) = (free_addr()?, free_addr()?);
-        let mut cmd = Command::new(paths::workspace_bin("npufleet-router")?);
+        let mut cmd = Command::new(binary);
         cmd.arg("--http-addr")
             .arg(http.to_string())
             .arg("--grpc-addr")

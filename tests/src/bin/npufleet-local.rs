@@ -1,6 +1,7 @@
 //! `make run`: a throw-away local control plane with the operator managing a SmolLM2 fleet
 //! on CPU, made visible. The worker pods run as real local processes on loopback addresses
-//! (the node agent plays the kubelet), a burst of streaming chat clients loads them, and a
+//! (the node agent plays the kubelet), `npufleet-router` runs as its own process in front of
+//! them, a burst of streaming chat clients loads them through it, and a
 //! line a second shows the fleet scaling up under the burst and back down after it.
 //!
 //! Everything it starts belongs to this process and stops with it (Ctrl-C).
@@ -18,7 +19,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
-use npufleet_tests::fleet::{Router, serving_addresses};
+use npufleet_tests::fleet::{RunningRouter, serving_addresses};
 use npufleet_tests::net::free_port;
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
@@ -38,7 +39,7 @@ const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Where the release binaries (npufleet-operator, npufleet-worker) were built.
+    /// Where the release binaries (npufleet-operator, npufleet-router, npufleet-worker) were built.
     #[arg(long, default_value = "target/release")]
     target_dir: PathBuf,
     /// Concurrent streaming clients in the burst.
@@ -102,21 +103,20 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
     serde_json::from_value(sample).with_context(|| format!("{SAMPLE} is not an InferenceService"))
 }
 
-/// The burst's shared counters and its client-side router (no kube-proxy runs locally).
+/// The burst's shared counters.
 #[derive(Default)]
 struct Load {
     done: AtomicU64,
     failed: AtomicU64,
     tokens: AtomicU64,
     last_failure: Mutex<Option<String>>,
-    router: Router,
     stop: AtomicBool,
 }
 
 /// One streamed chat completion; counts the tokens as their chunks arrive.
-async fn stream_one(http: &reqwest::Client, address: &str, load: &Load) -> Result<()> {
+async fn stream_one(http: &reqwest::Client, router: &str, load: &Load) -> Result<()> {
     let response = http
-        .post(format!("http://{address}:8000/v1/chat/completions"))
+        .post(format!("{router}/v1/chat/completions"))
         .json(&json!({
             "model": SERVICE,
             "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
@@ -148,6 +148,9 @@ async fn stream_one(http: &reqwest::Client, address: &str, load: &Load) -> Resul
                 continue;
             }
             let chunk: Value = serde_json::from_str(data).context("malformed stream chunk")?;
+            if let Some(error) = chunk.get("error") {
+                bail!("the stream failed: {error}");
+            }
             let has_content = chunk["choices"][0]["delta"]["content"]
                 .as_str()
                 .is_some_and(|s| !s.is_empty());
@@ -163,17 +166,12 @@ async fn stream_one(http: &reqwest::Client, address: &str, load: &Load) -> Resul
 }
 
 /// One closed-loop client: a streamed chat completion, read to the end, repeat.
-async fn client_loop(load: Arc<Load>, http: reqwest::Client) {
+async fn client_loop(load: Arc<Load>, http: reqwest::Client, router: String) {
     while !load.stop.load(Ordering::Relaxed) {
-        let Some(address) = load.router.pick(Duration::from_millis(250)).await else {
-            continue;
-        };
-        let outcome = stream_one(&http, &address, &load).await;
-        load.router.release(&address).await;
-        match outcome {
+        match stream_one(&http, &router, &load).await {
             Ok(()) => load.done.fetch_add(1, Ordering::Relaxed),
             Err(e) => {
-                *load.last_failure.lock().await = Some(format!("{address}: {e:#}"));
+                *load.last_failure.lock().await = Some(format!("{e:#}"));
                 load.failed.fetch_add(1, Ordering::Relaxed)
             }
         };
@@ -229,6 +227,7 @@ async fn print_tick(
 async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     let worker = release_bin(&args.target_dir, "npufleet-worker")?;
     let operator_bin = release_bin(&args.target_dir, "npufleet-operator")?;
+    let router_bin = release_bin(&args.target_dir, "npufleet-router")?;
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "npufleet-local").await?;
     npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
@@ -252,6 +251,13 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     .env("KUBECONFIG", cluster.kubeconfig())
     .env("RUST_LOG", "info");
     let mut operator = Process::start("npufleet-operator", cmd, &operator_log)?;
+    // The product's front door: every client request goes through it.
+    let mut router =
+        RunningRouter::start_binary(&router_bin, cluster, "npufleet-router", &ns, &[]).await?;
+    println!(
+        "npufleet-router serving http://{} (OpenAI, KServe v2 REST) and {} (gRPC)",
+        router.http, router.grpc
+    );
 
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
     let service = service_from_sample(&ns, &model)?;
@@ -284,27 +290,13 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     );
 
     let load = Arc::new(Load::default());
-    load.router
-        .set_addresses(serving_addresses(&pods).await?)
-        .await;
-    let router = {
-        let (pods, load) = (pods.clone(), load.clone());
-        tokio::spawn(async move {
-            loop {
-                if let Ok(addresses) = serving_addresses(&pods).await {
-                    load.router.set_addresses(addresses).await;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-    };
 
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()?;
     let burst_started = Instant::now();
     let clients: Vec<_> = (0..args.clients)
-        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone())))
+        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone(), router.url(""))))
         .collect();
 
     let mut observed = Observed {
@@ -317,6 +309,7 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     while burst_started.elapsed() < burst {
         ticks.tick().await;
         operator.ensure_running()?;
+        router.process.ensure_running()?;
         print_tick(
             burst_started,
             &services,
@@ -356,7 +349,6 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
         }
     }
     let scaled_down_after = burst_started.elapsed();
-    router.abort();
 
     let done = load.done.load(Ordering::Relaxed);
     let failed = load.failed.load(Ordering::Relaxed);
@@ -383,20 +375,18 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     if let Some(failure) = load.last_failure.lock().await.as_ref() {
         println!("  last failure:     {failure}");
     }
-    let address = serving_addresses(&pods)
-        .await?
-        .into_iter()
-        .next()
-        .context("no replica serving after the demo")?;
+    let address = router.http;
     println!();
     println!(
-        "client endpoint: http://{address}:8000 (OpenAI-compatible and Open Inference Protocol REST; gRPC on {address}:8001)"
+        "client endpoint (npufleet-router): http://{address} (OpenAI-compatible and Open Inference Protocol REST; gRPC on {})",
+        router.grpc
     );
     println!(
-        "  curl http://{address}:8000/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{SERVICE}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
+        "  curl http://{address}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{SERVICE}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
     );
     println!("  KUBECONFIG={}", cluster.kubeconfig().display());
     println!("  operator log: {}", operator_log.display());
+    println!("  router log:   {}", router.process.log_path().display());
     println!(
         "  pod logs:     {}",
         cluster.scratch().join("pods").display()
@@ -407,6 +397,7 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
         loop {
             ticks.tick().await;
             operator.ensure_running()?;
+            router.process.ensure_running()?;
         }
     }
     Ok(())
