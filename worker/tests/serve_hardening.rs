@@ -446,3 +446,58 @@ async fn time_to_first_token_is_observed_when_the_first_token_is_sent() {
         "{text}"
     );
 }
+
+/// The KV-cache block count the worker reports in `vllm:cache_config_info`.
+async fn kv_blocks(client: &reqwest::Client, worker: &Worker) -> f64 {
+    let text = scrape(client, worker).await;
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("vllm:cache_config_info{"))
+        .unwrap_or_else(|| panic!("no vllm:cache_config_info in\n{text}"));
+    line.split("num_gpu_blocks=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|blocks| blocks.parse().ok())
+        .unwrap_or_else(|| panic!("no block count in {line}"))
+}
+
+#[tokio::test]
+async fn the_kv_cache_is_sized_from_the_memory_limit() {
+    let client = reqwest::Client::new();
+    let unlimited = Worker::start(&[]).await;
+    // 1 GiB when no limit is known.
+    let default_blocks = kv_blocks(&client, &unlimited).await;
+    drop(unlimited);
+    // A quarter of 256 MiB (less the test model's few hundred kilobytes of weights): just
+    // under a sixteenth of the default.
+    let limited = Worker::start(&[
+        "--memory-limit-bytes",
+        "268435456",
+        "--kv-cache-memory-fraction",
+        "0.25",
+    ])
+    .await;
+    let blocks = kv_blocks(&client, &limited).await;
+    assert!(
+        blocks <= default_blocks / 16.0 && blocks > default_blocks / 16.0 * 0.9,
+        "{blocks} blocks under the limit, {default_blocks} without"
+    );
+
+    // A limit the weights alone fill is refused at start, naming the figures.
+    let dir = tempfile::tempdir().unwrap();
+    let model = serve_support::test_model(dir.path());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .args(["--memory-limit-bytes", "1000", "--accelerator", "cpu"])
+        .args(["--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("memory limit of 1000 bytes") && stderr.contains("room for no block"),
+        "{stderr}"
+    );
+}

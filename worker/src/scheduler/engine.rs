@@ -72,8 +72,16 @@ impl EngineCore {
         let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
         let num_blocks = super::kv_cache_blocks(model, cfg);
         if num_blocks == 0 {
+            let budget = match cfg.kv_cache {
+                super::KvCacheSize::ShareOfMemoryLimit { limit_bytes, share } => format!(
+                    "{share} of the memory limit of {limit_bytes} bytes less {} bytes of weights",
+                    model.weight_bytes()
+                ),
+                size => format!("{} bytes", size.bytes(block_bytes, model.weight_bytes())),
+            };
             bail!(
-                "the KV cache has room for no block (one block of {} positions takes {block_bytes} bytes)",
+                "the KV cache has room for no block: one block of {} positions takes \
+                 {block_bytes} bytes and the cache gets {budget}",
                 cfg.block_size
             );
         }

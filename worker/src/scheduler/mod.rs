@@ -34,12 +34,29 @@ use self::sampler::Sampler;
 use self::stop::StopMatcher;
 
 /// How much memory the paged KV cache gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KvCacheSize {
     /// Exactly this many blocks.
     Blocks(usize),
     /// As many blocks as fit in this many bytes.
     Bytes(usize),
+    /// As many blocks as fit in `share` of what a memory limit leaves beside the weights.
+    /// Derived from the weights' size rather than a measurement of the process, so every
+    /// rank of a tensor-parallel group arrives at the same number of blocks.
+    ShareOfMemoryLimit { limit_bytes: usize, share: f64 },
+}
+
+impl KvCacheSize {
+    /// The bytes the cache may take beside weights of `weight_bytes`.
+    pub fn bytes(self, block_bytes: usize, weight_bytes: usize) -> usize {
+        match self {
+            KvCacheSize::Blocks(blocks) => blocks * block_bytes,
+            KvCacheSize::Bytes(bytes) => bytes,
+            KvCacheSize::ShareOfMemoryLimit { limit_bytes, share } => {
+                (limit_bytes.saturating_sub(weight_bytes) as f64 * share) as usize
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -84,9 +101,10 @@ impl Default for EngineConfig {
 /// How many KV-cache blocks `cfg` gives `model`. Every rank of a tensor-parallel group holds
 /// the same number of KV heads, so the followers size their caches to match the leader's.
 pub fn kv_cache_blocks(model: &Model, cfg: &EngineConfig) -> usize {
+    let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
     match cfg.kv_cache {
         KvCacheSize::Blocks(blocks) => blocks,
-        KvCacheSize::Bytes(bytes) => bytes / model.new_kv_cache(1, cfg.block_size).bytes().max(1),
+        size => size.bytes(block_bytes, model.weight_bytes()) / block_bytes,
     }
 }
 

@@ -96,9 +96,19 @@ pub struct EngineArgs {
     /// Positions per KV-cache block.
     #[arg(long, env = "NPUFLEET_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
-    /// Memory for the KV cache, in bytes.
-    #[arg(long, env = "NPUFLEET_KV_CACHE_BYTES", default_value_t = 1 << 30)]
-    pub kv_cache_bytes: usize,
+    /// Memory for the KV cache, in bytes. Without it (or `--kv-cache-blocks`) the cache
+    /// takes `--kv-cache-memory-fraction` of what `--memory-limit-bytes` leaves beside the
+    /// weights, or 1 GiB when no limit is known.
+    #[arg(long, env = "NPUFLEET_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<usize>,
+    /// The container's memory limit in bytes (the operator passes it through the downward
+    /// API), which the KV cache is sized against.
+    #[arg(long, env = env::MEMORY_LIMIT_BYTES)]
+    pub memory_limit_bytes: Option<usize>,
+    /// The share of `--memory-limit-bytes`, less the weights, that the KV cache takes; the
+    /// rest is left for activations, per-request buffers and the runtime.
+    #[arg(long, env = "NPUFLEET_KV_CACHE_MEMORY_FRACTION", default_value_t = 0.5, value_parser = parse_fraction)]
+    pub kv_cache_memory_fraction: f64,
     /// KV-cache size in blocks; overrides `--kv-cache-bytes`.
     #[arg(long, env = "NPUFLEET_KV_CACHE_BLOCKS")]
     pub kv_cache_blocks: Option<usize>,
@@ -154,7 +164,35 @@ fn parse_seconds(value: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_fraction(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
+        _ => Err(format!("'{value}' is not a fraction in (0, 1]")),
+    }
+}
+
+/// The KV cache when neither its size nor a memory limit is given.
+const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
+
 impl EngineArgs {
+    /// The KV cache's size: `--kv-cache-blocks`, else `--kv-cache-bytes`, else a share of
+    /// the memory limit, else [`DEFAULT_KV_CACHE_BYTES`].
+    pub fn kv_cache_size(&self) -> KvCacheSize {
+        match (
+            self.kv_cache_blocks,
+            self.kv_cache_bytes,
+            self.memory_limit_bytes,
+        ) {
+            (Some(blocks), _, _) => KvCacheSize::Blocks(blocks),
+            (None, Some(bytes), _) => KvCacheSize::Bytes(bytes),
+            (None, None, Some(limit_bytes)) => KvCacheSize::ShareOfMemoryLimit {
+                limit_bytes,
+                share: self.kv_cache_memory_fraction,
+            },
+            (None, None, None) => KvCacheSize::Bytes(DEFAULT_KV_CACHE_BYTES),
+        }
+    }
+
     /// The prefix templates, read from `--prefix-templates`.
     pub fn prefix_templates(&self) -> anyhow::Result<Vec<String>> {
         let Some(value) = self.prefix_templates.as_deref() else {
@@ -257,10 +295,7 @@ fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Rol
         queue_limit: engine_args.queue_limit,
         max_num_batched_tokens: engine_args.max_num_batched_tokens,
         block_size: engine_args.block_size,
-        kv_cache: match engine_args.kv_cache_blocks {
-            Some(blocks) => KvCacheSize::Blocks(blocks),
-            None => KvCacheSize::Bytes(engine_args.kv_cache_bytes),
-        },
+        kv_cache: engine_args.kv_cache_size(),
         warmup_iterations: engine_args.warmup_iterations,
         prefix_templates,
         ignore_eos: engine_args.ignore_eos,
