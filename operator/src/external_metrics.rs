@@ -1,19 +1,22 @@
 //! The operator's own `external.metrics.k8s.io/v1beta1` server, so that a standard
 //! `autoscaling/v2` HorizontalPodAutoscaler can scale an `InferenceService` on the queue
 //! depth the autoscaler reads from the workers, with no Prometheus in between. The chart
-//! registers it with an `APIService`; kube-apiserver proxies HPA queries here over HTTPS.
+//! registers it with an `APIService`; kube-apiserver proxies HPA queries here over HTTPS,
+//! and only kube-apiserver gets an answer ([`tls`]).
+
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::{Extension, Router};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
@@ -23,9 +26,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use tls::{ClientAuth, Denied};
 
 pub const GROUP: &str = "external.metrics.k8s.io";
 pub const VERSION: &str = "v1beta1";
@@ -256,8 +258,35 @@ struct MetricQuery {
     label_selector: String,
 }
 
-/// The API routes, without TLS (the tests and `serve` wrap them).
-pub fn router(store: MetricsStore) -> Router {
+/// Whether the client of one connection may read metrics, decided from its certificate
+/// when the connection is accepted.
+#[derive(Clone, Debug)]
+struct Access(Result<(), Denied>);
+
+/// Refuses every API request of a client that is not kube-apiserver's aggregator.
+async fn authenticate(
+    Extension(access): Extension<Access>,
+    request: Request,
+    next: Next,
+) -> Response {
+    match access.0 {
+        Ok(()) => next.run(request).await,
+        Err(denied @ Denied::NameNotAllowed { .. }) => {
+            status(StatusCode::FORBIDDEN, "Forbidden", &denied.to_string())
+        }
+        Err(denied) => status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            &denied.to_string(),
+        ),
+    }
+}
+
+/// The routes; every one but the health checks needs an [`Access`] granted per connection.
+fn router(store: MetricsStore) -> Router {
+    let health = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }));
     Router::new()
         .route("/apis", get(api_group_list))
         .route(&format!("/apis/{GROUP}"), get(api_group))
@@ -266,8 +295,6 @@ pub fn router(store: MetricsStore) -> Router {
             &format!("/apis/{GROUP_VERSION}/namespaces/{{namespace}}/{{metric}}"),
             get(metric_values),
         )
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(|| async { "ok" }))
         .fallback(|| async {
             status(
                 StatusCode::NOT_FOUND,
@@ -275,7 +302,9 @@ pub fn router(store: MetricsStore) -> Router {
                 "the server could not find the requested resource",
             )
         })
+        .layer(middleware::from_fn(authenticate))
         .with_state(store)
+        .merge(health)
 }
 
 fn group_json() -> Value {
@@ -357,80 +386,21 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Response {
     (code, axum::Json(body)).into_response()
 }
 
-/// Where the serving certificate comes from.
-#[derive(Clone, Debug, Default)]
+/// What the server presents and whom it lets in.
+#[derive(Clone, Debug)]
 pub struct TlsSettings {
-    /// PEM certificate chain and key (e.g. from a mounted Secret); a self-signed pair for
-    /// `dns_names` is generated when absent.
-    pub cert_and_key: Option<(PathBuf, PathBuf)>,
-    /// Names the generated certificate is valid for.
-    pub dns_names: Vec<String>,
-    /// When set, only clients with a certificate from this CA (kube-apiserver's
-    /// `--proxy-client-cert-file`, signed by `--requestheader-client-ca-file`) get in.
-    pub client_ca: Option<PathBuf>,
-}
-
-impl TlsSettings {
-    fn server_config(&self) -> anyhow::Result<rustls::ServerConfig> {
-        use anyhow::Context;
-        let (chain, key) = match &self.cert_and_key {
-            Some((cert, key)) => {
-                let chain = CertificateDer::pem_file_iter(cert)
-                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                    .with_context(|| format!("reading certificates from {}", cert.display()))?;
-                anyhow::ensure!(
-                    !chain.is_empty(),
-                    "{} holds no PEM certificate",
-                    cert.display()
-                );
-                let key = PrivateKeyDer::from_pem_file(key)
-                    .with_context(|| format!("reading a private key from {}", key.display()))?;
-                (chain, key)
-            }
-            None => {
-                let generated = rcgen::generate_simple_self_signed(self.dns_names.clone())
-                    .context("generating a self-signed serving certificate")?;
-                let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
-                    .map_err(|e| anyhow::anyhow!("encoding the generated key: {e}"))?;
-                (vec![generated.cert.der().clone()], key)
-            }
-        };
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .context("selecting TLS versions")?;
-        let builder = match &self.client_ca {
-            Some(ca) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for cert in CertificateDer::pem_file_iter(ca)
-                    .with_context(|| format!("reading client CA {}", ca.display()))?
-                {
-                    roots
-                        .add(cert.with_context(|| format!("parsing client CA {}", ca.display()))?)
-                        .with_context(|| format!("adding client CA {}", ca.display()))?;
-                }
-                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                    Arc::new(roots),
-                    provider,
-                )
-                .build()
-                .context("building the client certificate verifier")?;
-                builder.with_client_cert_verifier(verifier)
-            }
-            None => builder.with_no_client_auth(),
-        };
-        let mut config = builder
-            .with_single_cert(chain, key)
-            .context("the serving certificate does not match its key")?;
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        Ok(config)
-    }
+    /// PEM certificate chain and key.
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// The aggregator's client CA; without one every metric request is refused.
+    pub client_auth: Option<ClientAuth>,
 }
 
 /// A bound metrics server; `run` serves until the task is dropped.
 pub struct MetricsServer {
     listener: TcpListener,
     acceptor: TlsAcceptor,
+    client_auth: Option<ClientAuth>,
     app: Router,
 }
 
@@ -440,13 +410,14 @@ impl MetricsServer {
         store: MetricsStore,
         tls: &TlsSettings,
     ) -> anyhow::Result<Self> {
-        let config = tls.server_config()?;
+        let config = tls::server_config(&tls.cert_pem, &tls.key_pem, tls.client_auth.as_ref())?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| anyhow::anyhow!("binding the external metrics server to {addr}: {e}"))?;
         Ok(Self {
             listener,
             acceptor: TlsAcceptor::from(Arc::new(config)),
+            client_auth: tls.client_auth.clone(),
             app: router(store),
         })
     }
@@ -465,7 +436,8 @@ impl MetricsServer {
                 }
             };
             let acceptor = self.acceptor.clone();
-            let service = TowerToHyperService::new(self.app.clone());
+            let app = self.app.clone();
+            let client_auth = self.client_auth.clone();
             tokio::spawn(async move {
                 let handshake =
                     tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream));
@@ -480,6 +452,16 @@ impl MetricsServer {
                         return;
                     }
                 };
+                // rustls verified any certificate offered against the client CA.
+                let certificate = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+                let access = match &client_auth {
+                    Some(auth) => auth.admit(certificate),
+                    None => Err(Denied::NoClientCa),
+                };
+                if let Err(denied) = &access {
+                    tracing::debug!(%peer, %denied, "external metrics client refused");
+                }
+                let service = TowerToHyperService::new(app.layer(Extension(Access(access))));
                 let builder = auto::Builder::new(TokioExecutor::new());
                 if let Err(error) = builder.serve_connection(TokioIo::new(tls), service).await {
                     tracing::debug!(%peer, %error, "external metrics connection ended");
@@ -573,8 +555,39 @@ mod tests {
         ));
     }
 
+    /// A CA that signs client certificates, as kube-apiserver's front-proxy CA does.
+    struct ClientCa {
+        issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+        pem: String,
+    }
+
+    impl ClientCa {
+        fn new() -> Self {
+            use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let pem = params.self_signed(&key).unwrap().pem();
+            Self {
+                issuer: Issuer::new(params, key),
+                pem,
+            }
+        }
+
+        /// A client certificate and its key in one PEM.
+        fn client(&self, common_name: &str) -> String {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, common_name);
+            let cert = params.signed_by(&key, &self.issuer).unwrap();
+            format!("{}{}", cert.pem(), key.serialize_pem())
+        }
+    }
+
     #[tokio::test]
-    async fn the_server_answers_discovery_and_queries_over_tls() {
+    async fn only_the_aggregators_certificate_reads_metrics_over_verified_tls() {
         let store = MetricsStore::default();
         store.update(
             "ml",
@@ -585,54 +598,80 @@ mod tests {
                 kv_cache_usage: 1.5,
             },
         );
-        let tls = TlsSettings {
-            dns_names: vec!["localhost".into()],
-            ..TlsSettings::default()
+        let serving = tls::ServingCertificate::generate(&["localhost".into()]).unwrap();
+        let front_proxy = ClientCa::new();
+        let proxy_identity = front_proxy.client("front-proxy-client");
+        let misnamed_identity = front_proxy.client("someone-else");
+        let stranger_identity = ClientCa::new().client("front-proxy-client");
+        let settings = TlsSettings {
+            cert_pem: serving.cert_pem.clone(),
+            key_pem: serving.key_pem.clone(),
+            client_auth: Some(ClientAuth {
+                ca_pem: front_proxy.pem.clone(),
+                allowed_names: vec!["front-proxy-client".into()],
+            }),
         };
-        let server = MetricsServer::bind("127.0.0.1:0".parse().unwrap(), store, &tls)
+        let server = MetricsServer::bind("127.0.0.1:0".parse().unwrap(), store, &settings)
             .await
             .unwrap();
-        let base = format!("https://{}", server.local_addr().unwrap());
-        let serving = tokio::spawn(server.run());
-        // The APIService's insecureSkipTLSVerify, as kube-apiserver would connect.
-        let http = reqwest::Client::builder()
-            .danger_accept_invalid_certs(true)
-            .build()
-            .unwrap();
-        let get = |path: String| {
-            let http = http.clone();
+        let addr = server.local_addr().unwrap();
+        let serving_task = tokio::spawn(server.run());
+        // The aggregator verifies the server against the APIService's caBundle.
+        let http = |identity: Option<&str>| {
+            let mut builder = reqwest::Client::builder()
+                .add_root_certificate(
+                    reqwest::Certificate::from_pem(serving.ca_pem.as_bytes()).unwrap(),
+                )
+                .resolve("localhost", addr);
+            if let Some(pem) = identity {
+                builder = builder.identity(reqwest::Identity::from_pem(pem.as_bytes()).unwrap());
+            }
+            builder.build().unwrap()
+        };
+        let base = format!("https://localhost:{}", addr.port());
+        let get = |client: reqwest::Client, path: String| {
             let url = format!("{base}{path}");
             async move {
-                let response = http.get(url).send().await.unwrap();
+                let response = client.get(url).send().await?;
                 let code = response.status().as_u16();
-                (code, response.json::<Value>().await.unwrap())
+                Ok::<_, reqwest::Error>((code, response.json::<Value>().await?))
             }
         };
+        let query = format!(
+            "/apis/{GROUP_VERSION}/namespaces/ml/{QUEUE_DEPTH}?labelSelector={SERVICE_LABEL}%3Dchat"
+        );
+        let aggregator = http(Some(&proxy_identity));
 
-        let (code, discovery) = get(format!("/apis/{GROUP_VERSION}")).await;
+        let (code, discovery) = get(aggregator.clone(), format!("/apis/{GROUP_VERSION}"))
+            .await
+            .unwrap();
         assert_eq!(code, 200);
         assert_eq!(discovery["kind"], "APIResourceList");
         assert_eq!(discovery["groupVersion"], GROUP_VERSION);
         assert_eq!(discovery["resources"][0]["name"], QUEUE_DEPTH);
         assert_eq!(discovery["resources"][0]["namespaced"], true);
 
-        let (code, list) = get(format!(
-            "/apis/{GROUP_VERSION}/namespaces/ml/{QUEUE_DEPTH}?labelSelector={SERVICE_LABEL}%3Dchat"
-        ))
-        .await;
+        let (code, list) = get(aggregator.clone(), query.clone()).await.unwrap();
         assert_eq!(code, 200);
         assert_eq!(list["kind"], "ExternalMetricValueList");
         assert_eq!(list["items"][0]["value"], "12");
         assert_eq!(list["items"][0]["metricLabels"][SERVICE_LABEL], "chat");
 
-        let (code, status) = get(format!("/apis/{GROUP_VERSION}/namespaces/ml/cpu_usage")).await;
+        let (code, status) = get(
+            aggregator.clone(),
+            format!("/apis/{GROUP_VERSION}/namespaces/ml/cpu_usage"),
+        )
+        .await
+        .unwrap();
         assert_eq!(code, 404);
         assert_eq!(status["kind"], "Status");
         assert!(status["message"].as_str().unwrap().contains("cpu_usage"));
-        let (code, status) = get(format!(
-            "/apis/{GROUP_VERSION}/namespaces/ml/{QUEUE_DEPTH}?labelSelector=a%20in%20b"
-        ))
-        .await;
+        let (code, status) = get(
+            aggregator,
+            format!("/apis/{GROUP_VERSION}/namespaces/ml/{QUEUE_DEPTH}?labelSelector=a%20in%20b"),
+        )
+        .await
+        .unwrap();
         assert_eq!(code, 400);
         assert!(
             status["message"]
@@ -640,6 +679,39 @@ mod tests {
                 .unwrap()
                 .contains("labelSelector")
         );
-        serving.abort();
+
+        // No certificate: 401 saying what is missing, and no metric.
+        let (code, status) = get(http(None), query.clone()).await.unwrap();
+        assert_eq!(code, 401);
+        assert_eq!(status["reason"], "Unauthorized");
+        assert!(
+            status["message"]
+                .as_str()
+                .unwrap()
+                .contains("request-header CA"),
+            "{status}"
+        );
+        assert!(status.get("items").is_none());
+        // A certificate from another CA does not get through the handshake.
+        assert!(
+            get(http(Some(&stranger_identity)), query.clone())
+                .await
+                .is_err()
+        );
+        // The right CA but not an allowed name: 403 naming it.
+        let (code, status) = get(http(Some(&misnamed_identity)), query).await.unwrap();
+        assert_eq!(code, 403);
+        assert!(
+            status["message"].as_str().unwrap().contains("someone-else"),
+            "{status}"
+        );
+        // Health checks stay open for the kubelet.
+        let health = http(None)
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status().as_u16(), 200);
+        serving_task.abort();
     }
 }

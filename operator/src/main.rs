@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use npufleet_operator::autoscaler::{self, Autoscaler};
-use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings};
+use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings, tls};
 use npufleet_operator::metrics::{self, Health, Metrics};
 use npufleet_operator::telemetry::{self, LogFormat};
 use npufleet_operator::{Context, Settings, leader};
@@ -40,7 +40,9 @@ struct Args {
         default_value = "0.0.0.0:6443"
     )]
     external_metrics_addr: ListenAddr,
-    /// PEM certificate chain the external metrics server presents; self-signed when absent.
+    /// PEM certificate chain the external metrics server presents (e.g. from cert-manager);
+    /// when absent the operator makes a CA and certificate in `--external-metrics-secret`
+    /// and writes the CA into the APIService's caBundle.
     #[arg(
         long,
         env = "NPUFLEET_EXTERNAL_METRICS_CERT_FILE",
@@ -54,10 +56,31 @@ struct Args {
         requires = "external_metrics_cert_file"
     )]
     external_metrics_key_file: Option<PathBuf>,
-    /// CA of kube-apiserver's proxy client certificate; when set, only clients holding a
-    /// certificate it signed reach the external metrics server.
-    #[arg(long, env = "NPUFLEET_REQUESTHEADER_CLIENT_CA_FILE")]
-    requestheader_client_ca_file: Option<PathBuf>,
+    /// The Service (in the operator's namespace) the APIService sends the aggregator to;
+    /// the serving certificate is made for its DNS names.
+    #[arg(
+        long,
+        env = "NPUFLEET_EXTERNAL_METRICS_SERVICE",
+        default_value = "npufleet-external-metrics"
+    )]
+    external_metrics_service: String,
+    /// The Secret (in the operator's namespace) that holds the operator-made CA and serving
+    /// certificate, shared by every operator replica.
+    #[arg(
+        long,
+        env = "NPUFLEET_EXTERNAL_METRICS_SECRET",
+        default_value = "npufleet-external-metrics-tls"
+    )]
+    external_metrics_secret: String,
+    /// Seconds an InferenceService with `minReplicas: 0` must be idle (no request, no
+    /// warming group, no wake request) before the built-in autoscaler takes it to zero.
+    #[arg(
+        long,
+        env = "NPUFLEET_SCALE_TO_ZERO_IDLE_SECONDS",
+        default_value_t = autoscaler::policy::DEFAULT_IDLE_BEFORE_ZERO.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    scale_to_zero_idle_seconds: u64,
 }
 
 /// A listen address, or none when given as an empty string.
@@ -77,19 +100,68 @@ impl FromStr for ListenAddr {
 }
 
 /// What only the leader runs: the reconcile and the autoscaler. Returns when any part stops.
-async fn lead(ctx: Arc<Context>, client: kube::Client, store: MetricsStore) -> anyhow::Result<()> {
-    let scaler = Autoscaler::new(
-        client,
-        None,
-        &ctx.cache.stores,
-        autoscaler::Settings::default(),
-        store,
-    )?;
+async fn lead(
+    ctx: Arc<Context>,
+    client: kube::Client,
+    store: MetricsStore,
+    settings: autoscaler::Settings,
+) -> anyhow::Result<()> {
+    let scaler = Autoscaler::new(client, None, &ctx.cache.stores, settings, store)?;
     tokio::select! {
         () = npufleet_operator::run(ctx) => tracing::warn!("the controller stopped"),
         () = scaler.run() => tracing::warn!("the autoscaler stopped"),
     }
     Ok(())
+}
+
+/// The external metrics server's certificate and the aggregator's client CA.
+async fn external_metrics_tls(client: &kube::Client, args: &Args) -> anyhow::Result<TlsSettings> {
+    use anyhow::Context as _;
+    let (cert_pem, key_pem) = match (
+        &args.external_metrics_cert_file,
+        &args.external_metrics_key_file,
+    ) {
+        (Some(cert), Some(key)) => (
+            std::fs::read_to_string(cert).with_context(|| format!("reading {}", cert.display()))?,
+            std::fs::read_to_string(key).with_context(|| format!("reading {}", key.display()))?,
+        ),
+        _ => {
+            let names = tls::service_dns_names(
+                &args.external_metrics_service,
+                &args.lease_namespace,
+                &args.cluster_domain,
+            );
+            let certificate = tls::ServingCertificate::ensure_in_secret(
+                client,
+                &args.lease_namespace,
+                &args.external_metrics_secret,
+                &names,
+            )
+            .await?;
+            if !tls::publish_ca_bundle(client, &certificate.ca_pem).await? {
+                tracing::warn!(
+                    api_service = tls::API_SERVICE,
+                    "the APIService is not registered, so no HPA reads this server"
+                );
+            }
+            (certificate.cert_pem, certificate.key_pem)
+        }
+    };
+    let client_auth = match tls::ClientAuth::from_cluster(client).await {
+        Ok(auth) => Some(auth),
+        Err(error) => {
+            tracing::error!(
+                error = format!("{error:#}"),
+                "every external metrics request will be refused"
+            );
+            None
+        }
+    };
+    Ok(TlsSettings {
+        cert_pem,
+        key_pem,
+        client_auth,
+    })
 }
 
 #[tokio::main]
@@ -102,8 +174,8 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| format!("npufleet-operator-{}", std::process::id()));
     let settings = Settings {
-        worker_image: args.worker_image,
-        cluster_domain: args.cluster_domain,
+        worker_image: args.worker_image.clone(),
+        cluster_domain: args.cluster_domain.clone(),
     };
     let metrics = Metrics::new()?;
     let health = Health::default();
@@ -114,16 +186,13 @@ async fn main() -> anyhow::Result<()> {
         Some(identity.clone()),
     ));
 
+    let mut scaler_settings = autoscaler::Settings::default();
+    scaler_settings.policy.idle_before_zero =
+        std::time::Duration::from_secs(args.scale_to_zero_idle_seconds);
     let store = MetricsStore::default();
     let external_metrics = match args.external_metrics_addr.0 {
         Some(addr) => {
-            let tls = TlsSettings {
-                cert_and_key: args
-                    .external_metrics_cert_file
-                    .zip(args.external_metrics_key_file),
-                dns_names: vec!["localhost".to_owned()],
-                client_ca: args.requestheader_client_ca_file,
-            };
+            let tls = external_metrics_tls(&client, &args).await?;
             let server = MetricsServer::bind(addr, store.clone(), &tls).await?;
             tracing::info!(addr = %server.local_addr()?, "serving external metrics");
             Some(tokio::spawn(server.run()))
@@ -148,7 +217,7 @@ async fn main() -> anyhow::Result<()> {
             leader::wait_for(&mut leading, true).await?;
             tracing::info!(%identity, "leading");
             tokio::select! {
-                led = lead(ctx, client_for_leader, store) => led?,
+                led = lead(ctx, client_for_leader, store, scaler_settings) => led?,
                 lost = leader::wait_for(&mut leading, false) => {
                     lost?;
                     // Exit rather than reconcile without the lease; the Deployment restarts us.
@@ -156,7 +225,7 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         } else {
-            lead(ctx, client_for_leader, store).await?;
+            lead(ctx, client_for_leader, store, scaler_settings).await?;
         }
         anyhow::Ok(())
     };

@@ -179,7 +179,15 @@ struct Pki {
     key_file: PathBuf,
     sa_key_file: PathBuf,
     sa_pub_file: PathBuf,
+    /// The request-header (front-proxy) CA and the client certificate kube-apiserver's
+    /// aggregator presents to extension API servers, as kubeadm sets them up.
+    front_proxy_ca_file: PathBuf,
+    front_proxy_cert_file: PathBuf,
+    front_proxy_key_file: PathBuf,
 }
+
+/// The common name of the aggregator's client certificate, the one allowed request-header name.
+pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
 
 fn make_pki(dir: &Path) -> Result<Pki> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
@@ -215,12 +223,35 @@ fn make_pki(dir: &Path) -> Result<Pki> {
         key_file: dir.join("apiserver.key"),
         sa_key_file: dir.join("sa.key"),
         sa_pub_file: dir.join("sa.pub"),
+        front_proxy_ca_file: dir.join("front-proxy-ca.crt"),
+        front_proxy_cert_file: dir.join("front-proxy-client.crt"),
+        front_proxy_key_file: dir.join("front-proxy-client.key"),
     };
     std::fs::write(&pki.ca_file, &pki.ca_pem)?;
     std::fs::write(&pki.cert_file, server_cert.pem())?;
     std::fs::write(&pki.key_file, server_key.serialize_pem())?;
     std::fs::write(&pki.sa_key_file, sa_key.serialize_pem())?;
     std::fs::write(&pki.sa_pub_file, sa_key.public_key_pem())?;
+
+    let proxy_ca_key = KeyPair::generate()?;
+    let mut proxy_ca_params = CertificateParams::new(Vec::<String>::new())?;
+    proxy_ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "npufleet-test-front-proxy-ca");
+    proxy_ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    proxy_ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let proxy_ca_cert = proxy_ca_params.self_signed(&proxy_ca_key)?;
+    let proxy_issuer = rcgen::Issuer::new(proxy_ca_params, proxy_ca_key);
+    let proxy_key = KeyPair::generate()?;
+    let mut proxy_params = CertificateParams::new(Vec::<String>::new())?;
+    proxy_params
+        .distinguished_name
+        .push(DnType::CommonName, FRONT_PROXY_CLIENT);
+    proxy_params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let proxy_cert = proxy_params.signed_by(&proxy_key, &proxy_issuer)?;
+    std::fs::write(&pki.front_proxy_ca_file, proxy_ca_cert.pem())?;
+    std::fs::write(&pki.front_proxy_cert_file, proxy_cert.pem())?;
+    std::fs::write(&pki.front_proxy_key_file, proxy_key.serialize_pem())?;
     Ok(pki)
 }
 
@@ -312,6 +343,25 @@ impl Cluster {
             // No kube-proxy here: the aggregator reaches extension servers at their endpoints.
             "--enable-aggregator-routing=true".to_string(),
             "--enable-priority-and-fairness=false".to_string(),
+            // The aggregation layer authenticates itself to extension API servers with a
+            // client certificate from this CA, published in
+            // kube-system/extension-apiserver-authentication.
+            format!(
+                "--requestheader-client-ca-file={}",
+                pki.front_proxy_ca_file.display()
+            ),
+            format!("--requestheader-allowed-names={FRONT_PROXY_CLIENT}"),
+            "--requestheader-username-headers=X-Remote-User".to_string(),
+            "--requestheader-group-headers=X-Remote-Group".to_string(),
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-".to_string(),
+            format!(
+                "--proxy-client-cert-file={}",
+                pki.front_proxy_cert_file.display()
+            ),
+            format!(
+                "--proxy-client-key-file={}",
+                pki.front_proxy_key_file.display()
+            ),
             "--v=0".to_string(),
         ]);
         apiserver.args(&opts.apiserver_args);

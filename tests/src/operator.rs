@@ -30,6 +30,9 @@ impl Drop for RunningOperator {
     }
 }
 
+/// How long a `minReplicas: 0` service stays idle before the test autoscaler takes it to zero.
+pub const IDLE_BEFORE_ZERO: Duration = Duration::from_secs(6);
+
 /// Starts the controller and the built-in autoscaler for `namespace`.
 pub fn start_with_builtin_autoscaler(client: &Client, namespace: &str) -> Result<RunningOperator> {
     let operator = Arc::new(Context::new(
@@ -43,6 +46,7 @@ pub fn start_with_builtin_autoscaler(client: &Client, namespace: &str) -> Result
             stable_window: Duration::from_secs(8),
             panic_window: Duration::from_secs(2),
             scale_down_delay: Duration::from_secs(4),
+            idle_before_zero: IDLE_BEFORE_ZERO,
             ..PolicyConfig::default()
         },
         ..autoscaler::Settings::default()

@@ -17,29 +17,65 @@ use kube::api::{Api, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::hpa;
 use npufleet_operator::external_metrics::{
-    MetricsServer, MetricsStore, QUEUE_DEPTH, SERVICE_LABEL, ServiceLoad, TlsSettings,
+    MetricsServer, MetricsStore, QUEUE_DEPTH, SERVICE_LABEL, ServiceLoad, TlsSettings, tls,
 };
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-hpa-test";
 
-/// Serves the store on a loopback port and registers it as the cluster's
-/// `v1beta1.external.metrics.k8s.io`, the way the chart does (a Service for the server and
-/// an APIService pointing at it).
+const METRICS_SERVICE: &str = "npufleet-external-metrics";
+
+/// Serves the store on the host's address and registers it as the cluster's
+/// `v1beta1.external.metrics.k8s.io` the way the chart and the operator do: a Service and an
+/// APIService with no `insecureSkipTLSVerify`, a CA and serving certificate the operator
+/// keeps in a Secret and writes into the APIService's `caBundle`, and the aggregator's
+/// request-header CA read from `kube-system/extension-apiserver-authentication`.
 async fn register_metrics_server(
     client: &kube::Client,
     namespace: &str,
     store: MetricsStore,
-) -> Result<tokio::task::JoinHandle<()>> {
-    let tls = TlsSettings {
-        dns_names: vec![format!("npufleet-external-metrics.{namespace}.svc")],
-        ..TlsSettings::default()
+) -> Result<(
+    tokio::task::JoinHandle<()>,
+    std::net::SocketAddr,
+    tls::ServingCertificate,
+)> {
+    let names = tls::service_dns_names(METRICS_SERVICE, namespace, "cluster.local");
+    let certificate = tls::ServingCertificate::ensure_in_secret(
+        client,
+        namespace,
+        "npufleet-external-metrics-tls",
+        &names,
+    )
+    .await?;
+    // A second operator replica (or a restart) serves the same certificate.
+    let again = tls::ServingCertificate::ensure_in_secret(
+        client,
+        namespace,
+        "npufleet-external-metrics-tls",
+        &names,
+    )
+    .await?;
+    assert_eq!(
+        again, certificate,
+        "a second replica made another certificate"
+    );
+    let client_auth = wait::until(
+        "the request-header CA in kube-system/extension-apiserver-authentication",
+        Duration::from_secs(30),
+        || async { Ok(Some(tls::ClientAuth::from_cluster(client).await?)) },
+    )
+    .await?;
+    let settings = TlsSettings {
+        cert_pem: certificate.cert_pem.clone(),
+        key_pem: certificate.key_pem.clone(),
+        client_auth: Some(client_auth),
     };
     // Endpoints may not be loopback addresses: serve on the host's own address.
     let host = host_address()?;
-    let server = MetricsServer::bind((host, 0).into(), store, &tls).await?;
-    let port = server.local_addr()?.port();
+    let server = MetricsServer::bind((host, 0).into(), store, &settings).await?;
+    let addr = server.local_addr()?;
+    let port = addr.port();
     let task = tokio::spawn(server.run());
 
     let apply = PatchParams::apply(MANAGER).force();
@@ -72,8 +108,7 @@ async fn register_metrics_server(
         "spec": {
             "group": "external.metrics.k8s.io", "version": "v1beta1",
             "groupPriorityMinimum": 100, "versionPriority": 100,
-            "insecureSkipTLSVerify": true,
-            "service": {"name": "npufleet-external-metrics", "namespace": namespace, "port": 443},
+            "service": {"name": METRICS_SERVICE, "namespace": namespace, "port": 443},
         },
     });
     let api_services: Api<APIService> = Api::all(client.clone());
@@ -84,6 +119,10 @@ async fn register_metrics_server(
             &Patch::Apply(api_service),
         )
         .await?;
+    anyhow::ensure!(
+        tls::publish_ca_bundle(client, &certificate.ca_pem).await?,
+        "the APIService was not found to publish the caBundle into"
+    );
     wait::until(
         "the external metrics APIService Available",
         Duration::from_secs(60),
@@ -101,7 +140,7 @@ async fn register_metrics_server(
         },
     )
     .await?;
-    Ok(task)
+    Ok((task, addr, certificate))
 }
 
 /// The first non-loopback IPv4 address of this machine.
@@ -153,7 +192,8 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
         let ns = c.namespace(&client, "autoscaling-hpa").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let store = MetricsStore::default();
-        let _server = register_metrics_server(&client, &ns, store.clone()).await?;
+        let (_server, server_addr, certificate) =
+            register_metrics_server(&client, &ns, store.clone()).await?;
 
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
         let service: InferenceService = serde_json::from_value(json!({
@@ -213,6 +253,28 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
             .await?;
         assert_eq!(list["kind"], "ExternalMetricValueList");
         assert_eq!(list["items"][0]["value"], "18");
+
+        // The aggregator verifies the server against the operator's CA, not blindly.
+        let registered = Api::<APIService>::all(client.clone())
+            .get("v1beta1.external.metrics.k8s.io")
+            .await?
+            .spec
+            .context("APIService spec")?;
+        assert_ne!(registered.insecure_skip_tls_verify, Some(true));
+        let bundle = registered.ca_bundle.context("no caBundle")?;
+        assert_eq!(String::from_utf8(bundle.0)?, certificate.ca_pem);
+        // Anyone else reaching the server's port gets 401 and no metric.
+        let direct = reqwest::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(certificate.ca_pem.as_bytes())?)
+            .resolve(&format!("{METRICS_SERVICE}.{ns}.svc"), server_addr)
+            .build()?
+            .get(format!("https://{METRICS_SERVICE}.{ns}.svc:{}{path}", server_addr.port()))
+            .send()
+            .await?;
+        assert_eq!(direct.status().as_u16(), 401);
+        let refused: serde_json::Value = direct.json().await?;
+        assert_eq!(refused["reason"], "Unauthorized", "{refused}");
+        assert!(refused.get("items").is_none(), "{refused}");
 
         // 18 waiting + running at 5 per replica: ceil(18 / 5) = 4 groups.
         let started = Instant::now();

@@ -12,6 +12,10 @@ use npufleet_crds::{AutoscalingSpec, InferenceService};
 
 use crate::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 
+/// Why `mode: hpa` refuses `minReplicas: 0`: an HPA cannot wake a target from zero on the
+/// operator's metric, and its `minReplicas: 0` needs an alpha feature gate.
+pub const MIN_ZERO_NEEDS_BUILTIN: &str = "spec.autoscaling.minReplicas must be at least 1 with mode hpa: a HorizontalPodAutoscaler scales to zero only behind the alpha HPAScaleToZero feature gate and cannot see requests waiting for a fleet at zero; use mode builtin to scale to zero";
+
 /// The HPA for `service`, named like it and owned by it (deleted with it).
 pub fn desired(
     service: &InferenceService,
@@ -21,6 +25,11 @@ pub fn desired(
     let owner = service
         .controller_owner_ref(&())
         .ok_or_else(|| anyhow::anyhow!("InferenceService {name} has no uid yet"))?;
+    anyhow::ensure!(
+        autoscaling.min_replicas >= 1,
+        "{MIN_ZERO_NEEDS_BUILTIN}, got minReplicas {}",
+        autoscaling.min_replicas
+    );
     anyhow::ensure!(
         autoscaling.max_replicas >= 1,
         "spec.autoscaling.maxReplicas must be at least 1, got {}",
@@ -44,11 +53,8 @@ pub fn desired(
                 kind: InferenceService::kind(&()).into_owned(),
                 name: name.clone(),
             },
-            // An HPA cannot hold a target at zero replicas.
-            min_replicas: Some(autoscaling.min_replicas.max(1)),
-            max_replicas: autoscaling
-                .max_replicas
-                .max(autoscaling.min_replicas.max(1)),
+            min_replicas: Some(autoscaling.min_replicas),
+            max_replicas: autoscaling.max_replicas.max(autoscaling.min_replicas),
             metrics: Some(vec![MetricSpec {
                 type_: "External".to_owned(),
                 external: Some(ExternalMetricSource {
@@ -95,7 +101,7 @@ mod tests {
     #[test]
     fn the_hpa_targets_the_scale_subresource_on_the_external_queue_metric() {
         let svc = service(
-            serde_json::json!({"mode": "hpa", "minReplicas": 0, "maxReplicas": 6, "targetQueueDepth": 3}),
+            serde_json::json!({"mode": "hpa", "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 3}),
         );
         let hpa = desired(&svc, svc.spec.autoscaling.as_ref().unwrap()).unwrap();
         let value = serde_json::to_value(&hpa).unwrap();
@@ -103,7 +109,7 @@ mod tests {
         assert_eq!(spec["scaleTargetRef"]["apiVersion"], "npufleet.io/v1alpha1");
         assert_eq!(spec["scaleTargetRef"]["kind"], "InferenceService");
         assert_eq!(spec["scaleTargetRef"]["name"], "chat");
-        assert_eq!(spec["minReplicas"], 1, "an HPA cannot hold zero replicas");
+        assert_eq!(spec["minReplicas"], 2);
         assert_eq!(spec["maxReplicas"], 6);
         let metric = &spec["metrics"][0];
         assert_eq!(metric["type"], "External");
@@ -116,5 +122,16 @@ mod tests {
         assert_eq!(metric["external"]["target"]["averageValue"], "3");
         assert_eq!(value["metadata"]["ownerReferences"][0]["uid"], "1234");
         assert_eq!(value["metadata"]["ownerReferences"][0]["controller"], true);
+    }
+
+    #[test]
+    fn min_replicas_zero_is_refused_not_turned_into_one() {
+        let svc = service(serde_json::json!({"mode": "hpa", "minReplicas": 0, "maxReplicas": 6}));
+        let error = desired(&svc, svc.spec.autoscaling.as_ref().unwrap()).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("minReplicas") && message.contains("mode builtin"),
+            "{message}"
+        );
     }
 }

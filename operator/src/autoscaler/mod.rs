@@ -1,9 +1,19 @@
 //! Queue-depth autoscaling of `InferenceService`s.
 //!
 //! Every tick (500 ms by default) the loop reads each worker's load signal, feeds the
-//! per-service [`policy::Policy`] and, for `mode: builtin`, writes the decision through the
-//! service's `scale` subresource, with an event and `status.autoscaling`. For `mode: hpa` it
-//! only publishes the load as the external metric and keeps the service's HPA in place.
+//! per-service [`policy::Policy`] and, for `mode: builtin`, records the decision in
+//! `status.autoscaling.desiredReplicas`, with an event. For `mode: hpa` it only publishes the
+//! load as the external metric and keeps the service's HPA in place.
+//!
+//! One writer per count: with `mode: builtin` the reconcile follows
+//! `status.autoscaling.desiredReplicas`, which only this loop writes (under its own field
+//! manager), so a re-applied manifest's `spec.replicas` is the starting count and nothing
+//! more. The loop also copies each decision into `spec.replicas` through the scale
+//! subresource, so `kubectl get` and other readers of the scale subresource see the count;
+//! it copies only when it decides, so a GitOps tool re-applying its manifest is not fought.
+//! With `mode: hpa` the HorizontalPodAutoscaler owns `spec.replicas`, and a manifest should
+//! leave `replicas` out, as for any HPA target. Either way the count is clamped to
+//! `[minReplicas, maxReplicas]` before anything is created ([`desired_replicas`]).
 
 pub mod hpa;
 pub mod load;
@@ -21,6 +31,7 @@ use kube::core::SelectorExt;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
+use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_crds::{AutoscalingMode, AutoscalingSpec, InferenceService};
 use serde_json::json;
 use tokio::time::Instant;
@@ -61,6 +72,44 @@ impl Default for Settings {
             policy: PolicyConfig::default(),
         }
     }
+}
+
+/// The replica groups the reconcile runs: `spec.replicas` by hand or under an HPA, the
+/// built-in autoscaler's own count once it has one, always within the autoscaling bounds.
+pub fn desired_replicas(service: &InferenceService) -> i32 {
+    let spec = &service.spec;
+    let Some(autoscaling) = spec.autoscaling.as_ref() else {
+        return spec.replicas.max(0);
+    };
+    let decided = match autoscaling.mode {
+        AutoscalingMode::Builtin => service
+            .status
+            .as_ref()
+            .and_then(|s| s.autoscaling.as_ref())
+            .and_then(|a| a.desired_replicas),
+        AutoscalingMode::Hpa => None,
+    };
+    let min = autoscaling.min_replicas.max(0);
+    decided
+        .unwrap_or(spec.replicas)
+        .clamp(min, autoscaling.max_replicas.max(min))
+}
+
+/// Whether a router asked to wake `service` since it went to zero: the wake annotation is
+/// newer than the autoscaler's last scale (the scale to zero). `Err` names a bad annotation.
+pub fn wake_requested(service: &InferenceService) -> Result<bool, String> {
+    let Some(value) = service.annotations().get(WAKE_REQUESTED_AT) else {
+        return Ok(false);
+    };
+    let requested: k8s_openapi::jiff::Timestamp = value.trim().parse().map_err(|error| {
+        format!("annotation {WAKE_REQUESTED_AT}: {value:?} is not an RFC 3339 time: {error}")
+    })?;
+    let scaled_at = service
+        .status
+        .as_ref()
+        .and_then(|s| s.autoscaling.as_ref())
+        .and_then(|a| a.last_scale_time.as_ref());
+    Ok(scaled_at.is_none_or(|at| requested > at.0))
 }
 
 /// The policy configuration for a service: the service's bounds and target on top of the
@@ -130,6 +179,8 @@ struct ServiceState {
     /// When `status.autoscaling` was last written, and the desired count it said.
     last_status: Option<(Instant, i32)>,
     last_scale_time: Option<Time>,
+    /// A wake annotation already reported as unreadable.
+    bad_wake_request: Option<String>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -305,9 +356,10 @@ impl Autoscaler {
         let name = service.name_any();
         let namespace = service.namespace().unwrap_or_default();
         let groups = group_loads(workers);
-        let observation = Observation {
-            spec_replicas: u32::try_from(service.spec.replicas).unwrap_or(0),
+        let mut observation = Observation {
+            spec_replicas: u32::try_from(desired_replicas(service)).unwrap_or(0),
             groups,
+            wake_requested: false,
         };
         self.metrics.update(
             &namespace,
@@ -334,7 +386,19 @@ impl Autoscaler {
                 self.policies.remove(&key);
                 let generation = service.metadata.generation;
                 if self.hpas.get(&key) != Some(&HpaState::Applied(generation)) {
-                    let hpa = hpa::desired(service, autoscaling)?;
+                    let hpa = match hpa::desired(service, autoscaling) {
+                        Ok(hpa) => hpa,
+                        Err(error) => {
+                            let config = policy_config(&self.settings.policy, autoscaling);
+                            if self.invalid.get(&key) != Some(&config) {
+                                self.warn(service, "InvalidAutoscaling", &format!("{error:#}"))
+                                    .await;
+                                self.invalid.insert(key, config);
+                            }
+                            return Ok(());
+                        }
+                    };
+                    self.invalid.remove(&key);
                     Api::<HorizontalPodAutoscaler>::namespaced(self.client.clone(), &namespace)
                         .patch(
                             &name,
@@ -358,7 +422,12 @@ impl Autoscaler {
                                 ServiceState {
                                     policy,
                                     last_status: None,
-                                    last_scale_time: None,
+                                    last_scale_time: service
+                                        .status
+                                        .as_ref()
+                                        .and_then(|s| s.autoscaling.as_ref())
+                                        .and_then(|a| a.last_scale_time.clone()),
+                                    bad_wake_request: None,
                                 },
                             );
                         }
@@ -373,6 +442,20 @@ impl Autoscaler {
                     }
                 }
                 self.invalid.remove(&key);
+                if observation.spec_replicas == 0 {
+                    observation.wake_requested = match wake_requested(service) {
+                        Ok(requested) => requested,
+                        Err(problem) => {
+                            let value = service.annotations().get(WAKE_REQUESTED_AT).cloned();
+                            let state = self.policies.get_mut(&key).expect("inserted above");
+                            if state.bad_wake_request != value {
+                                state.bad_wake_request = value;
+                                self.warn(service, "InvalidWakeRequest", &problem).await;
+                            }
+                            false
+                        }
+                    };
+                }
                 let now = self.started.elapsed();
                 let state = self.policies.get_mut(&key).expect("inserted above");
                 let decision = state.policy.decide(now, &observation);
@@ -417,15 +500,17 @@ impl Autoscaler {
                 );
                 self.mark_for_removal(service, &victims).await?;
             }
-            api.patch_scale(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"replicas": desired}})),
-            )
-            .await?;
             let state = self.policies.get_mut(&key).expect("present");
             state.last_scale_time = Some(Time(k8s_openapi::jiff::Timestamp::now()));
             state.last_status = None;
+            // The count the reconcile follows first, then its copy for scale readers.
+            self.write_status(service, decision).await?;
+            api.patch_scale(
+                &name,
+                &Self::params(),
+                &Patch::Merge(json!({"spec": {"replicas": desired}})),
+            )
+            .await?;
             let event = Event {
                 type_: EventType::Normal,
                 reason: decision.reason.as_str().to_owned(),
@@ -443,25 +528,57 @@ impl Autoscaler {
             tracing::info!(service = %name, namespace, "{}", decision.message(current));
         }
 
-        let state = self.policies.get_mut(&key).expect("present");
+        let state = self.policies.get(&key).expect("present");
         let due = state.last_status.is_none_or(|(at, written)| {
             written != desired || at.elapsed() >= self.settings.status_interval
         });
         if due {
-            let status = json!({
-                "status": {
-                    "autoscaling": {
-                        "queueDepth": (decision.queue_per_replica * 100.0).round() / 100.0,
-                        "desiredReplicas": desired,
-                        "lastScaleTime": state.last_scale_time,
-                    }
-                }
-            });
-            api.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
-                .await?;
-            state.last_status = Some((Instant::now(), desired));
+            self.write_status(service, decision).await?;
         }
         Ok(())
+    }
+
+    /// Applies `status.autoscaling` under the autoscaler's field manager.
+    async fn write_status(
+        &mut self,
+        service: &InferenceService,
+        decision: &Decision,
+    ) -> anyhow::Result<()> {
+        let key = ObjectRef::from_obj(service);
+        let state = self.policies.get_mut(&key).expect("present");
+        let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
+        let mut autoscaling = json!({
+            "queueDepth": (decision.queue_per_replica * 100.0).round() / 100.0,
+            "desiredReplicas": desired,
+        });
+        if let Some(at) = &state.last_scale_time {
+            autoscaling["lastScaleTime"] = json!(at);
+        }
+        let status = json!({
+            "apiVersion": InferenceService::api_version(&()),
+            "kind": InferenceService::kind(&()),
+            "status": {"autoscaling": autoscaling},
+        });
+        let api: Api<InferenceService> = Api::namespaced(
+            self.client.clone(),
+            &service.namespace().unwrap_or_default(),
+        );
+        api.patch_status(
+            &service.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(status),
+        )
+        .await?;
+        state.last_status = Some((Instant::now(), desired));
+        Ok(())
+    }
+
+    /// Parameters of the autoscaler's merge patches: its own field manager.
+    fn params() -> PatchParams {
+        PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..PatchParams::default()
+        }
     }
 
     /// Annotates every pod of the chosen groups so that the reconcile removes exactly those,
@@ -499,12 +616,8 @@ impl Autoscaler {
                 (false, false) => continue,
             };
             let patch = json!({"metadata": {"annotations": {SCALE_DOWN_ANNOTATION: value}}});
-            api.patch(
-                &pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(patch),
-            )
-            .await?;
+            api.patch(&pod.name_any(), &Self::params(), &Patch::Merge(patch))
+                .await?;
         }
         Ok(())
     }
@@ -609,6 +722,7 @@ mod tests {
         let observation = Observation {
             spec_replicas: 3,
             groups,
+            wake_requested: false,
         };
         assert_eq!(observation.ready(), 1);
         assert_eq!(observation.warming(), 2);
@@ -630,7 +744,92 @@ mod tests {
             "minReplicas": 0, "maxReplicas": 3
         }))
         .unwrap();
-        let error = Policy::new(policy_config(&PolicyConfig::default(), &zero)).unwrap_err();
-        assert!(error.to_string().contains("minReplicas"), "{error}");
+        let config = policy_config(&PolicyConfig::default(), &zero);
+        assert_eq!(config.min_replicas, 0);
+        Policy::new(config).expect("minReplicas 0 scales to zero");
+    }
+
+    fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
+        let mut object = serde_json::json!({
+            "apiVersion": "npufleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": "ml"},
+            "spec": {
+                "model": {"name": "smollm2", "source": {"imagePath": "/models/m.gguf"}},
+                "accelerator": {"type": "cpu"},
+            },
+            "status": status,
+        });
+        for (key, value) in spec.as_object().unwrap() {
+            object["spec"][key] = value.clone();
+        }
+        serde_json::from_value(object).unwrap()
+    }
+
+    #[test]
+    fn the_count_is_the_autoscalers_and_always_within_bounds() {
+        let builtin = json!({"mode": "builtin", "minReplicas": 1, "maxReplicas": 3});
+        let decided = json!({"autoscaling": {"desiredReplicas": 2}});
+        // A manifest's replicas above the maximum never creates more than the maximum.
+        let fresh = service(json!({"replicas": 10, "autoscaling": builtin}), json!({}));
+        assert_eq!(desired_replicas(&fresh), 3);
+        // Once the autoscaler decided, a re-applied manifest's replicas changes nothing.
+        let reapplied = service(
+            json!({"replicas": 10, "autoscaling": builtin}),
+            decided.clone(),
+        );
+        assert_eq!(desired_replicas(&reapplied), 2);
+        let lowered = service(
+            json!({"replicas": 1, "autoscaling": {"maxReplicas": 1}}),
+            decided.clone(),
+        );
+        assert_eq!(
+            desired_replicas(&lowered),
+            1,
+            "a lowered maximum cuts at once"
+        );
+        // Under an HPA, spec.replicas is the HPA's count, clamped too.
+        let hpa = json!({"mode": "hpa", "minReplicas": 2, "maxReplicas": 4});
+        let under_hpa = service(json!({"replicas": 9, "autoscaling": hpa}), decided);
+        assert_eq!(desired_replicas(&under_hpa), 4);
+        let by_hand = service(json!({"replicas": 9}), json!({}));
+        assert_eq!(desired_replicas(&by_hand), 9);
+        let zero = json!({"minReplicas": 0, "maxReplicas": 3});
+        let at_zero = service(
+            json!({"replicas": 1, "autoscaling": zero}),
+            json!({"autoscaling": {"desiredReplicas": 0}}),
+        );
+        assert_eq!(desired_replicas(&at_zero), 0);
+    }
+
+    #[test]
+    fn a_wake_request_counts_only_when_newer_than_the_scale_to_zero() {
+        let at_zero = |annotation: Option<&str>| {
+            let mut s = service(
+                json!({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}),
+                json!({"autoscaling": {"desiredReplicas": 0, "lastScaleTime": "2026-01-01T10:00:00Z"}}),
+            );
+            if let Some(value) = annotation {
+                s.annotations_mut()
+                    .insert(WAKE_REQUESTED_AT.to_owned(), value.to_owned());
+            }
+            s
+        };
+        assert_eq!(wake_requested(&at_zero(None)), Ok(false));
+        assert_eq!(
+            wake_requested(&at_zero(Some("2026-01-01T09:59:59Z"))),
+            Ok(false)
+        );
+        assert_eq!(
+            wake_requested(&at_zero(Some("2026-01-01T10:00:01.5Z"))),
+            Ok(true)
+        );
+        let error = wake_requested(&at_zero(Some("soon"))).unwrap_err();
+        assert!(
+            error.contains(WAKE_REQUESTED_AT)
+                && error.contains("\"soon\"")
+                && error.contains("RFC 3339"),
+            "{error}"
+        );
     }
 }

@@ -7,6 +7,10 @@
 //! about LLM fleets: a replica that is still loading its model is capacity on its way (so a
 //! queue that keeps building while it loads does not buy yet more replicas), and the unit is
 //! a whole replica group (every rank of a tensor-parallel group), never a single pod.
+//!
+//! With `min_replicas: 0` an idle fleet goes to zero after `idle_before_zero` with no
+//! request, no warming group and no wake request, and comes back to one group when a wake
+//! request arrives (a router holding requests for it).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -51,6 +55,8 @@ pub struct Observation {
     /// Every group the load signal reached. Groups that were asked for but not seen yet
     /// (not yet scheduled or started) count as warming.
     pub groups: Vec<GroupLoad>,
+    /// Requests are waiting outside the fleet for it to wake (it is at zero groups).
+    pub wake_requested: bool,
 }
 
 impl Observation {
@@ -82,6 +88,10 @@ impl Observation {
     }
 }
 
+/// How long a `minReplicas: 0` fleet stays up with nothing to do. A model load is slow and an
+/// accelerator is expensive; five minutes keeps a fleet through pauses between conversations.
+pub const DEFAULT_IDLE_BEFORE_ZERO: Duration = Duration::from_secs(300);
+
 /// The knobs of the built-in autoscaler.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PolicyConfig {
@@ -90,8 +100,12 @@ pub struct PolicyConfig {
     /// KV-cache use one replica group should stay under (0..=1), if KV use should also drive
     /// scaling; the higher of the two demands wins.
     pub target_kv_usage: Option<f64>,
+    /// Zero lets an idle fleet scale to zero after `idle_before_zero`.
     pub min_replicas: u32,
     pub max_replicas: u32,
+    /// With `min_replicas: 0`, how long a fleet must see no request, no warming group and no
+    /// wake request before it goes to zero.
+    pub idle_before_zero: Duration,
     /// Averaging window for calm-period decisions.
     pub stable_window: Duration,
     /// Averaging window for burst detection.
@@ -115,6 +129,7 @@ impl Default for PolicyConfig {
             target_kv_usage: None,
             min_replicas: 1,
             max_replicas: 10,
+            idle_before_zero: DEFAULT_IDLE_BEFORE_ZERO,
             stable_window: Duration::from_secs(20),
             panic_window: Duration::from_secs(2),
             panic_threshold: 2.0,
@@ -132,8 +147,8 @@ pub enum ConfigError {
     Target(f64),
     #[error("target KV-cache use must be in (0, 1], got {0}")]
     KvTarget(f64),
-    #[error("minReplicas must be at least 1, got 0")]
-    MinZero,
+    #[error("maxReplicas must be at least 1, got 0")]
+    MaxZero,
     #[error("maxReplicas ({max}) is below minReplicas ({min})")]
     Bounds { min: u32, max: u32 },
     #[error(
@@ -159,8 +174,8 @@ impl PolicyConfig {
         {
             return Err(ConfigError::KvTarget(kv));
         }
-        if self.min_replicas == 0 {
-            return Err(ConfigError::MinZero);
+        if self.max_replicas == 0 {
+            return Err(ConfigError::MaxZero);
         }
         if self.max_replicas < self.min_replicas {
             return Err(ConfigError::Bounds {
@@ -211,8 +226,12 @@ pub enum Reason {
     ScaleDownDelay,
     /// The change was cut to the max step rate.
     RateLimited,
-    /// The count was clamped into [minReplicas, maxReplicas].
+    /// The count was clamped into [minReplicas, maxReplicas] (at least one while not idle).
     Bounds,
+    /// No request for the whole idle window: scaled to zero.
+    Idle,
+    /// At zero, a request is waiting for the fleet: scaled to one group.
+    Wake,
 }
 
 impl Reason {
@@ -228,6 +247,8 @@ impl Reason {
             Reason::ScaleDownDelay => "ScaleDownDelay",
             Reason::RateLimited => "RateLimited",
             Reason::Bounds => "Bounds",
+            Reason::Idle => "ScaledToZero",
+            Reason::Wake => "Wake",
         }
     }
 }
@@ -251,11 +272,29 @@ pub struct Decision {
     /// Waiting + running requests per ready group, this tick.
     pub queue_per_replica: f64,
     pub panicking: bool,
+    /// How long the fleet has had no request, warming group or wake request.
+    pub idle_for: Duration,
 }
 
 impl Decision {
     /// A one-line account for events and logs.
     pub fn message(&self, from: u32) -> String {
+        match self.reason {
+            Reason::Idle => {
+                return format!(
+                    "{} {from} -> 0 replicas: no request for {} s",
+                    self.reason,
+                    self.idle_for.as_secs()
+                );
+            }
+            Reason::Wake => {
+                return format!(
+                    "{} {from} -> {} replicas: requests are waiting for the fleet",
+                    self.reason, self.desired
+                );
+            }
+            _ => {}
+        }
         format!(
             "{} {from} -> {} replicas: {:.2} requests per ready replica, demand {:.2} stable / {:.2} panic{}",
             self.reason,
@@ -281,6 +320,9 @@ pub struct Policy {
     /// When the scale-up that opened the current catch-up window happened; cleared once
     /// every group asked for is ready.
     scaled_up_at: Option<Duration>,
+    /// The last tick with a request in the fleet, a warming group or a wake request; the
+    /// first tick counts, so a restarted autoscaler waits a whole idle window.
+    last_active: Option<Duration>,
 }
 
 impl Policy {
@@ -292,6 +334,7 @@ impl Policy {
             recommendations: VecDeque::new(),
             panic_last_over: None,
             scaled_up_at: None,
+            last_active: None,
         })
     }
 
@@ -401,7 +444,9 @@ impl Policy {
             };
         }
 
-        let clamped = desired.clamp(config.min_replicas, config.max_replicas);
+        // Zero is never a load decision: only the idle window below takes a fleet there.
+        let floor = config.min_replicas.max(1);
+        let clamped = desired.clamp(floor, config.max_replicas);
         if clamped != desired {
             desired = clamped;
             reason = if desired == current {
@@ -409,6 +454,25 @@ impl Policy {
             } else {
                 Reason::Bounds
             };
+        }
+
+        let active = observation.wake_requested
+            || observation.queue_depth() > 0
+            || (current > 0 && warming > 0);
+        if active || self.last_active.is_none() {
+            self.last_active = Some(now);
+        }
+        let idle_for = now.saturating_sub(self.last_active.unwrap_or(now));
+        if config.min_replicas == 0 {
+            if current == 0 {
+                (desired, reason) = if observation.wake_requested {
+                    (floor, Reason::Wake)
+                } else {
+                    (0, Reason::Steady)
+                };
+            } else if idle_for >= config.idle_before_zero {
+                (desired, reason) = (0, Reason::Idle);
+            }
         }
 
         // A scale-up that got past the hold starts a new catch-up window.
@@ -423,6 +487,7 @@ impl Policy {
             panic_demand,
             queue_per_replica: queue / f64::from(ready.max(1)),
             panicking,
+            idle_for,
         }
     }
 }
@@ -553,6 +618,8 @@ mod tests {
             Observation {
                 spec_replicas: self.ready_at.len() as u32,
                 groups,
+                // A router holds requests while nothing serves, and asks for a wake-up.
+                wake_requested: ready == 0 && queue > 0,
             }
         }
 
@@ -628,9 +695,10 @@ mod tests {
             (
                 PolicyConfig {
                     min_replicas: 0,
+                    max_replicas: 0,
                     ..config()
                 },
-                ConfigError::MinZero,
+                ConfigError::MaxZero,
             ),
             (
                 PolicyConfig {
@@ -880,6 +948,7 @@ mod tests {
                 running: 2,
                 kv_usage: 0.9,
             }],
+            wake_requested: false,
         };
         let mut with_kv = Policy::new(PolicyConfig {
             target_kv_usage: Some(0.5),
@@ -941,6 +1010,82 @@ mod tests {
         assert_eq!(scale_down_victims(&groups, 10), vec![3, 5, 4, 1, 0]);
     }
 
+    fn scale_to_zero_config() -> PolicyConfig {
+        PolicyConfig {
+            min_replicas: 0,
+            idle_before_zero: secs(60.0),
+            ..config()
+        }
+    }
+
+    #[test]
+    fn an_idle_fleet_goes_to_zero_after_the_idle_window_and_a_request_wakes_one_group() {
+        let mut policy = Policy::new(scale_to_zero_config()).unwrap();
+        let mut fleet = Fleet::new(2, secs(5.0));
+        let decisions = replay(&mut policy, &mut fleet, 240.0, |t| match t {
+            t if t < 30.0 => 8,
+            t if t < 200.0 => 0,
+            _ => 3,
+        });
+        // The last request left at 29.5 s: not a tick at zero before a whole idle window.
+        let zero_at = first_time(&decisions, |d| d.desired == 0);
+        assert!(
+            (89.5..=90.5).contains(&zero_at),
+            "went to zero at {zero_at}"
+        );
+        let (_, to_zero) = decisions
+            .iter()
+            .find(|(t, _)| t.as_secs_f64() == zero_at)
+            .unwrap();
+        assert_eq!(to_zero.reason, Reason::Idle);
+        assert_eq!(
+            to_zero.message(1),
+            "ScaledToZero 1 -> 0 replicas: no request for 60 s"
+        );
+        assert_eq!(
+            max_desired(&decisions, zero_at, 200.0),
+            0,
+            "woke with no request"
+        );
+        // The first held request wakes exactly one group, at once.
+        let woke_at = first_time(&decisions, |d| d.reason == Reason::Wake);
+        assert_eq!(woke_at, 200.0);
+        assert_eq!(max_desired(&decisions, 200.0, 240.5), 1);
+        assert!(
+            decisions
+                .iter()
+                .filter(|(t, _)| t.as_secs_f64() >= 200.0)
+                .all(|(_, d)| d.desired == 1)
+        );
+    }
+
+    #[test]
+    fn a_warming_group_is_never_taken_to_zero() {
+        let mut policy = Policy::new(scale_to_zero_config()).unwrap();
+        // A model load longer than the idle window.
+        let mut fleet = Fleet::new(0, secs(100.0));
+        let decisions = replay(&mut policy, &mut fleet, 150.0, |t| u32::from(t < 1.0));
+        assert_eq!(decisions[0].1.reason, Reason::Wake);
+        assert!(
+            decisions.iter().all(|(_, d)| d.desired == 1),
+            "went to zero while warming"
+        );
+    }
+
+    #[test]
+    fn a_fleet_at_zero_stays_there_until_a_wake_request() {
+        let mut policy = Policy::new(scale_to_zero_config()).unwrap();
+        let mut fleet = Fleet::new(0, secs(5.0));
+        let decisions = replay(&mut policy, &mut fleet, 30.0, |_| 0);
+        assert!(decisions.iter().all(|(_, d)| d.desired == 0));
+        // With a floor of one group, zero is lifted to the minimum.
+        let mut policy = Policy::new(config()).unwrap();
+        let mut fleet = Fleet::new(0, secs(5.0));
+        let decisions = replay(&mut policy, &mut fleet, 1.0, |_| 0);
+        assert_eq!(decisions[0].1.desired, 1);
+        assert_eq!(decisions[0].1.reason, Reason::Bounds);
+    }
+
     #[test]
     fn the_event_message_names_the_reason_and_the_numbers() {
         let decision = Decision {
@@ -950,6 +1095,7 @@ mod tests {
             panic_demand: 3.75,
             queue_per_replica: 15.0,
             panicking: true,
+            idle_for: Duration::ZERO,
         };
         assert_eq!(
             decision.message(1),

@@ -206,6 +206,7 @@ pub fn run(
                         kv_usage: g.running.len() as f64 / f64::from(model.batch),
                     })
                     .collect(),
+                wake_requested: false,
             };
             if let Some(desired) = scaler.observe(now, &observation) {
                 if desired > spec {
