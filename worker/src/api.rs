@@ -58,12 +58,9 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
 }
 
-/// One chat message, for chat-template application.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
+/// One chat message, for chat-template application (defined with the tokenizer that applies
+/// the template).
+pub use crate::model::ChatMessage;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {

@@ -22,7 +22,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::collective::{Collective, CollectiveError};
 pub use kv_cache::KvCache;
-pub use tokenizer::{StreamDecoder, Tokenizer};
+pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 use weights::{Shard, Weights};
 
 /// The architecture's numbers, llama2.c style.

@@ -18,7 +18,6 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::gguf::{GgufFile, Value};
-use crate::api::ChatMessage;
 
 /// GGUF `tokenizer.ggml.token_type` values.
 const TOKEN_TYPE_CONTROL: u64 = 3;
@@ -29,6 +28,13 @@ const END_OF_TURN_TEXTS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "<en
 
 /// The Llama 3 pre-tokenizer split (llama.cpp's `llama-bpe`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// One chat message, for chat-template application.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -470,8 +476,7 @@ impl StreamDecoder {
 
 #[cfg(test)]
 mod tests {
-    use super::render_chat_template;
-    use crate::api::ChatMessage;
+    use super::{ChatMessage, render_chat_template};
 
     #[test]
     fn block_tags_on_their_own_lines_leave_no_blank_lines() {
