@@ -474,6 +474,18 @@ impl Cluster {
         Ok(())
     }
 
+    /// Kills the component `name` (`kube-apiserver`, `etcd`, …) as a crash would and starts it
+    /// again with the same command line, for fault tests. Returns once it has been started;
+    /// waiting for it to serve is the caller's.
+    pub fn restart(&self, name: &str) -> Result<()> {
+        let mut processes = self.processes.lock().expect("processes");
+        let process = processes
+            .iter_mut()
+            .find(|p| p.name() == name)
+            .with_context(|| format!("this cluster runs no {name}"))?;
+        process.restart()
+    }
+
     /// Fails with the log tail of any component that has exited.
     pub fn ensure_running(&self) -> Result<()> {
         for p in self.processes.lock().expect("processes").iter_mut() {

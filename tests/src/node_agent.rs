@@ -139,6 +139,13 @@ impl NodeAgent {
         &self.shared.config.node_name
     }
 
+    /// The process id of the running pod `namespace/name`, for tests that signal a worker
+    /// directly (SIGKILL, SIGSTOP) the way a crash or a hang would.
+    pub fn pid(&self, pod: &str) -> Option<u32> {
+        let pods = self.shared.pods.lock().expect("pods");
+        pods.get(pod).map(|running| running.process.pid())
+    }
+
     /// `(namespace/name, address)` of every pod process currently running.
     pub fn running(&self) -> Vec<(String, Ipv4Addr)> {
         self.shared

@@ -1,10 +1,13 @@
 //! The operator's controller and built-in autoscaler running inside a test process, against
 //! one namespace, with scaling windows short enough for a test to watch a scale-down.
 
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use npufleet_crds::InferenceService;
@@ -15,6 +18,10 @@ use npufleet_operator::metrics::Metrics;
 use npufleet_operator::{Context, Settings};
 use tokio::task::JoinHandle;
 
+use crate::cluster::Cluster;
+use crate::net::free_port;
+use crate::paths;
+use crate::process::Process;
 use crate::wait;
 
 /// Stops the controller and the autoscaler when dropped.
@@ -90,4 +97,48 @@ pub async fn apply(
     )
     .await?;
     Ok(())
+}
+
+/// The operator binary as a child process with `kubeconfig`'s credentials, electing a leader
+/// through its Lease in `lease_namespace` as `identity`, with the external metrics server off.
+/// Logs to `<identity>.log` in the cluster's scratch directory.
+pub fn spawn_binary(
+    cluster: &Cluster,
+    kubeconfig: &Path,
+    lease_namespace: &str,
+    identity: &str,
+) -> Result<Process> {
+    let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
+    cmd.args(["--external-metrics-addr=", "--metrics-addr"])
+        .arg(format!("127.0.0.1:{}", free_port()?))
+        .args(["--lease-namespace", lease_namespace, "--identity", identity])
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info");
+    Process::start(
+        identity,
+        cmd,
+        &cluster.scratch().join(format!("{identity}.log")),
+    )
+}
+
+/// Who holds the operator's leader Lease in `namespace`, if anyone.
+pub async fn leader(client: &Client, namespace: &str) -> Result<Option<String>> {
+    let lease = Api::<Lease>::namespaced(client.clone(), namespace)
+        .get_opt(npufleet_operator::leader::LEASE_NAME)
+        .await?;
+    Ok(lease.and_then(|l| l.spec).and_then(|s| s.holder_identity))
+}
+
+/// Waits until `identity` holds the operator's leader Lease in `namespace`.
+pub async fn wait_leader(
+    client: &Client,
+    namespace: &str,
+    identity: &str,
+    timeout: Duration,
+) -> Result<()> {
+    wait::until(&format!("{identity} leading"), timeout, || async {
+        let holder = leader(client, namespace).await?;
+        Ok((holder.as_deref() == Some(identity)).then_some(()))
+    })
+    .await
 }

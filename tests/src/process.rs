@@ -139,12 +139,51 @@ pub struct Process {
     name: String,
     child: Child,
     log: PathBuf,
+    command: Recorded,
+}
+
+/// What [`Process::restart`] starts again.
+struct Recorded {
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+    envs: Vec<(std::ffi::OsString, Option<std::ffi::OsString>)>,
+    dir: Option<PathBuf>,
+}
+
+impl Recorded {
+    fn of(cmd: &Command) -> Self {
+        Self {
+            program: cmd.get_program().to_owned(),
+            args: cmd.get_args().map(ToOwned::to_owned).collect(),
+            envs: cmd
+                .get_envs()
+                .map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned)))
+                .collect(),
+            dir: cmd.get_current_dir().map(Path::to_path_buf),
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args);
+        for (key, value) in &self.envs {
+            match value {
+                Some(value) => cmd.env(key, value),
+                None => cmd.env_remove(key),
+            };
+        }
+        if let Some(dir) = &self.dir {
+            cmd.current_dir(dir);
+        }
+        cmd
+    }
 }
 
 impl Process {
     /// Starts `cmd` with stdout and stderr appended to `log`.
     pub fn start(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
         register_at_exit();
+        let command = Recorded::of(&cmd);
         let out = File::options()
             .create(true)
             .append(true)
@@ -184,7 +223,18 @@ impl Process {
             name: name.to_string(),
             child,
             log: log.to_path_buf(),
+            command,
         })
+    }
+
+    /// Kills the process group (SIGKILL, as a crash would) and starts the same command line
+    /// again, appending to the same log: a fault test's restart.
+    pub fn restart(&mut self) -> Result<()> {
+        // The old process must be gone first: it holds the ports the new one binds.
+        self.kill();
+        let restarted = Process::start(&self.name, self.command.command(), &self.log)?;
+        drop(std::mem::replace(self, restarted));
+        Ok(())
     }
 
     pub fn name(&self) -> &str {
