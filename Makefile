@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test fuzz
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -55,3 +55,19 @@ bench:
 # (minutes; kept out of make test).
 scale-test: setup build
 	$(CARGO) test -p npufleet-tests --test operator_scale -- --ignored --nocapture
+
+# Every fuzz target (worker/fuzz, libFuzzer through cargo-fuzz) for FUZZ_SECONDS each, starting
+# from the committed corpus; new inputs go to a scratch corpus in the cache, crashes to
+# worker/fuzz/artifacts/. Not part of test, which replays the committed corpus.
+FUZZ_SECONDS ?= 120
+FUZZ_TARGET_DIR := $(NPUFLEET_CACHE)/fuzz-target
+fuzz:
+	cargo_fuzz="$$(worker/fuzz/setup.sh)"; \
+	cd worker && for target in $$(RUSTC_BOOTSTRAP=1 "$$cargo_fuzz" list); do \
+	  mkdir -p "$(NPUFLEET_CACHE)/fuzz-corpus/$$target"; \
+	  dict=(); [ ! -f "fuzz/dicts/$$target.dict" ] || dict=("-dict=fuzz/dicts/$$target.dict"); \
+	  RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR=$(FUZZ_TARGET_DIR) "$$cargo_fuzz" run --debug-assertions "$$target" \
+	    "$(NPUFLEET_CACHE)/fuzz-corpus/$$target" "fuzz/corpus/$$target" -- \
+	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 "$${dict[@]}"; \
+	done
+
