@@ -132,6 +132,7 @@ async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() ->
                 "model": "smollm2",
                 "prompt": "Write a long story about a lighthouse keeper and the sea.",
                 "max_tokens": 400,
+                "temperature": 0.0,
                 "stream": true,
             }))
             .send()
