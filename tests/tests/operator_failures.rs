@@ -443,7 +443,10 @@ async fn set_unschedulable(client: &Client, node: &str, unschedulable: bool) -> 
     Ok(())
 }
 
+// Its checks pass within seconds, but one of its API requests then waits out the client's
+// read timeout, so a run takes minutes: `make chaos` runs it.
 #[tokio::test]
+#[ignore = "slow: an API request waits out the client's read timeout after the checks pass"]
 async fn evictions_never_take_more_than_the_budgeted_groups_out_of_service() -> Result<()> {
     let f = fixture("disruption").await?;
     // A server of its own, drained as `kubectl drain` does: cordoned, then evicted pod by pod.
