@@ -46,7 +46,12 @@ async fn service(namespace: &str, node: &str, replicas: i32) -> Result<Inference
             "engine": {"warmupIterations": 1, "drainSeconds": 30},
             "routing": {"policy": "least-load"},
             "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
-            "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+            // Every answer runs to its max_tokens, so a long stream is still going when a test
+            // kills its worker.
+            "template": {"env": [
+                {"name": "NPUFLEET_THREADS", "value": "1"},
+                {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
+            ]},
         }
     }))?)
 }
@@ -285,6 +290,18 @@ async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken()
         let fleet = Fleet::start("router-zero", 72, &["--wake-interval-seconds", "1"]).await?;
         fleet.apply(0).await?;
         let services = fleet.services();
+        // Requests sent before the router's watch has the service would be 404.
+        let grpc = GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
+        wait::until("the router to know the model", Duration::from_secs(20), || {
+            let mut grpc = grpc.clone();
+            async move {
+                let known = grpc
+                    .model_ready(ModelReadyRequest { name: MODEL.into(), version: String::new() })
+                    .await;
+                Ok(known.is_ok().then_some(()))
+            }
+        })
+        .await?;
         let http = reqwest::Client::builder().timeout(Duration::from_secs(90)).build()?;
         let started = Instant::now();
         let requests: Vec<_> = (0..20)
