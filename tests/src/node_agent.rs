@@ -679,7 +679,12 @@ fn resource_value(
     pod: &Pod,
     selector: &k8s_openapi::api::core::v1::ResourceFieldSelector,
 ) -> Result<String> {
-    if selector.resource != "limits.memory" || selector.divisor.is_some() {
+    // The apiserver stores an unset divisor as "0", which means 1.
+    let unit_divisor = selector
+        .divisor
+        .as_ref()
+        .is_none_or(|d| d.0 == "0" || d.0 == "1");
+    if selector.resource != "limits.memory" || !unit_divisor {
         bail!(
             "the node agent resolves only resourceFieldRef limits.memory without a divisor, not {}",
             selector.resource
