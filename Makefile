@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test fuzz
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -71,3 +71,7 @@ fuzz:
 	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 "$${dict[@]}"; \
 	done
 
+
+# Fault tests too slow for make test (minutes each).
+chaos: setup build
+	$(CARGO) test -p npufleet-tests --test operator_failures -- --ignored --nocapture
