@@ -66,6 +66,16 @@ impl Drop for PodsSeen {
     }
 }
 
+/// Pods not terminating: the groups the reconcile keeps.
+async fn live_pods(pods: &Api<Pod>) -> Result<usize> {
+    let list = pods.list(&ListParams::default()).await?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .count())
+}
+
 fn autoscaled_count(service: &InferenceService) -> Option<i32> {
     service
         .status
@@ -116,7 +126,7 @@ async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autosc
         npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
 
         wait::until("three replica groups", Duration::from_secs(30), || async {
-            let live = pods.list(&ListParams::default()).await?.items.len();
+            let live = live_pods(&pods).await?;
             Ok((live == 3).then_some(()))
         })
         .await?;
@@ -125,7 +135,7 @@ async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autosc
             Duration::from_secs(45),
             || async {
                 let service = services.get("chat").await?;
-                let live = pods.list(&ListParams::default()).await?.items.len();
+                let live = live_pods(&pods).await?;
                 let count = autoscaled_count(&service);
                 if count == Some(1) && live == 1 {
                     Ok(Some(()))
@@ -181,7 +191,7 @@ async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autosc
             },
         )
         .await?;
-        let live = pods.list(&ListParams::default()).await?.items.len();
+        let live = live_pods(&pods).await?;
         assert_eq!(live, 1, "the re-applied replicas created groups");
         assert_eq!(
             seen.names(),
