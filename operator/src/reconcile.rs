@@ -218,7 +218,21 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             (g, marked)
         })
         .collect();
-    let kept = kept_groups(&existing, desired);
+    // While groups run an outdated spec, up to `maxSurge` extra groups are made ahead of
+    // replacing them, so serving capacity never drops below `desired` during a rollout.
+    let stale_groups = groups
+        .values()
+        .filter(|group| {
+            group
+                .live
+                .values()
+                .any(|p| p.labels().get(labels::TEMPLATE_HASH) != Some(&hash))
+        })
+        .count();
+    let surge = usize::try_from(isvc.spec.rollout.max_surge)
+        .unwrap_or(0)
+        .min(stale_groups);
+    let kept = kept_groups(&existing, desired.saturating_add(surge as i32));
 
     for (&g, group) in &groups {
         if !group.live.is_empty() && !kept.contains(&g) {
@@ -361,7 +375,8 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     }
 
     seen.outdated_groups = outdated.len() as i32;
-    // Roll one group at a time, and only while every other group is serving.
+    // Roll one group at a time, and only while every other group (surge groups included) is
+    // serving: with a surge group ready, taking an outdated one out leaves `desired` serving.
     if let (false, Some(&g)) = (in_transition, outdated.first()) {
         if let Some(group) = groups.get(&g) {
             delete_pods.extend(group.live.values().map(|p| p.name_any()));

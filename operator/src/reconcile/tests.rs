@@ -392,8 +392,60 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
 }
 
 #[test]
-fn a_changed_spec_rolls_one_group_at_a_time() {
+fn a_changed_spec_surges_a_group_before_replacing_one() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let pods = running(&isvc, true);
+    isvc.spec.engine.max_batch_size = 64;
+    let observe = |pods: &[Pod]| Observed {
+        pods: pods.to_vec(),
+        ..Default::default()
+    };
+    // The one serving group stays while a group with the new spec is made beside it.
+    let p = plan(&isvc, &observe(&pods), &Settings::default(), &now());
+    assert!(p.delete_pods.is_empty(), "{:?}", p.delete_pods);
+    let surge: Vec<Pod> = p
+        .create_pods
+        .into_iter()
+        .map(|pod| with_status(pod, "Running", false, 1))
+        .collect();
+    assert_eq!(
+        surge.iter().map(|p| p.name_any()).collect::<Vec<_>>(),
+        ["llm-1-0"]
+    );
+    assert_eq!(
+        env_value(&surge[0], "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
+        Some("64")
+    );
+    // The old group still serves while the new one starts.
+    assert_eq!(p.status.ready_replicas, 1);
+    // Not yet ready: the old group is kept.
+    let both: Vec<Pod> = pods.iter().cloned().chain(surge.iter().cloned()).collect();
+    let p = plan(&isvc, &observe(&both), &Settings::default(), &now());
+    assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
+    // Ready: the outdated group goes, and nothing new is made.
+    let ready: Vec<Pod> = pods
+        .iter()
+        .cloned()
+        .chain(
+            surge
+                .into_iter()
+                .map(|pod| with_status(pod, "Running", true, 1)),
+        )
+        .collect();
+    let p = plan(&isvc, &observe(&ready), &Settings::default(), &now());
+    assert_eq!(p.delete_pods, ["llm-0-0"]);
+    assert!(p.create_pods.is_empty());
+    // Once it is gone the rollout is over: one group, with the new spec.
+    let p = plan(&isvc, &observe(&ready[1..]), &Settings::default(), &now());
+    assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
+    assert_eq!(p.status.ready_replicas, 1);
+}
+
+#[test]
+fn without_surge_a_changed_spec_rolls_one_group_at_a_time() {
     let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 2);
+    isvc.spec.rollout.max_surge = 0;
+    isvc.spec.rollout.max_unavailable = 1;
     let pods = running(&isvc, true);
     isvc.spec.engine.max_batch_size = 64;
     let p = plan(
@@ -406,6 +458,7 @@ fn a_changed_spec_rolls_one_group_at_a_time() {
         &now(),
     );
     assert_eq!(p.delete_pods, ["llm-0-0"]);
+    assert!(p.create_pods.is_empty());
     assert_eq!(condition(&p.status, status::READY).status, "False");
     // While group 0 is replaced, group 1 keeps serving.
     let rest: Vec<Pod> = pods
