@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, is_serving, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -141,9 +141,17 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             both.len() == 2 && both.values().all(|ranks| ranks == &["0", "1"]),
             "two whole groups expected, got {both:?}"
         );
-        // Keep the burst on until both groups' leaders have answered.
+        // Keep the burst on until both groups' leaders have answered (the router names the
+        // answering pod).
         wait::until("every group to answer", Duration::from_secs(120), || async {
-            let serving = serving_addresses(&pods).await?;
+            let serving: Vec<String> = pods
+                .list(&ListParams::default().labels("npufleet.io/rank=0"))
+                .await?
+                .items
+                .iter()
+                .filter(|p| is_serving(p))
+                .map(|p| p.name_any())
+                .collect();
             let answered = load.answered_by().await;
             let all = serving.iter().all(|a| answered.get(a).is_some_and(|&n| n > 0));
             Ok(all.then_some(()))

@@ -76,7 +76,7 @@ pub fn client(isvc: &InferenceService) -> Service {
 /// through the scale subresource, which counts groups, not pods. Pods that are not ready may
 /// always be evicted, so a drain never waits on a group that is down anyway.
 pub fn disruption_budget(isvc: &InferenceService) -> PodDisruptionBudget {
-    let pods = isvc.spec.replicas.max(0) * isvc.pods_per_replica();
+    let pods = crate::autoscaler::desired_replicas(isvc).max(0) * isvc.pods_per_replica();
     let min_available = (pods - isvc.spec.disruption_budget.max_unavailable).max(0);
     PodDisruptionBudget {
         metadata: metadata(isvc, names::disruption_budget(isvc)),
