@@ -74,4 +74,4 @@ fuzz:
 
 # Fault tests too slow for make test (minutes each).
 chaos: setup build
-	$(CARGO) test -p npufleet-tests --test operator_failures -- --ignored --nocapture
+	$(CARGO) test -p npufleet-tests --test operator_failures --test faults_worker -- --ignored --nocapture

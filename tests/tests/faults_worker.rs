@@ -118,6 +118,7 @@ fn signal(pid: i32, signal: i32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "timing-sensitive: a short greedy answer can end before the kill; run by make chaos"]
 async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() -> Result<()> {
     let c = cluster::shared();
     let result = async {
@@ -243,6 +244,7 @@ impl DeadlineLoad {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "timing-sensitive: its 5 s readiness bound fails on a loaded 2-core machine; run by make chaos"]
 async fn a_hung_worker_stops_being_ready_and_used_and_no_client_waits_past_its_deadline()
 -> Result<()> {
     let c = cluster::shared();
