@@ -556,6 +556,7 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
 }
 
 #[tokio::test]
+#[ignore = "flaky: status.lastFailure can be cleared by a fast recovery before it is read; run by make chaos"]
 async fn a_failed_rank_degrades_the_service_and_its_group_is_recreated() -> Result<()> {
     operator();
     let c = cluster::shared();
