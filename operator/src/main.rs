@@ -168,7 +168,8 @@ async fn external_metrics_tls(client: &kube::Client, args: &Args) -> anyhow::Res
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     telemetry::init(args.log_format);
-    let client = kube::Client::try_default().await?;
+    let metrics = Metrics::new()?;
+    let client = metrics.counted_client().await?;
     let identity = args
         .identity
         .clone()
@@ -177,7 +178,6 @@ async fn main() -> anyhow::Result<()> {
         worker_image: args.worker_image.clone(),
         cluster_domain: args.cluster_domain.clone(),
     };
-    let metrics = Metrics::new()?;
     let health = Health::default();
     let ctx = Arc::new(Context::new(
         client.clone(),

@@ -21,6 +21,7 @@ pub struct Metrics {
     reconciles: IntCounterVec,
     failures: IntCounterVec,
     duration: HistogramVec,
+    api_requests: IntCounterVec,
 }
 
 impl Metrics {
@@ -50,7 +51,16 @@ impl Metrics {
             ]),
             &["controller"],
         )?;
+        // controller-runtime's name for the same count, so one dashboard query covers both.
+        let api_requests = IntCounterVec::new(
+            Opts::new(
+                "rest_client_requests_total",
+                "Requests the operator sent to the Kubernetes API, by HTTP method",
+            ),
+            &["method"],
+        )?;
         registry.register(Box::new(reconciles.clone()))?;
+        registry.register(Box::new(api_requests.clone()))?;
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         Ok(Self {
@@ -58,7 +68,27 @@ impl Metrics {
             reconciles,
             failures,
             duration,
+            api_requests,
         })
+    }
+
+    /// A client whose every API request is counted in `rest_client_requests_total`, so the
+    /// requests one reconcile costs can be read beside `npufleet_operator_reconciliations_total`.
+    pub async fn counted_client(&self) -> kube::Result<kube::Client> {
+        let config = kube::Config::infer()
+            .await
+            .map_err(kube::Error::InferConfig)?;
+        let counter = self.api_requests.clone();
+        Ok(kube::client::ClientBuilder::try_from(config)?
+            .with_layer(&tower::util::MapRequestLayer::new(
+                move |request: http::Request<kube::client::Body>| {
+                    counter
+                        .with_label_values(&[request.method().as_str()])
+                        .inc();
+                    request
+                },
+            ))
+            .build())
     }
 
     /// Counts a reconcile; the returned timer records its duration when dropped.
