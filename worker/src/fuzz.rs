@@ -12,7 +12,7 @@ use npufleet_contract::rank_table::{self, PodIdentity, TableStatus};
 use prost::Message;
 
 use crate::model::gguf;
-use crate::server::oip;
+use crate::server::{oip, openai};
 
 /// A fuzz target's entry: takes any bytes, panics only on a bug.
 pub type Entry = fn(&[u8]);
@@ -22,6 +22,7 @@ pub const TARGETS: &[(&str, Entry)] = &[
     ("decode_infer_request", decode_infer_request),
     ("gguf_directory", gguf_directory),
     ("rank_table", rank_table),
+    ("openai_request", openai_request),
 ];
 
 /// Parsing a GGUF directory may hold at most this many bytes per byte of the file (plus
@@ -46,6 +47,31 @@ pub fn decode_infer_request(data: &[u8]) {
     }
     for raw in &request.raw_input_contents {
         let _ = oip::split_raw_bytes(raw);
+    }
+}
+
+/// The same bytes as a `/v1/completions` and as a `/v1/chat/completions` body. A body is
+/// either a validated request or the client's mistake (a 4xx), never a server error.
+pub fn openai_request(data: &[u8]) {
+    for (endpoint, validate) in [
+        (
+            "completions",
+            openai::validate_completion_body as fn(_, _) -> _,
+        ),
+        ("chat", openai::validate_chat_body),
+    ] {
+        match validate(data, "m") {
+            Ok(request) => {
+                if endpoint == "completions" {
+                    assert!(request.params.max_tokens.is_some(), "no default max_tokens");
+                }
+            }
+            Err(err) => assert!(
+                err.http_status().is_client_error(),
+                "{endpoint}: a request body gave a {} error: {err}",
+                err.http_status()
+            ),
+        }
     }
 }
 

@@ -102,15 +102,33 @@ impl<T: DeserializeOwned> FromRequest<HttpState> for JsonBody<T> {
     type Rejection = BodyError;
 
     async fn from_request(request: Request, state: &HttpState) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(request, state)
-            .await
-            .map_err(|rejection| body_rejection(rejection, state.max_body_bytes))?;
-        serde_json::from_slice(&bytes).map(JsonBody).map_err(|err| {
-            BodyError::Invalid(ServeError::bad_request(format!(
-                "the request body is not valid JSON for this endpoint: {err}"
-            )))
-        })
+        let BodyBytes(bytes) = BodyBytes::from_request(request, state).await?;
+        parse_json(&bytes).map(JsonBody).map_err(BodyError::Invalid)
     }
+}
+
+/// A request body as bytes, for handlers that parse it themselves; a body over the limit is
+/// refused by name.
+pub struct BodyBytes(pub Bytes);
+
+impl FromRequest<HttpState> for BodyBytes {
+    type Rejection = BodyError;
+
+    async fn from_request(request: Request, state: &HttpState) -> Result<Self, Self::Rejection> {
+        Bytes::from_request(request, state)
+            .await
+            .map(BodyBytes)
+            .map_err(|rejection| body_rejection(rejection, state.max_body_bytes))
+    }
+}
+
+/// Parses a JSON request body, with an error that names the problem.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ServeError> {
+    serde_json::from_slice(body).map_err(|err| {
+        ServeError::bad_request(format!(
+            "the request body is not valid JSON for this endpoint: {err}"
+        ))
+    })
 }
 
 /// Why a request body could not be read; rendered in the caller endpoint's error shape.

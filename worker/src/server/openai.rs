@@ -17,7 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{ChatMessage, GenerateRequest, GenerationEvent, Prompt, SamplingParams, Usage};
 use crate::server::error::ServeError;
-use crate::server::http::{BodyError, HttpState, JsonBody, OpenAiError};
+use crate::server::http::{BodyBytes, BodyError, HttpState, OpenAiError, parse_json};
 use crate::server::shared::{Shared, TrackedStream};
 
 /// Chunks of one streamed response buffered ahead of its connection.
@@ -25,7 +25,7 @@ const STREAM_BUFFER_CHUNKS: usize = 64;
 
 /// Sampling fields shared by both endpoints.
 #[derive(Debug, Default, Deserialize)]
-pub struct SamplingFields {
+struct SamplingFields {
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
@@ -61,13 +61,13 @@ pub struct SamplingFields {
 }
 
 #[derive(Debug, Default, Deserialize)]
-pub struct StreamOptions {
+struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
 }
 
 #[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
+struct CompletionRequest {
     model: Option<String>,
     prompt: Value,
     #[serde(flatten)]
@@ -75,7 +75,7 @@ pub struct CompletionRequest {
 }
 
 #[derive(Debug, Deserialize)]
-pub struct ChatRequest {
+struct ChatRequest {
     model: Option<String>,
     messages: Vec<ChatMessageIn>,
     #[serde(flatten)]
@@ -304,14 +304,82 @@ fn message_text(index: usize, content: &Value) -> Result<String, ServeError> {
     }
 }
 
-fn check_model(state: &HttpState, model: Option<&str>) -> Result<(), ServeError> {
+/// A request for another model than the one served is refused by name.
+fn check_model(served: &str, model: Option<&str>) -> Result<(), ServeError> {
     match model {
-        Some(name) if name != state.shared.model_name => Err(ServeError::ModelNotFound {
+        Some(name) if name != served => Err(ServeError::ModelNotFound {
             requested: name.to_string(),
-            served: state.shared.model_name.clone(),
+            served: served.to_string(),
         }),
         _ => Ok(()),
     }
+}
+
+/// What a chat or completion body asks of the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestInput {
+    Prompt(Prompt),
+    /// Rendered with the model's chat template before it reaches the engine.
+    Messages(Vec<ChatMessage>),
+}
+
+/// An OpenAI request body, checked and turned into engine settings. The engine still checks
+/// what depends on the model (vocabulary, context length) when the request is submitted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedRequest {
+    pub input: RequestInput,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// A `/v1/completions` body, for a worker serving `served_model`: bytes in, a validated
+/// request or the error to answer with. Touches no state, so the fuzz target runs it as is.
+pub fn validate_completion_body(
+    body: &[u8],
+    served_model: &str,
+) -> Result<ValidatedRequest, ServeError> {
+    let request: CompletionRequest = parse_json(body)?;
+    check_model(served_model, request.model.as_deref())?;
+    let prompt = parse_prompt(&request.prompt)?;
+    validated(RequestInput::Prompt(prompt), &request.sampling, Some(16))
+}
+
+/// A `/v1/chat/completions` body; see [`validate_completion_body`].
+pub fn validate_chat_body(body: &[u8], served_model: &str) -> Result<ValidatedRequest, ServeError> {
+    let request: ChatRequest = parse_json(body)?;
+    check_model(served_model, request.model.as_deref())?;
+    if request.messages.is_empty() {
+        return Err(ServeError::bad_param(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    let messages = request
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(index, message)| {
+            Ok(ChatMessage {
+                role: message.role.clone(),
+                content: message_text(index, &message.content)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ServeError>>()?;
+    validated(RequestInput::Messages(messages), &request.sampling, None)
+}
+
+fn validated(
+    input: RequestInput,
+    sampling: &SamplingFields,
+    default_max_tokens: Option<u32>,
+) -> Result<ValidatedRequest, ServeError> {
+    Ok(ValidatedRequest {
+        input,
+        params: sampling.to_params(default_max_tokens)?,
+        stream: sampling.stream,
+        include_usage: sampling.include_usage(),
+    })
 }
 
 fn unix_seconds() -> u64 {
@@ -491,11 +559,14 @@ async fn stream_events(
 async fn generate(
     state: HttpState,
     endpoint: Endpoint,
-    prompt: Prompt,
-    sampling: &SamplingFields,
-    default_max_tokens: Option<u32>,
+    request: ValidatedRequest,
 ) -> Result<Response, ServeError> {
-    let params = sampling.to_params(default_max_tokens)?;
+    let prompt = match request.input {
+        RequestInput::Prompt(prompt) => prompt,
+        RequestInput::Messages(messages) => {
+            Prompt::Text(state.shared.apply_chat_template(messages).await?)
+        }
+    };
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
@@ -505,17 +576,17 @@ async fn generate(
         id: state.shared.next_request_id(prefix),
         created: unix_seconds(),
         model: state.shared.model_name.clone(),
-        include_usage: sampling.include_usage(),
+        include_usage: request.include_usage,
     };
     let events = state
         .shared
         .submit(GenerateRequest {
             id: reply.id.clone(),
             prompt,
-            params,
+            params: request.params,
         })
         .await?;
-    if sampling.stream {
+    if request.stream {
         let (out, chunks) = mpsc::channel(STREAM_BUFFER_CHUNKS);
         tokio::spawn(stream_events(state.shared.clone(), reply, events, out));
         let body = ReceiverStream::new(chunks).map(Ok::<_, Infallible>);
@@ -528,69 +599,38 @@ async fn generate(
     Ok(Json(reply.complete(&collected.text, finish, &collected.usage)).into_response())
 }
 
-pub async fn completions(
-    State(state): State<HttpState>,
-    body: Result<JsonBody<CompletionRequest>, BodyError>,
+async fn serve(
+    state: HttpState,
+    endpoint: Endpoint,
+    body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    let JsonBody(request) = match body {
+    let BodyBytes(body) = match body {
         Ok(body) => body,
         Err(err) => return err.into_response(),
     };
-    let result = async {
-        check_model(&state, request.model.as_deref())?;
-        let prompt = parse_prompt(&request.prompt)?;
-        generate(
-            state,
-            Endpoint::Completions,
-            prompt,
-            &request.sampling,
-            Some(16),
-        )
-        .await
-    }
-    .await;
+    let validate = match endpoint {
+        Endpoint::Completions => validate_completion_body,
+        Endpoint::Chat => validate_chat_body,
+    };
+    let result = match validate(&body, &state.shared.model_name) {
+        Ok(request) => generate(state, endpoint, request).await,
+        Err(err) => Err(err),
+    };
     result.unwrap_or_else(|err| OpenAiError(err).into_response())
+}
+
+pub async fn completions(
+    State(state): State<HttpState>,
+    body: Result<BodyBytes, BodyError>,
+) -> Response {
+    serve(state, Endpoint::Completions, body).await
 }
 
 pub async fn chat_completions(
     State(state): State<HttpState>,
-    body: Result<JsonBody<ChatRequest>, BodyError>,
+    body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    let JsonBody(request) = match body {
-        Ok(body) => body,
-        Err(err) => return err.into_response(),
-    };
-    let result = async {
-        check_model(&state, request.model.as_deref())?;
-        if request.messages.is_empty() {
-            return Err(ServeError::bad_param(
-                "messages",
-                "'messages' must not be empty",
-            ));
-        }
-        let messages = request
-            .messages
-            .iter()
-            .enumerate()
-            .map(|(index, message)| {
-                Ok(ChatMessage {
-                    role: message.role.clone(),
-                    content: message_text(index, &message.content)?,
-                })
-            })
-            .collect::<Result<Vec<_>, ServeError>>()?;
-        let prompt = state.shared.apply_chat_template(messages).await?;
-        generate(
-            state,
-            Endpoint::Chat,
-            Prompt::Text(prompt),
-            &request.sampling,
-            None,
-        )
-        .await
-    }
-    .await;
-    result.unwrap_or_else(|err| OpenAiError(err).into_response())
+    serve(state, Endpoint::Chat, body).await
 }
 
 pub async fn models(State(state): State<HttpState>) -> Json<Value> {
@@ -720,6 +760,51 @@ mod tests {
             message_text(2, &image).unwrap_err().param(),
             Some("messages[2].content")
         );
+    }
+
+    #[test]
+    fn bodies_validate_into_engine_requests() {
+        let request = validate_completion_body(
+            br#"{"model": "m", "prompt": [[1, 2]], "stream": true, "stream_options": {"include_usage": true}}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(
+            request.input,
+            RequestInput::Prompt(Prompt::Tokens(vec![1, 2]))
+        );
+        assert_eq!(request.params.max_tokens, Some(16));
+        assert!(request.stream && request.include_usage);
+        let request = validate_chat_body(
+            br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(
+            request.input,
+            RequestInput::Messages(vec![ChatMessage {
+                role: "user".into(),
+                content: "hi".into()
+            }])
+        );
+        assert_eq!(request.params.max_tokens, Some(3));
+        assert!(!request.stream);
+    }
+
+    #[test]
+    fn bad_bodies_are_the_clients_mistake() {
+        for (body, code) in [
+            (&br#"{"prompt": "#[..], "invalid_request"),
+            (br#"{"model": "other", "prompt": "x"}"#, "model_not_found"),
+            (br#"{"prompt": "x", "n": 2}"#, "invalid_request"),
+            (br#"{"messages": []}"#, "invalid_request"),
+        ] {
+            let completion = validate_completion_body(body, "m").unwrap_err();
+            let chat = validate_chat_body(body, "m").unwrap_err();
+            assert!(completion.http_status().is_client_error());
+            assert!(chat.http_status().is_client_error());
+            assert!([completion.openai_code(), chat.openai_code()].contains(&code));
+        }
     }
 
     #[test]
