@@ -91,7 +91,7 @@ impl GrpcFrontDoor {
 
     fn prefix_key(&self, request: &ModelInferRequest) -> Option<u64> {
         let text = text_input(request)?;
-        self.router.settings.prefix.key(text)
+        self.router.prefix_key(&request.model_name, text)
     }
 
     /// Sends one unary call to replicas of `model` in turn until one answers, retrying only

@@ -87,7 +87,7 @@ async fn openai(
             }
         };
         let key = prompt::openai_prompt(&json)
-            .and_then(|p| state.router.settings.prefix.key(p.as_bytes()));
+            .and_then(|p| state.router.prefix_key(&model, p.as_bytes()));
         Ok((model, key, body))
     }
     .await;
@@ -142,8 +142,7 @@ async fn v2(
             None
         } else {
             let json = parse_json(&body)?;
-            prompt::v2_rest_prompt(&json)
-                .and_then(|p| state.router.settings.prefix.key(p.as_bytes()))
+            prompt::v2_rest_prompt(&json).and_then(|p| state.router.prefix_key(&name, p.as_bytes()))
         };
         Ok((key, body))
     }

@@ -1,12 +1,13 @@
 //! One `WorkerLoad.WatchLoad` stream per serving replica, feeding its reports into the pool,
-//! started and stopped as replicas come and go.
+//! started and stopped as replicas come and go; and, once per replica, its prefix-cache block
+//! size from its `/metrics`.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use npufleet_contract::ports::GRPC_PORT;
+use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WatchLoadRequest, WorkerState};
 use tokio::sync::watch;
@@ -16,11 +17,13 @@ use tonic::transport::Endpoint;
 use crate::discovery::Fleet;
 use crate::policy::ReportedLoad;
 use crate::pool::{Pool, ReplicaState, Report};
+use crate::prompt::cache_block_size;
 
 /// Follows the fleet: a load stream for every serving replica, none for the others.
 pub async fn follow(
     mut fleet: watch::Receiver<Arc<Fleet>>,
     pool: Arc<Pool>,
+    http: reqwest::Client,
     interval: Duration,
     connect_timeout: Duration,
 ) {
@@ -45,6 +48,7 @@ pub async fn follow(
                 tokio::spawn(watch_replica(
                     *ip,
                     pool.replica(*ip),
+                    http.clone(),
                     interval,
                     connect_timeout,
                 ))
@@ -63,11 +67,22 @@ pub async fn follow(
 async fn watch_replica(
     ip: IpAddr,
     state: Arc<ReplicaState>,
+    http: reqwest::Client,
     interval: Duration,
     connect_timeout: Duration,
 ) {
     let interval_ms = u32::try_from(interval.as_millis()).unwrap_or(u32::MAX);
+    let mut block_size_known = false;
     loop {
+        if !block_size_known {
+            match read_block_size(&http, ip).await {
+                Ok(tokens) => {
+                    state.set_block_size(tokens);
+                    block_size_known = true;
+                }
+                Err(error) => tracing::debug!(%ip, %error, "no prefix-cache block size yet"),
+            }
+        }
         if let Err(error) = stream_reports(ip, &state, interval_ms, connect_timeout).await {
             tracing::debug!(%ip, %error, "load stream ended");
         }
@@ -75,6 +90,25 @@ async fn watch_replica(
         // report interval, so a restarting worker is not hammered.
         tokio::time::sleep(interval).await;
     }
+}
+
+/// The replica's prefix-cache block size, from the `vllm:cache_config_info` series an
+/// Endpoint Picker reads too.
+async fn read_block_size(http: &reqwest::Client, ip: IpAddr) -> anyhow::Result<usize> {
+    let url = format!(
+        "http://{}/metrics",
+        std::net::SocketAddr::new(ip, HTTP_PORT)
+    );
+    let metrics = http
+        .get(&url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    cache_block_size(&metrics)
+        .ok_or_else(|| anyhow::anyhow!("{url} has no vllm:cache_config_info block_size"))
 }
 
 async fn stream_reports(

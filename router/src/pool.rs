@@ -25,9 +25,15 @@ pub struct Report {
 pub struct ReplicaState {
     in_flight: AtomicU32,
     report: Mutex<Option<Report>>,
+    /// Tokens per prefix-cache block, as the worker publishes it; 0 until read.
+    block_size: AtomicUsize,
 }
 
 impl ReplicaState {
+    pub fn set_block_size(&self, tokens: usize) {
+        self.block_size.store(tokens, Ordering::Relaxed);
+    }
+
     pub fn set_report(&self, report: Report) {
         *self.report.lock().expect("report lock") = Some(report);
     }
@@ -88,6 +94,17 @@ impl Pool {
             .lock()
             .expect("pool lock")
             .retain(|ip, _| live.contains(ip));
+    }
+
+    /// Tokens per prefix-cache block of `model`'s workers: the first a replica has published.
+    pub fn block_size(&self, model: &Model) -> Option<usize> {
+        let replicas = self.replicas.lock().expect("pool lock");
+        model
+            .endpoints
+            .iter()
+            .filter_map(|e| replicas.get(&e.ip))
+            .map(|state| state.block_size.load(Ordering::Relaxed))
+            .find(|&tokens| tokens > 0)
     }
 
     /// A replica of `model` for one request, by the model's policy, skipping the pods in

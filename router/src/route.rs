@@ -102,6 +102,15 @@ impl Router {
             .ok_or_else(|| RouteError::ModelNotFound(name.to_owned()))
     }
 
+    /// The prefix-affinity key of `prompt` for `model_name`, cut at its workers' cache block
+    /// size. `None` for an unknown model, or one no replica has published its block size for
+    /// yet (the request is then placed by load).
+    pub fn prefix_key(&self, model_name: &str, prompt: &[u8]) -> Option<u64> {
+        let model = self.model(model_name).ok()?;
+        let block_tokens = self.pool.block_size(&model)?;
+        self.settings.prefix.key(prompt, block_tokens)
+    }
+
     /// A replica of `model_name` for one attempt, skipping the pods in `tried`. With nothing
     /// tried yet and no replica ready, holds the request until one is (or the hold ends);
     /// with every replica tried, fails at once, as retrying the same replicas would.

@@ -51,11 +51,8 @@ pub struct Args {
     /// Milliseconds between the load reports each worker streams to the router.
     #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u32).range(100..=5000))]
     pub load_interval_ms: u32,
-    /// Bytes of prompt per prefix block: the worker's prefix-cache block (16 tokens) at about
-    /// four bytes a token.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
-    pub prefix_block_bytes: u32,
-    /// Leading prefix blocks that make up the prefix-affinity key.
+    /// Leading prefix-cache blocks (of the worker's block size) that make up the
+    /// prefix-affinity key.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub prefix_blocks: u32,
     /// Prefix-affinity keeps a prompt's replica while that replica's outstanding requests stay
@@ -97,7 +94,6 @@ impl Args {
                 report_max_age: load_interval * 3,
             },
             prefix: PrefixBlocks {
-                block_bytes: self.prefix_block_bytes as usize,
                 max_blocks: self.prefix_blocks as usize,
             },
             max_body_bytes: self.max_body_bytes,
@@ -120,18 +116,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .context("connecting to the Kubernetes API")?;
     let (discovery, watches) = Discovery::start(client.clone(), args.namespace.as_deref());
     let pool = Arc::new(Pool::default());
+    let upstream = reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(args.connect_timeout_ms))
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()?;
     let load_streams = crate::load::follow(
         discovery.fleet.clone(),
         pool.clone(),
+        upstream.clone(),
         Duration::from_millis(args.load_interval_ms.into()),
         Duration::from_millis(args.connect_timeout_ms),
     );
     let metrics = Metrics::new()?;
     let router = Arc::new(Router::new(settings, discovery, pool, metrics, client));
-    let upstream = reqwest::Client::builder()
-        .connect_timeout(Duration::from_millis(args.connect_timeout_ms))
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build()?;
 
     let http_listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
