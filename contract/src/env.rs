@@ -17,6 +17,9 @@ pub const ACCELERATOR: &str = "NPUFLEET_ACCELERATOR";
 pub const PREFIX_TEMPLATES: &str = "NPUFLEET_PREFIX_TEMPLATES";
 /// Seconds to finish accepted requests after SIGTERM.
 pub const DRAIN_TIMEOUT: &str = "NPUFLEET_DRAIN_TIMEOUT";
+/// The key clients must present to the worker's inference endpoints (unset: none); see
+/// [`crate::auth::ApiKey`].
+pub const API_KEY: &str = "NPUFLEET_API_KEY";
 /// The worker container's memory limit in bytes (from the downward API), which the KV cache is
 /// sized against.
 pub const MEMORY_LIMIT_BYTES: &str = "NPUFLEET_MEMORY_LIMIT_BYTES";

@@ -1,12 +1,14 @@
 //! What npufleet's operator, worker and router agree on, written once: the gRPC protocols, the
-//! HCCL rank table (`hccl.json`) schema, ports and their names, the environment variables the
-//! operator sets on worker pods, annotations, and the names of precisions and accelerators.
+//! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
+//! environment variables the operator sets on worker pods, annotations, and the names of
+//! precisions and accelerators.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
 //! rather than a fleet that does not start.
 
 pub mod accelerator;
 pub mod annotations;
+pub mod auth;
 pub mod env;
 pub mod ports;
 pub mod precision;
