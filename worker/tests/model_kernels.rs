@@ -242,15 +242,26 @@ fn float_kernels_match_scalar() {
         for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
             let a = rng.vec(n, 1.0);
             let b = rng.vec(n, 1.0);
-            assert!(
-                close((scalar.dot_f32)(&a, &b), (fast.dot_f32)(&a, &b), 1e-5),
-                "dot_f32 n={n}"
-            );
-            let h: Vec<half::f16> = a.iter().map(|&v| half::f16::from_f32(v)).collect();
-            assert!(
-                close((scalar.dot_f16)(&h, &b), (fast.dot_f16)(&h, &b), 1e-5),
-                "dot_f16 n={n}"
-            );
+            // Seven weight rows × five activation rows (off both block sizes), outputs
+            // nine apart.
+            let w = rng.vec(7 * n, 1.0);
+            let x = rng.vec(5 * n, 1.0);
+            let (mut o1, mut o2) = (vec![0f32; 45], vec![0f32; 45]);
+            (scalar.dot_f32_rows)(&w, &x, n, &mut o1, 9);
+            (fast.dot_f32_rows)(&w, &x, n, &mut o2, 9);
+            for j in 0..5 {
+                for r in 0..7 {
+                    let (p, q) = (o1[j * 9 + r], o2[j * 9 + r]);
+                    assert!(close(p, q, 1e-5), "dot_f32_rows n={n} [{j}][{r}]");
+                    // A product is the same bits alone as inside a block.
+                    for (k, got) in [(&scalar, p), (fast, q)] {
+                        let mut one = [0f32];
+                        let (wr, xj) = (&w[r * n..(r + 1) * n], &x[j * n..(j + 1) * n]);
+                        (k.dot_f32_rows)(wr, xj, n, &mut one, 1);
+                        assert_eq!(one[0].to_bits(), got.to_bits(), "{} n={n}", k.name);
+                    }
+                }
+            }
             let (mut y1, mut y2) = (b.clone(), b.clone());
             (scalar.axpy)(0.37, &a, &mut y1);
             (fast.axpy)(0.37, &a, &mut y2);
@@ -400,9 +411,9 @@ fn matmul_every_storage_and_batch_size() {
                     );
                 }
             }
-            // Quantised batches change speed, not answers: each row equals its single-row
-            // product bit for bit (float batches switch to a GEMM that sums in another order).
-            for (be, batched) in backends.iter().zip(&results).filter(|_| quantised) {
+            // Batches change speed, not answers: each row equals its single-row product bit
+            // for bit, in every storage.
+            for (be, batched) in backends.iter().zip(&results) {
                 for j in 0..n {
                     let mut alone = vec![0f32; rows];
                     be.matmul(w, &x[j * cols..(j + 1) * cols], 1, &mut alone);
@@ -472,8 +483,7 @@ fn paged_attention_matches_contiguous_reference() {
     let mut rng = Rng(13);
     let (n_heads, n_kv, hd, bs) = (4, 2, 16, 4);
     let slot = n_kv * hd;
-    // One call carries every chunk of a step: decode-sized chunks take the dot-product path,
-    // longer ones the GEMM path.
+    // One call carries every chunk of a step, decode-sized and long.
     let shapes = [(5usize, 1usize), (5, 3), (0, 9), (17, 1), (3, 70), (0, 1)];
     struct Pages {
         start: usize,
@@ -519,10 +529,31 @@ fn paged_attention_matches_contiguous_reference() {
             },
         });
     }
+    let row_len = n_heads * hd;
     for kernels in Kernels::supported() {
         let be = CpuBackend::with_kernels(2, kernels).unwrap();
         let mut out = vec![0f32; q.len()];
         be.attention(&q, &chunks, n_heads, &mut out);
+        // Each token on its own, as a one-token chunk, gives the same bits as inside its
+        // chunk: a prefix from the cache does not change what follows it.
+        for c in &chunks {
+            for (i, row) in c.rows.clone().enumerate() {
+                let alone = [AttentionChunk {
+                    rows: 0..1,
+                    start_pos: c.start_pos + i,
+                    kv: PagedKv { ..c.kv },
+                }];
+                let mut one = vec![0f32; row_len];
+                be.attention(&q[row * row_len..][..row_len], &alone, n_heads, &mut one);
+                assert_eq!(
+                    one[..],
+                    out[row * row_len..][..row_len],
+                    "start {} row {i} ({})",
+                    c.start_pos,
+                    be.name()
+                );
+            }
+        }
         for (p, c) in pages.iter().zip(&chunks) {
             for i in 0..p.t {
                 let row = c.rows.start + i;

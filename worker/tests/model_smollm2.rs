@@ -287,7 +287,8 @@ fn f32_path_matches_numpy_reference_and_int8_agrees_on_top1() {
     assert!(int8_rate >= 0.95, "int8 top-1 agreement {int8_rate:.3}");
 }
 
-/// Runs `chunks` as one batch and each on its own; the logits must match.
+/// Runs `chunks` as one batch and each on its own, in one chunk; the logits must be the same
+/// bits.
 #[test]
 fn mixed_batch_equals_separate_runs() {
     let model = model();
@@ -339,29 +340,89 @@ fn mixed_batch_equals_separate_runs() {
             .forward(&mut kv2, &[chunk(&b, 0, &tb, full)])
             .unwrap()
             .remove(0),
-        {
-            // Same chunking as in the batch: int8 activation rounding would amplify the
-            // last-bit differences between the decode and prefill attention paths.
-            model
-                .forward(&mut kv2, &[chunk(&c[..cs], 0, &tc, int8)])
-                .unwrap();
-            model
-                .forward(&mut kv2, &[chunk(&c[cs..], cs, &tc, int8)])
-                .unwrap()
-                .remove(0)
-        },
+        model
+            .forward(&mut kv2, &[chunk(&c, 0, &tc, int8)])
+            .unwrap()
+            .remove(0),
     ];
     assert_eq!(batched.len(), 3);
     for (i, (x, y)) in batched.iter().zip(&alone).enumerate() {
-        let diff = x
-            .iter()
-            .zip(y)
-            .map(|(p, q)| (p - q).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            diff < 1e-3,
-            "chunk {i}: batched and separate logits differ by {diff}"
+        let differing = x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits());
+        assert_eq!(
+            differing.count(),
+            0,
+            "chunk {i}: batched and separate logits differ"
         );
+    }
+}
+
+/// Last-row logits of `prompt` computed in chunks ending at each of `ends` (the last is the
+/// prompt's length), one `forward` per chunk on a fresh cache: a prefix whose keys and
+/// values come from earlier chunks is what a prefix-cache hit gives the engine.
+fn chunked_logits(prompt: &[u32], ends: &[usize], precision: WeightPrecision) -> Vec<f32> {
+    let model = model();
+    let blocks = prompt.len().div_ceil(BLOCK);
+    let mut kv = model.new_kv_cache(blocks, BLOCK);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let mut start = 0;
+    let mut logits = Vec::new();
+    for &end in ends {
+        logits = model
+            .forward(
+                &mut kv,
+                &[SequenceChunk {
+                    tokens: &prompt[start..end],
+                    start_pos: start,
+                    block_table: &table,
+                    want_logits: true,
+                    precision,
+                }],
+            )
+            .expect("chunk")
+            .remove(0);
+        start = end;
+    }
+    logits
+}
+
+/// Temperature 0 must not depend on the prefix cache: the last prompt row's logits are the
+/// same bits whether the first `split` tokens were computed in this request (one chunk) or
+/// came from earlier chunks, for several split points and chunk sizes, at both precisions
+/// the default `auto` policy serves.
+#[test]
+fn cached_prefix_gives_bitwise_identical_logits() {
+    let prompt = model()
+        .tokenizer()
+        .encode("Quelle est la plus haute distinction honorifique française, et qui l'a créée ?");
+    let n = prompt.len();
+    assert!(n > 20, "prompt of {n} tokens");
+    for precision in [WeightPrecision::Int8, WeightPrecision::Full] {
+        let whole = chunked_logits(&prompt, &[n], precision);
+        for split in [1, 5, BLOCK, n - 1] {
+            for chunk in [1, 3, 8, 64] {
+                // The prefix in chunks of `chunk`, the rest in one: a cache filled by
+                // earlier requests or steps.
+                let mut ends: Vec<usize> = (chunk..split).step_by(chunk).collect();
+                ends.extend([split, n]);
+                // The prefix in one chunk, the rest in chunks of `chunk`: a cache hit
+                // followed by chunked prefill of the remainder.
+                let mut rest: Vec<usize> = (split + chunk..n).step_by(chunk).collect();
+                rest.insert(0, split);
+                rest.push(n);
+                for ends in [ends, rest] {
+                    let got = chunked_logits(&prompt, &ends, precision);
+                    let differing = whole
+                        .iter()
+                        .zip(&got)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differing, 0,
+                        "{precision:?}: chunks ending at {ends:?} change {differing} logits"
+                    );
+                }
+            }
+        }
     }
 }
 

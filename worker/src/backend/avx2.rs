@@ -672,66 +672,102 @@ pub unsafe fn dot_q8_0(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
     hsum(acc)
 }
 
+/// Activation rows [`dot_f32_rows`] takes through one weight-row block at a time: 64 rows
+/// of up to 1536 values (384 KiB) stay in L2 while every block meets them.
+const F32_ACT_BLOCK: usize = 64;
+
+/// `out[j · out_stride + r]` = weight row `r` of `w` · activation row `j` of `x`, rows
+/// `cols` long. Every product is computed the same way wherever its rows sit and however
+/// many share the call: one 8-lane fused multiply-add chain over the values in order, the
+/// lanes summed by [`hsum`], then the values after the last eight added one at a time. So
+/// a token's projections do not depend on the batch it is in. Blocks of four activation
+/// rows × three weight rows share their loads.
+///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
-#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut i = 0;
-    // SAFETY: every load reads within `0..n` of both slices.
-    unsafe {
-        while i + 16 <= n {
-            acc0 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i)),
-                _mm256_loadu_ps(b.as_ptr().add(i)),
-                acc0,
-            );
-            acc1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
-                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
-                acc1,
-            );
-            i += 16;
-        }
-        while i + 8 <= n {
-            acc0 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i)),
-                _mm256_loadu_ps(b.as_ptr().add(i)),
-                acc0,
-            );
-            i += 8;
+pub unsafe fn dot_f32_rows(w: &[f32], x: &[f32], cols: usize, out: &mut [f32], out_stride: usize) {
+    if cols == 0 {
+        return;
+    }
+    let (rows, n) = (w.len() / cols, x.len() / cols);
+    assert!(
+        n == 0 || (n - 1) * out_stride + rows <= out.len(),
+        "dot_f32_rows output"
+    );
+    for j0 in (0..n).step_by(F32_ACT_BLOCK) {
+        let j1 = (j0 + F32_ACT_BLOCK).min(n);
+        for r in (0..rows).step_by(3) {
+            let mut j = j0;
+            while j < j1 {
+                let acts = (j1 - j).min(4);
+                // SAFETY: rows r..r + 3 (clipped) of `w` and j..j + acts of `x` are inside
+                // their slices, and the outputs inside `out` (asserted above).
+                unsafe {
+                    let (wp, xp) = (w.as_ptr().add(r * cols), x.as_ptr().add(j * cols));
+                    let op = out.as_mut_ptr().add(j * out_stride + r);
+                    match (acts, (rows - r).min(3)) {
+                        (4, 3) => dot_block::<4, 3>(wp, xp, cols, op, out_stride),
+                        (4, 2) => dot_block::<4, 2>(wp, xp, cols, op, out_stride),
+                        (4, _) => dot_block::<4, 1>(wp, xp, cols, op, out_stride),
+                        (3, 3) => dot_block::<3, 3>(wp, xp, cols, op, out_stride),
+                        (3, 2) => dot_block::<3, 2>(wp, xp, cols, op, out_stride),
+                        (3, _) => dot_block::<3, 1>(wp, xp, cols, op, out_stride),
+                        (2, 3) => dot_block::<2, 3>(wp, xp, cols, op, out_stride),
+                        (2, 2) => dot_block::<2, 2>(wp, xp, cols, op, out_stride),
+                        (2, _) => dot_block::<2, 1>(wp, xp, cols, op, out_stride),
+                        (_, 3) => dot_block::<1, 3>(wp, xp, cols, op, out_stride),
+                        (_, 2) => dot_block::<1, 2>(wp, xp, cols, op, out_stride),
+                        _ => dot_block::<1, 1>(wp, xp, cols, op, out_stride),
+                    }
+                }
+                j += acts;
+            }
         }
     }
-    let mut sum = hsum(_mm256_add_ps(acc0, acc1));
-    for j in i..n {
-        sum += a[j] * b[j];
-    }
-    sum
 }
 
+/// `A` activation rows (from `x`) × `W` weight rows (from `w`), all `cols` long and
+/// contiguous, into `out[a · out_stride + r]`, each product as [`dot_f32_rows`] defines it.
+///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
+/// The CPU must support the features; the rows and outputs must be in bounds.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
-    let n = w.len().min(x.len());
-    let mut acc = _mm256_setzero_ps();
+unsafe fn dot_block<const A: usize, const W: usize>(
+    w: *const f32,
+    x: *const f32,
+    cols: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); W]; A];
     let mut i = 0;
-    // SAFETY: every load reads within `0..n` of both slices.
+    // SAFETY (every access): guaranteed by the caller, `i + 8 ≤ cols` or `i < cols`.
     unsafe {
-        while i + 8 <= n {
-            let wv = _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i) as *const __m128i));
-            acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(i)), acc);
+        while i + 8 <= cols {
+            let mut wv = [_mm256_setzero_ps(); W];
+            for (r, wv) in wv.iter_mut().enumerate() {
+                *wv = _mm256_loadu_ps(w.add(r * cols + i));
+            }
+            for (a, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(a * cols + i));
+                for (acc, wv) in acc.iter_mut().zip(&wv) {
+                    *acc = _mm256_fmadd_ps(xv, *wv, *acc);
+                }
+            }
             i += 8;
         }
+        for (a, acc) in acc.iter().enumerate() {
+            for (r, acc) in acc.iter().enumerate() {
+                let mut sum = hsum(*acc);
+                for k in i..cols {
+                    sum += *x.add(a * cols + k) * *w.add(r * cols + k);
+                }
+                *out.add(a * out_stride + r) = sum;
+            }
+        }
     }
-    let mut sum = hsum(acc);
-    for j in i..n {
-        sum += f16_to_f32(w[j]) * x[j];
-    }
-    sum
 }
 
 /// As [`super::quant::dot_strided_scalar`], bit for bit: eight rows at a time, one row per

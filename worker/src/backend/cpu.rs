@@ -1,7 +1,6 @@
 //! The CPU backend: a rayon pool sized by the `threads` option, kernels picked once at start
 //! from what the CPU supports.
 
-use half::f16;
 use std::ops::Range;
 
 use rayon::prelude::*;
@@ -27,8 +26,10 @@ pub struct Kernels {
     pub gemm_q4_1_group: GroupKernel<BlockQ4_1>,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
     pub gemm_q8_0_group: GroupKernel<BlockQ8_0>,
-    pub dot_f32: fn(&[f32], &[f32]) -> f32,
-    pub dot_f16: fn(&[f16], &[f32]) -> f32,
+    /// `(w, x, cols, out, out_stride)`: every weight row of `w` · every activation row of
+    /// `x` into `out[j · out_stride + r]`; each product's arithmetic is fixed, whatever the
+    /// row counts, so a row's result does not depend on its batch.
+    pub dot_f32_rows: fn(&[f32], &[f32], usize, &mut [f32], usize),
     pub axpy: fn(f32, &[f32], &mut [f32]),
     pub exp_sum: fn(&mut [f32], f32) -> f32,
     pub silu_mul: fn(&mut [f32], &[f32]),
@@ -47,8 +48,7 @@ impl Kernels {
             gemm_q4_1_group: quant::gemm_q4_1_group_scalar,
             dot_q8_0: quant::dot_q8_0_scalar,
             gemm_q8_0_group: quant::gemm_q8_0_group_scalar,
-            dot_f32: quant::dot_f32_scalar,
-            dot_f16: quant::dot_f16_scalar,
+            dot_f32_rows: quant::dot_f32_rows_scalar,
             axpy: quant::axpy_scalar,
             exp_sum: quant::exp_sum_scalar,
             silu_mul: quant::silu_mul_scalar,
@@ -93,8 +93,9 @@ fn avx2_kernels() -> Kernels {
         gemm_q4_1_group: |w, x, out| unsafe { avx2::gemm_q4_1_group(w, x, out) },
         dot_q8_0: |w, x| unsafe { avx2::dot_q8_0(w, x) },
         gemm_q8_0_group: |w, x, out| unsafe { avx2::gemm_q8_0_group(w, x, out) },
-        dot_f32: |a, b| unsafe { avx2::dot_f32(a, b) },
-        dot_f16: |w, x| unsafe { avx2::dot_f16(w, x) },
+        dot_f32_rows: |w, x, cols, out, stride| unsafe {
+            avx2::dot_f32_rows(w, x, cols, out, stride)
+        },
         axpy: |a, x, y| unsafe { avx2::axpy(a, x, y) },
         exp_sum: |x, shift| unsafe { avx2::exp_sum(x, shift) },
         silu_mul: |gate, up| unsafe { avx2::silu_mul(gate, up) },
@@ -136,14 +137,8 @@ const ACT_ROWS: usize = 2;
 /// Rows per task of the element-wise kernels: a decode step's few rows stay on the calling
 /// thread.
 const SERIAL_ELEMENTWISE_ROWS: usize = 8;
-/// Batches up to this many rows use the dot-product path for float weights instead of GEMM.
-const GEMV_MAX_ROWS: usize = 2;
-/// Weight rows converted from f16 to f32 at a time before a GEMM.
-const F16_GEMM_ROWS: usize = 256;
-/// Chunks of at least this many tokens compute attention as two GEMMs per head.
-const ATTENTION_GEMM_MIN_TOKENS: usize = 8;
-/// Query rows per task of the GEMM attention.
-const ATTENTION_ROW_BLOCK: usize = 64;
+/// Weight rows per parallel task of the float matmul (f16 rows are widened per task).
+const FLOAT_ROW_TILE: usize = 48;
 
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
@@ -187,156 +182,42 @@ impl CpuBackend {
         &self.kernels
     }
 
-    /// Attention for a prefill chunk: per head and block of query rows, scores = Q·Kᵀ and
-    /// out = softmax(scores)·V as GEMMs over the keys gathered out of their pages.
-    fn attention_gemm(
-        &self,
-        q: &[f32],
-        kv: &PagedKv<'_>,
-        start_pos: usize,
-        n_heads: usize,
-        out: &mut [f32],
-    ) {
-        let hd = kv.head_dim;
-        let t = q.len() / (n_heads * hd);
-        let total = start_pos + t;
-        let group = n_heads / kv.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let kernels = &self.kernels;
-        let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..kv.n_kv_heads)
-            .into_par_iter()
-            .map(|g| {
-                let (mut k, mut v) = (
-                    Vec::with_capacity(total * hd),
-                    Vec::with_capacity(total * hd),
-                );
-                for p in 0..total {
-                    let off = kv.offset(p, g);
-                    k.extend_from_slice(&kv.k[off..off + hd]);
-                    v.extend_from_slice(&kv.v[off..off + hd]);
-                }
-                (k, v)
-            })
-            .collect();
+    /// `out = x · Wᵀ` for f32 or f16 weights, per tile of weight rows in parallel; f16
+    /// rows are widened to f32 first, so both storages share one kernel and its rounding.
+    fn matmul_float(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
+        let (rows, cols) = (w.rows, w.cols);
+        let dot_rows = self.kernels.dot_f32_rows;
         let shared = SharedOut(out.as_mut_ptr());
-        let row_blocks = t.div_ceil(ATTENTION_ROW_BLOCK);
-        let row_stride = (n_heads * hd) as isize;
-        (0..n_heads * row_blocks).into_par_iter().for_each(|task| {
-            let (h, b) = (task / row_blocks, task % row_blocks);
-            let (i0, i1) = (
-                b * ATTENTION_ROW_BLOCK,
-                ((b + 1) * ATTENTION_ROW_BLOCK).min(t),
+        (0..rows.div_ceil(FLOAT_ROW_TILE))
+            .into_par_iter()
+            .for_each_init(
+                || (Vec::new(), Vec::new()),
+                |(widened, tile_out): &mut (Vec<f32>, Vec<f32>), t| {
+                    let range = t * FLOAT_ROW_TILE..((t + 1) * FLOAT_ROW_TILE).min(rows);
+                    let weights = range.start * cols..range.end * cols;
+                    let tile: &[f32] = match &w.data {
+                        WeightData::F32(v) => &v[weights],
+                        WeightData::F16(v) => {
+                            widened.resize(weights.len(), 0.0);
+                            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                                &v[weights],
+                                widened,
+                            );
+                            widened
+                        }
+                        _ => unreachable!("block formats take the quantised path"),
+                    };
+                    tile_out.resize(n * range.len(), 0.0);
+                    dot_rows(tile, x, cols, tile_out, range.len());
+                    for (j, row) in tile_out.chunks_exact(range.len()).enumerate() {
+                        for (i, &v) in row.iter().enumerate() {
+                            // SAFETY: columns `range` of every output row belong to this tile
+                            // only, and j < n, range.end ≤ rows keep them inside the output.
+                            unsafe { shared.write(j * rows + range.start + i, v) };
+                        }
+                    }
+                },
             );
-            let rows = i1 - i0;
-            // Keys beyond the block's last query position are masked for every row.
-            let keys = start_pos + i1;
-            let (k, v) = &gathered[h / group];
-            let mut scores = vec![0f32; rows * keys];
-            // SAFETY: dst is rows × keys in `scores`; lhs reads rows query vectors of head h
-            // (stride n_heads·hd) inside `q`; rhs is Kᵀ over the first `keys` gathered keys.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    keys,
-                    hd,
-                    scores.as_mut_ptr(),
-                    1,
-                    keys as isize,
-                    false,
-                    q.as_ptr().add((i0 * n_heads + h) * hd),
-                    1,
-                    row_stride,
-                    k.as_ptr(),
-                    hd as isize,
-                    1,
-                    0.0,
-                    scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            };
-            for (r, row) in scores.chunks_exact_mut(keys).enumerate() {
-                let visible = start_pos + i0 + r + 1;
-                let max = row[..visible]
-                    .iter()
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let sum = (kernels.exp_sum)(&mut row[..visible], max);
-                for s in &mut row[..visible] {
-                    *s /= sum;
-                }
-                row[visible..].fill(0.0);
-            }
-            // SAFETY: dst is the rows × hd output block of head h (stride n_heads·hd), which
-            // no other task writes; lhs is `scores`, rhs the first `keys` gathered values.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    hd,
-                    keys,
-                    shared.ptr().add((i0 * n_heads + h) * hd),
-                    1,
-                    row_stride,
-                    false,
-                    scores.as_ptr(),
-                    1,
-                    keys as isize,
-                    v.as_ptr(),
-                    1,
-                    hd as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            };
-        });
-    }
-
-    /// `out[n × rows]` (row stride `out_stride`) = `x[n × cols]` · Wᵀ for row-major `w`.
-    fn gemm_f32(
-        &self,
-        w: &[f32],
-        cols: usize,
-        x: &[f32],
-        n: usize,
-        out: &mut [f32],
-        out_stride: usize,
-    ) {
-        let rows = w.len() / cols;
-        assert!(
-            x.len() >= n * cols && out.len() >= (n - 1) * out_stride + rows,
-            "gemm shapes"
-        );
-        // SAFETY: dst is n × rows at row stride `out_stride` (≥ rows) inside `out`; lhs is
-        // n × cols row-major in `x`; rhs is Wᵀ (cols × rows) read from row-major `w`.
-        unsafe {
-            gemm::gemm(
-                n,
-                rows,
-                cols,
-                out.as_mut_ptr(),
-                1,
-                out_stride as isize,
-                false,
-                x.as_ptr(),
-                1,
-                cols as isize,
-                w.as_ptr(),
-                cols as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(self.pool.current_num_threads()),
-            )
-        }
     }
 
     /// For each weight-row tile in parallel: every activation row against every tile row.
@@ -544,43 +425,8 @@ impl Backend for CpuBackend {
         if n == 0 {
             return;
         }
-        let k = &self.kernels;
-        let c = w.cols;
         match &w.data {
-            WeightData::F32(v) if n <= GEMV_MAX_ROWS => {
-                self.tiled(w.rows, n, out, |range, act_rows, o| {
-                    for (j, o) in act_rows.zip(o.chunks_exact_mut(range.len())) {
-                        let a = &x[j * c..(j + 1) * c];
-                        for (o, r) in o.iter_mut().zip(range.clone()) {
-                            *o = (k.dot_f32)(&v[r * c..(r + 1) * c], a);
-                        }
-                    }
-                })
-            }
-            WeightData::F32(v) => self.gemm_f32(v, c, x, n, out, w.rows),
-            WeightData::F16(v) if n <= GEMV_MAX_ROWS => {
-                self.tiled(w.rows, n, out, |range, act_rows, o| {
-                    for (j, o) in act_rows.zip(o.chunks_exact_mut(range.len())) {
-                        let a = &x[j * c..(j + 1) * c];
-                        for (o, r) in o.iter_mut().zip(range.clone()) {
-                            *o = (k.dot_f16)(&v[r * c..(r + 1) * c], a);
-                        }
-                    }
-                })
-            }
-            WeightData::F16(v) => {
-                let mut tile = vec![0f32; F16_GEMM_ROWS * c];
-                for r0 in (0..w.rows).step_by(F16_GEMM_ROWS) {
-                    let r1 = (r0 + F16_GEMM_ROWS).min(w.rows);
-                    let tile = &mut tile[..(r1 - r0) * c];
-                    tile.par_chunks_mut(c)
-                        .zip(v[r0 * c..r1 * c].par_chunks(c))
-                        .for_each(|(t, h)| {
-                            half::slice::HalfFloatSliceExt::convert_to_f32_slice(h, t)
-                        });
-                    self.gemm_f32(tile, c, x, n, &mut out[r0..], w.rows);
-                }
-            }
+            WeightData::F32(_) | WeightData::F16(_) => self.matmul_float(w, x, n, out),
             _ => self.matmul_quantized(w, x, n, out),
         }
     }
@@ -624,32 +470,24 @@ impl Backend for CpuBackend {
         let (hd, n_kv) = (first.kv.head_dim, first.kv.n_kv_heads);
         let row_len = n_heads * hd;
         assert_eq!(q.len(), out.len(), "attention output shape");
-        let mut decode_rows = Vec::new();
-        for (i, c) in chunks.iter().enumerate() {
-            if c.rows.len() >= ATTENTION_GEMM_MIN_TOKENS {
-                let range = c.rows.start * row_len..c.rows.end * row_len;
-                self.attention_gemm(
-                    &q[range.clone()],
-                    &c.kv,
-                    c.start_pos,
-                    n_heads,
-                    &mut out[range],
-                );
-            } else {
-                decode_rows.extend(c.rows.clone().map(|row| (i, row)));
-            }
-        }
-        // The short chunks (decode steps) of every sequence share one parallel pass, one
-        // task per token and kv head: the heads of a group read the same keys while they
-        // are still in cache, and a step pays for one fork-join instead of one per sequence.
+        // Every token of every chunk, prefill or decode, takes the same per-token kernels in
+        // one parallel pass, one task per token and kv head: a token's attention is then the
+        // same bits whether its chunk was long or short, or its prefix came from the cache.
+        // The heads of a group read the same keys while they are still in cache, and a step
+        // pays for one fork-join instead of one per sequence.
+        let rows: Vec<(usize, usize)> = chunks
+            .iter()
+            .enumerate()
+            .flat_map(|(i, c)| c.rows.clone().map(move |row| (i, row)))
+            .collect();
         let group = n_heads / n_kv;
         let scale = 1.0 / (hd as f32).sqrt();
         let k = &self.kernels;
         let shared = SharedOut(out.as_mut_ptr());
-        (0..decode_rows.len() * n_kv).into_par_iter().for_each_init(
+        (0..rows.len() * n_kv).into_par_iter().for_each_init(
             Vec::new,
             |scores: &mut Vec<f32>, task| {
-                let ((chunk, row), kvh) = (decode_rows[task / n_kv], task % n_kv);
+                let ((chunk, row), kvh) = (rows[task / n_kv], task % n_kv);
                 let c = &chunks[chunk];
                 let len = c.start_pos + (row - c.rows.start) + 1;
                 let at = row * row_len + kvh * group * hd;

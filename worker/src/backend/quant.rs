@@ -332,8 +332,14 @@ pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-pub fn dot_f16_scalar(w: &[f16], x: &[f32]) -> f32 {
-    w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+/// Scalar reference of the float matmul kernel: `out[j · out_stride + r]` = weight row `r`
+/// of `w` · activation row `j` of `x`, rows `cols` long, each one [`dot_f32_scalar`].
+pub fn dot_f32_rows_scalar(w: &[f32], x: &[f32], cols: usize, out: &mut [f32], out_stride: usize) {
+    for (j, x) in x.chunks_exact(cols.max(1)).enumerate() {
+        for (r, w) in w.chunks_exact(cols.max(1)).enumerate() {
+            out[j * out_stride + r] = dot_f32_scalar(w, x);
+        }
+    }
 }
 
 /// `count` rows whose starts are `stride` apart in `data`: the keys or values of one kv
