@@ -1,7 +1,10 @@
 //! The real worker binary against hostile or careless clients: huge prompts do not stall the
 //! probes, unimplemented OpenAI features are refused by name, streams end cleanly on
-//! shutdown, a drain that gives up says so, oversized gRPC messages name their limit, and the latency metrics are observed as tokens are sent.
+//! shutdown, a drain that gives up says so, oversized gRPC messages name their limit, the
+//! latency metrics are observed as tokens are sent, and a prefix-cache hit does not change a
+//! greedy answer.
 
+mod model_support;
 mod serve_support;
 
 use std::time::{Duration, Instant};
@@ -500,5 +503,83 @@ async fn the_kv_cache_is_sized_from_the_memory_limit() {
     assert!(
         stderr.contains("memory limit of 1000 bytes") && stderr.contains("room for no block"),
         "{stderr}"
+    );
+}
+
+/// The prefix-cache hits a worker reports.
+async fn prefix_cache_hits(client: &reqwest::Client, worker: &Worker) -> f64 {
+    let text = scrape(client, worker).await;
+    metric(&text, "vllm:prefix_cache_hits_total", &[])
+        .unwrap_or_else(|| panic!("no vllm:prefix_cache_hits_total in\n{text}"))
+}
+
+/// A greedy chat answer to `question` and the prefix-cache hits the request added.
+async fn greedy_answer(client: &reqwest::Client, worker: &Worker, question: &str) -> (String, f64) {
+    let before = prefix_cache_hits(client, worker).await;
+    let (status, body) = post(
+        client,
+        &format!("{}/v1/chat/completions", worker.http),
+        json!({"model": MODEL_NAME, "temperature": 0, "max_tokens": 48,
+               "messages": [{"role": "user", "content": question}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let hits = prefix_cache_hits(client, worker).await - before;
+    (text.to_string(), hits)
+}
+
+/// Temperature 0 gives the same text whether the prompt's prefix came from the cache or was
+/// computed, on the real model at the default precision policy: the same chat request twice
+/// (the second a full hit), and two requests sharing only their first blocks, each checked
+/// against a worker that computed it without a hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
+    let model = model_support::smollm2_path();
+    let (warm, fresh) = (
+        Worker::spawn_model(&model, &[], &[]),
+        Worker::spawn_model(&model, &[], &[]),
+    );
+    warm.wait_ready().await;
+    fresh.wait_ready().await;
+    let client = reqwest::Client::new();
+    let long = "Quelle est la plus haute distinction honorifique française, qui l'a créée, \
+                et quels en sont les grades ?";
+    let short = "Quelle est la plus haute distinction honorifique française ?";
+
+    let (computed, hits) = greedy_answer(&client, &warm, long).await;
+    assert_eq!(hits, 0.0, "a fresh worker had {hits} cached tokens");
+    let (cached, hits) = greedy_answer(&client, &warm, long).await;
+    assert!(hits >= 16.0, "the repeat hit only {hits} cached tokens");
+    assert_eq!(
+        cached, computed,
+        "a full prefix-cache hit changed the answer"
+    );
+
+    // `short` shares the chat template and the question's first words with `long`.
+    let (partly_cached, hits) = greedy_answer(&client, &warm, short).await;
+    assert!(
+        hits >= 16.0,
+        "the shared prefix hit only {hits} cached tokens"
+    );
+    let (short_computed, hits) = greedy_answer(&client, &fresh, short).await;
+    assert_eq!(hits, 0.0);
+    assert_eq!(
+        partly_cached, short_computed,
+        "a partial hit changed the answer"
+    );
+    // And the other way round: `long` after `short` on the second worker.
+    let (long_partly_cached, hits) = greedy_answer(&client, &fresh, long).await;
+    assert!(
+        hits >= 16.0,
+        "the shared prefix hit only {hits} cached tokens"
+    );
+    assert_eq!(
+        long_partly_cached, computed,
+        "a partial hit changed the answer"
+    );
+    assert_ne!(
+        computed, short_computed,
+        "the two questions got the same answer"
     );
 }
