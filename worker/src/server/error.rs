@@ -1,5 +1,7 @@
 //! One error type for every surface, mapped to each protocol's status.
 
+use npufleet_contract::auth;
+
 use crate::api::SubmitError;
 
 /// Why a request was not served.
@@ -14,6 +16,9 @@ pub enum ServeError {
     /// HTTP 404 / gRPC NOT_FOUND.
     #[error("model '{requested}' is not served here; this worker serves '{served}'")]
     ModelNotFound { requested: String, served: String },
+    /// HTTP 401 / gRPC UNAUTHENTICATED: the API key is missing or wrong.
+    #[error("{}", auth::UNAUTHENTICATED_MESSAGE)]
+    Unauthenticated,
     /// HTTP 429 / gRPC RESOURCE_EXHAUSTED.
     #[error("the waiting queue is full ({limit} requests); retry later")]
     QueueFull { limit: usize },
@@ -45,6 +50,7 @@ impl ServeError {
         match self {
             ServeError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ServeError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
+            ServeError::Unauthenticated => StatusCode::UNAUTHORIZED,
             ServeError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -56,6 +62,7 @@ impl ServeError {
         match self {
             ServeError::BadRequest { .. } => "invalid_request_error",
             ServeError::ModelNotFound { .. } => "invalid_request_error",
+            ServeError::Unauthenticated => "invalid_request_error",
             ServeError::QueueFull { .. } => "rate_limit_error",
             ServeError::Unavailable(_) => "service_unavailable",
             ServeError::Internal(_) => "server_error",
@@ -67,6 +74,7 @@ impl ServeError {
         match self {
             ServeError::BadRequest { .. } => "invalid_request",
             ServeError::ModelNotFound { .. } => "model_not_found",
+            ServeError::Unauthenticated => auth::INVALID_API_KEY_CODE,
             ServeError::QueueFull { .. } => "queue_full",
             ServeError::Unavailable(_) => "unavailable",
             ServeError::Internal(_) => "internal_error",
@@ -85,6 +93,7 @@ impl ServeError {
         match self {
             ServeError::BadRequest { .. } => "invalid_argument",
             ServeError::ModelNotFound { .. } => "not_found",
+            ServeError::Unauthenticated => "unauthenticated",
             ServeError::QueueFull { .. } => "queue_full",
             ServeError::Unavailable(_) => "unavailable",
             ServeError::Internal(_) => "internal",
@@ -110,6 +119,7 @@ impl From<ServeError> for tonic::Status {
         match err {
             ServeError::BadRequest { .. } => tonic::Status::invalid_argument(message),
             ServeError::ModelNotFound { .. } => tonic::Status::not_found(message),
+            ServeError::Unauthenticated => tonic::Status::unauthenticated(message),
             ServeError::QueueFull { .. } => tonic::Status::resource_exhausted(message),
             ServeError::Unavailable(_) => tonic::Status::unavailable(message),
             ServeError::Internal(_) => tonic::Status::internal(message),

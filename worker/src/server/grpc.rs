@@ -11,9 +11,11 @@ use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::api::{EngineState, GenerateRequest, GenerationEvent};
+use crate::server::auth;
 use crate::server::error::ServeError;
 use crate::server::oip::{self, InferRequest};
 use crate::server::shared::{Shared, TrackedStream};
+use npufleet_contract::auth::ApiKey;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
 use npufleet_contract::proto::inference::model_metadata_response::TensorMetadata;
 use npufleet_contract::proto::inference::*;
@@ -26,11 +28,13 @@ pub const SERVER_NAME: &str = "npufleet-worker";
 
 pub struct InferenceService {
     shared: Arc<Shared>,
+    /// Required on the inference calls when set.
+    api_key: Option<ApiKey>,
 }
 
 impl InferenceService {
-    pub fn new(shared: Arc<Shared>) -> Self {
-        InferenceService { shared }
+    pub fn new(shared: Arc<Shared>, api_key: Option<ApiKey>) -> Self {
+        InferenceService { shared, api_key }
     }
 }
 
@@ -141,6 +145,7 @@ pub fn grpc_code_name(err: &ServeError) -> &'static str {
     match err {
         ServeError::BadRequest { .. } => "INVALID_ARGUMENT",
         ServeError::ModelNotFound { .. } => "NOT_FOUND",
+        ServeError::Unauthenticated => "UNAUTHENTICATED",
         ServeError::QueueFull { .. } => "RESOURCE_EXHAUSTED",
         ServeError::Unavailable(_) => "UNAVAILABLE",
         ServeError::Internal(_) => "INTERNAL",
@@ -323,6 +328,7 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
+        auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
         let response = infer_unary(&self.shared, request.get_ref()).await?;
         Ok(Response::new(response))
     }
@@ -333,6 +339,7 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
         let mut incoming = request.into_inner();
         let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
         let shared = self.shared.clone();

@@ -9,29 +9,46 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use npufleet_contract::auth::ApiKey;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use crate::api::EngineState;
 use crate::server::error::ServeError;
 use crate::server::shared::Shared;
-use crate::server::{openai, rest};
+use crate::server::{auth, openai, rest};
 
 #[derive(Clone)]
 pub struct HttpState {
     pub shared: Arc<Shared>,
+    /// Required on the OpenAI and inference routes when set.
+    pub api_key: Option<ApiKey>,
     pub max_body_bytes: usize,
     pub thermal_root: Arc<PathBuf>,
 }
 
 pub fn router(state: HttpState) -> Router {
     let limit = state.max_body_bytes;
-    Router::new()
+    // The routes that serve or list the model need the key; probes, metadata and metrics stay
+    // open.
+    let protected = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v2/models/{name}/infer", post(rest::infer))
+        .route(
+            "/v2/models/{name}/versions/{version}/infer",
+            post(rest::infer_version),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            state.api_key.clone(),
+            auth::require_http,
+        ));
+    Router::new()
+        .merge(protected)
         .route("/v2", get(rest::server_metadata))
         .route("/v2/health/live", get(rest::live))
         .route("/v2/health/ready", get(rest::ready))
@@ -44,11 +61,6 @@ pub fn router(state: HttpState) -> Router {
         .route(
             "/v2/models/{name}/versions/{version}/ready",
             get(rest::model_ready_version),
-        )
-        .route("/v2/models/{name}/infer", post(rest::infer))
-        .route(
-            "/v2/models/{name}/versions/{version}/infer",
-            post(rest::infer_version),
         )
         .route("/health", get(health))
         .route("/metrics", get(metrics))

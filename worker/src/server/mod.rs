@@ -8,6 +8,7 @@
 //! If `--drain-timeout` passes first, every unanswered request ends with an error its client
 //! sees (an SSE error event, a gRPC status, a 500) and the process exits non-zero.
 
+pub mod auth;
 pub mod error;
 pub mod grpc;
 pub mod http;
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use npufleet_contract::auth::ApiKey;
 use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
@@ -137,6 +139,11 @@ pub struct ServeArgs {
     /// Longest wait, in seconds, for accepted requests to finish after SIGTERM.
     #[arg(long, env = env::DRAIN_TIMEOUT, default_value_t = 30.0, value_parser = parse_seconds)]
     pub drain_timeout: f64,
+    /// The key clients must send (`Authorization: Bearer <key>`, or the same gRPC
+    /// metadata) to the OpenAI and inference endpoints; health, metadata and metrics stay
+    /// open. Unset: no key is required.
+    #[arg(long, env = env::API_KEY, hide_env_values = true)]
+    pub api_key: Option<ApiKey>,
     /// Largest accepted HTTP request body, in bytes.
     #[arg(long, env = "NPUFLEET_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -397,8 +404,11 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
-            GrpcInferenceServiceServer::new(grpc::InferenceService::new(shared.clone()))
-                .max_decoding_message_size(args.max_grpc_message_bytes),
+            GrpcInferenceServiceServer::new(grpc::InferenceService::new(
+                shared.clone(),
+                args.api_key.clone(),
+            ))
+            .max_decoding_message_size(args.max_grpc_message_bytes),
         )
         .add_service(WorkerLoadServer::new(grpc::LoadService::new(
             shared.clone(),
@@ -411,6 +421,7 @@ pub async fn serve(
 
     let router = http::router(http::HttpState {
         shared: shared.clone(),
+        api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
         thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
     });
