@@ -39,3 +39,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: npufleet-router
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{- /*
+"true" when this release serves external.metrics.k8s.io itself: externalMetrics.enabled, and
+v1beta1.external.metrics.k8s.io is not already registered by something other than this release
+(CCE's monitoring add-on's prometheus-adapter, KEDA). Only one server can own that API in a
+cluster; taking it over would cut the other server's HPAs off, so the chart leaves it alone.
+`helm template` cannot look (lookup returns nothing offline) and renders the chart's own.
+*/ -}}
+{{- define "npufleet.servesExternalMetrics" -}}
+{{- if .Values.externalMetrics.enabled -}}
+{{- $existing := lookup "apiregistration.k8s.io/v1" "APIService" "" "v1beta1.external.metrics.k8s.io" -}}
+{{- $owner := dig "metadata" "annotations" "meta.helm.sh/release-name" "" ($existing | default dict) -}}
+{{- $ownerNamespace := dig "metadata" "annotations" "meta.helm.sh/release-namespace" "" ($existing | default dict) -}}
+{{- if or (not $existing) (and (eq $owner .Release.Name) (eq $ownerNamespace .Release.Namespace)) -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}
