@@ -75,5 +75,5 @@ fuzz:
 
 # Fault tests too slow for make test (minutes each).
 chaos: setup build
-	$(CARGO) test -p npufleet-tests --test operator_failures --test faults_worker --test operator_reconcile -- --ignored --nocapture
+	$(CARGO) test -p npufleet-tests --test faults_worker -- --ignored --nocapture
 	$(CARGO) test -p npufleet-worker --test serve_hardening -- --ignored --nocapture

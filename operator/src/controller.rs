@@ -384,13 +384,28 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
         "kind": InferenceService::kind(&()),
         "status": status,
     });
-    let status_written = Api::<InferenceService>::namespaced(client, &namespace)
+    let services = Api::<InferenceService>::namespaced(client, &namespace);
+    let mut status_written = services
         .patch_status(
             &isvc.name_any(),
             &PatchParams::apply(FIELD_MANAGER).force(),
             &Patch::Apply(&status_patch),
         )
         .await;
+    if let (Ok(_), Some(failure)) = (&status_written, &plan.observation.failure) {
+        let failure_patch = serde_json::json!({
+            "apiVersion": InferenceService::api_version(&()),
+            "kind": InferenceService::kind(&()),
+            "status": {"lastFailure": failure},
+        });
+        status_written = services
+            .patch_status(
+                &isvc.name_any(),
+                &PatchParams::apply(labels::LAST_FAILURE_MANAGER).force(),
+                &Patch::Apply(&failure_patch),
+            )
+            .await;
+    }
 
     let refusals = failures.iter().map(|f| Note {
         warning: true,

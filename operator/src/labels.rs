@@ -6,6 +6,9 @@ use kube::ResourceExt;
 use npufleet_crds::InferenceService;
 
 pub const FIELD_MANAGER: &str = "npufleet-operator";
+/// The field manager of `status.lastFailure` alone, which the operator's every-reconcile status
+/// write leaves out.
+pub const LAST_FAILURE_MANAGER: &str = "npufleet-operator-last-failure";
 
 pub const NAME: &str = "app.kubernetes.io/name";
 pub const INSTANCE: &str = "app.kubernetes.io/instance";

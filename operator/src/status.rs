@@ -11,6 +11,8 @@ use crate::settings::Settings;
 
 pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
+/// At least `replicas - spec.rollout.maxUnavailable` groups serve, as on a Deployment.
+pub const AVAILABLE: &str = "Available";
 pub const DEGRADED: &str = "Degraded";
 pub const RANK_TABLE_READY: &str = "RankTableReady";
 /// Present while the operator cannot create or delete an object, as on a Deployment.
@@ -94,7 +96,10 @@ pub fn build(
     let previous = isvc.status.clone().unwrap_or_default();
     let generation = isvc.metadata.generation;
     let desired = seen.desired_groups;
-    let all_ready = seen.ready_groups >= desired && seen.outdated_groups == 0;
+    // Ready says whether the service serves at full size; a rollout in progress is told by
+    // Progressing, as a Deployment keeps the two apart, so a surging rollout stays Ready.
+    let serving = seen.ready_groups >= desired;
+    let all_ready = serving && seen.outdated_groups == 0;
     let steady = all_ready && seen.existing_groups == desired;
     let mut conditions = Vec::new();
 
@@ -104,7 +109,7 @@ pub fn build(
             "ScaledToZero",
             "no replica groups are desired".to_string(),
         )
-    } else if all_ready {
+    } else if serving {
         (
             true,
             "AllReplicasReady",
@@ -128,6 +133,34 @@ pub fn build(
         generation,
         now,
         (READY, ready.0, ready.1, ready.2),
+    );
+
+    let min_available = (desired - isvc.spec.rollout.max_unavailable).max(0);
+    let available = if seen.ready_groups >= min_available {
+        (
+            true,
+            "MinimumReplicasAvailable",
+            format!(
+                "{} replica groups ready, at least {min_available} needed",
+                seen.ready_groups
+            ),
+        )
+    } else {
+        (
+            false,
+            "MinimumReplicasUnavailable",
+            format!(
+                "{} replica groups ready, {min_available} needed (replicas less spec.rollout.maxUnavailable)",
+                seen.ready_groups
+            ),
+        )
+    };
+    set(
+        &mut conditions,
+        &previous.conditions,
+        generation,
+        now,
+        (AVAILABLE, available.0, available.1, available.2),
     );
 
     let progressing = if steady {
@@ -264,7 +297,10 @@ pub fn build(
             http: format!("http://{host}:{}", pod::HTTP_PORT),
         }),
         model_state: Some(model_state),
-        last_failure: seen.failure.clone().or(previous.last_failure),
+        // Written on its own by the controller (`LAST_FAILURE_MANAGER`), so a later status
+        // write that no longer sees the failed pod, or reads a cache that predates the write,
+        // cannot take it away: it stays after recovery, like a container's `lastState`.
+        last_failure: None,
         // Left out of the operator's apply so the autoscaler's field manager keeps it.
         autoscaling: None,
     }

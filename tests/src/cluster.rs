@@ -516,9 +516,13 @@ impl Cluster {
     /// A fresh admin client. Create one per test: a client belongs to the async runtime
     /// that created it.
     pub async fn client(&self) -> Result<Client> {
+        Ok(Client::try_from(self.config().await?)?)
+    }
+
+    /// The admin client's configuration, for a test that needs a client set up differently.
+    pub async fn config(&self) -> Result<Config> {
         let kc = Kubeconfig::read_from(&self.kubeconfig)?;
-        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
-        Ok(Client::try_from(config)?)
+        Ok(Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?)
     }
 
     /// A client that authenticates with `token` (for example a ServiceAccount's) instead of

@@ -171,6 +171,16 @@ fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
     );
     assert!(degraded.message.contains("llm-1-1"), "{}", degraded.message);
     assert!(
+        p.observation
+            .failure
+            .as_deref()
+            .is_some_and(|f| f.contains("llm-1-1"))
+    );
+    assert_eq!(
+        p.status.last_failure, None,
+        "written apart from the rest of status, so a later write cannot drop it"
+    );
+    assert!(
         p.notes
             .iter()
             .any(|n| n.warning && n.reason == "GroupRecreating")
@@ -215,13 +225,8 @@ fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
     );
     assert_eq!(condition(&p.status, status::DEGRADED).status, "False");
     assert_eq!(condition(&p.status, status::READY).status, "True");
-    assert!(
-        p.status
-            .last_failure
-            .as_deref()
-            .unwrap()
-            .contains("llm-1-1")
-    );
+    assert_eq!(p.observation.failure, None);
+    assert_eq!(p.status.last_failure, None);
 }
 
 #[test]
@@ -416,12 +421,25 @@ fn a_changed_spec_surges_a_group_before_replacing_one() {
         env_value(&surge[0], "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
         Some("64")
     );
-    // The old group still serves while the new one starts.
+    // The old group still serves while the new one starts: Ready and Available hold, and
+    // Progressing tells the rollout.
     assert_eq!(p.status.ready_replicas, 1);
+    let rolling = |s: &npufleet_crds::InferenceServiceStatus| {
+        for type_ in [status::READY, status::AVAILABLE] {
+            assert_eq!(condition(s, type_).status, "True", "{type_}");
+        }
+        let progressing = condition(s, status::PROGRESSING);
+        assert_eq!(
+            (progressing.status.as_str(), progressing.reason.as_str()),
+            ("True", "RollingGroups")
+        );
+    };
+    rolling(&p.status);
     // Not yet ready: the old group is kept.
     let both: Vec<Pod> = pods.iter().cloned().chain(surge.iter().cloned()).collect();
     let p = plan(&isvc, &observe(&both), &Settings::default(), &now());
     assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
+    rolling(&p.status);
     // Ready: the outdated group goes, and nothing new is made.
     let ready: Vec<Pod> = pods
         .iter()
@@ -435,10 +453,16 @@ fn a_changed_spec_surges_a_group_before_replacing_one() {
     let p = plan(&isvc, &observe(&ready), &Settings::default(), &now());
     assert_eq!(p.delete_pods, ["llm-0-0"]);
     assert!(p.create_pods.is_empty());
+    rolling(&p.status);
     // Once it is gone the rollout is over: one group, with the new spec.
     let p = plan(&isvc, &observe(&ready[1..]), &Settings::default(), &now());
     assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
     assert_eq!(p.status.ready_replicas, 1);
+    assert_eq!(condition(&p.status, status::READY).status, "True");
+    assert_eq!(
+        condition(&p.status, status::PROGRESSING).reason,
+        "Converged"
+    );
 }
 
 #[test]
@@ -459,8 +483,14 @@ fn without_surge_a_changed_spec_rolls_one_group_at_a_time() {
     );
     assert_eq!(p.delete_pods, ["llm-0-0"]);
     assert!(p.create_pods.is_empty());
-    assert_eq!(condition(&p.status, status::READY).status, "False");
-    // While group 0 is replaced, group 1 keeps serving.
+    // Both groups served when this reconcile looked; the rollout is in Progressing.
+    assert_eq!(condition(&p.status, status::READY).status, "True");
+    assert_eq!(
+        condition(&p.status, status::PROGRESSING).reason,
+        "RollingGroups"
+    );
+    // While group 0 is replaced, group 1 keeps serving: one short of Ready, and within
+    // maxUnavailable, so still Available.
     let rest: Vec<Pod> = pods
         .into_iter()
         .filter(|p| p.name_any() == "llm-1-0")
@@ -479,6 +509,8 @@ fn without_surge_a_changed_spec_rolls_one_group_at_a_time() {
         env_value(&p.create_pods[0], "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
         Some("64")
     );
+    assert_eq!(condition(&p.status, status::READY).status, "False");
+    assert_eq!(condition(&p.status, status::AVAILABLE).status, "True");
 }
 
 #[test]
