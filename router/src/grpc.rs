@@ -323,8 +323,13 @@ impl GrpcInferenceService for GrpcFrontDoor {
             .upstream_ttft_seconds
             .with_label_values(&[&model]);
         let requests_metric = router.metrics.requests.clone();
+        let replica = lease.pod.parse().ok();
         let responses = relay(upstream, lease, sent_at, ttft, requests_metric, model);
-        Ok(Response::new(Box::pin(responses)))
+        let mut response = Response::new(Box::pin(responses) as ResponseStream);
+        if let Some(replica) = replica {
+            response.metadata_mut().insert(REPLICA_HEADER, replica);
+        }
+        Ok(response)
     }
 }
 

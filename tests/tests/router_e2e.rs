@@ -12,9 +12,10 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::{
-    InferTensorContents, ModelInferRequest, ModelReadyRequest,
+    InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest,
 };
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, serving_addresses};
@@ -54,6 +55,32 @@ async fn service(namespace: &str, node: &str, replicas: i32) -> Result<Inference
             ]},
         }
     }))?)
+}
+
+/// An Open Inference Protocol text request for `model`, greedy, at most `max_tokens`.
+fn oip_text(model: &str, text: &str, max_tokens: i64) -> ModelInferRequest {
+    let int = |v| InferParameter {
+        parameter_choice: Some(ParameterChoice::Int64Param(v)),
+    };
+    ModelInferRequest {
+        model_name: model.into(),
+        inputs: vec![InferInputTensor {
+            name: "text_input".into(),
+            datatype: "BYTES".into(),
+            shape: vec![1],
+            contents: Some(InferTensorContents {
+                bytes_contents: vec![text.as_bytes().to_vec()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        parameters: [
+            ("max_tokens".to_owned(), int(max_tokens)),
+            ("temperature".to_owned(), int(0)),
+        ]
+        .into(),
+        ..Default::default()
+    }
 }
 
 async fn set_replicas(services: &Api<InferenceService>, replicas: i32) -> Result<()> {
@@ -233,6 +260,16 @@ async fn bad_requests_and_a_full_or_expired_hold_get_clear_errors() -> Result<()
             "{}",
             unknown.message()
         );
+        let unknown = grpc
+            .model_stream_infer(futures::stream::iter([oip_text("no-such-model", "Hi", 4)]))
+            .await
+            .expect_err("a stream for an unknown model is an error");
+        assert_eq!(unknown.code(), tonic::Code::NotFound);
+        assert!(
+            unknown.message().contains("'no-such-model'"),
+            "{}",
+            unknown.message()
+        );
         let ready = grpc
             .model_ready(ModelReadyRequest {
                 name: MODEL.into(),
@@ -383,21 +420,28 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         assert!(chunks > 1, "the stream arrived in one piece: {text}");
 
         let mut grpc = GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
-        let answer = grpc
-            .model_infer(ModelInferRequest {
-                model_name: MODEL.into(),
-                inputs: vec![InferInputTensor {
-                    name: "text_input".into(),
-                    datatype: "BYTES".into(),
-                    shape: vec![1],
-                    contents: Some(InferTensorContents { bytes_contents: vec![b"Hello".to_vec()], ..Default::default() }),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })
-            .await?;
+        let answer = grpc.model_infer(oip_text(MODEL, "Hello", 8)).await?;
         assert!(answer.metadata().contains_key(REPLICA_HEADER));
         assert!(!answer.into_inner().outputs.is_empty());
+
+        // ModelStreamInfer comes through response by response, the last one flagged final.
+        let stream = grpc.model_stream_infer(futures::stream::iter([oip_text(MODEL, "Name three rivers.", 12)])).await?;
+        assert!(stream.metadata().contains_key(REPLICA_HEADER));
+        let mut stream = stream.into_inner();
+        let mut responses = 0;
+        loop {
+            let message = stream.message().await?.context("the stream ended before its final response")?;
+            assert!(message.error_message.is_empty(), "{}", message.error_message);
+            let response = message.infer_response.context("a response without an answer")?;
+            responses += 1;
+            let last = response.parameters.get("triton_final_response").and_then(|p| p.parameter_choice.clone());
+            if last == Some(ParameterChoice::BoolParam(true)) {
+                assert!(response.parameters.contains_key("finish_reason"), "{response:?}");
+                break;
+            }
+        }
+        assert!(responses >= 2, "the stream arrived as {responses} response");
+        assert!(stream.message().await?.is_none(), "the stream goes on after its final response");
 
         let load = Load::through(&fleet.router);
         let clients = load.start(4, "/v1/chat/completions", chat("Name a river.", 8));
