@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, EnvVar, Toleration, Volume, VolumeMount};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, SecretKeySelector, Toleration, Volume, VolumeMount,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
@@ -113,6 +115,13 @@ pub struct InferenceServiceSpec {
     /// Overrides for the worker container.
     #[serde(default)]
     pub template: WorkerTemplate,
+
+    /// A key of a Secret in this namespace holding the API key clients must present to the
+    /// workers (`Authorization: Bearer <key>`, or the same gRPC metadata), as vLLM's
+    /// `--api-key`. The pods read it as an environment variable; the operator never reads the
+    /// Secret. Absent: no key is required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret: Option<SecretKeySelector>,
 }
 
 fn default_replicas() -> i32 {

@@ -166,6 +166,17 @@ pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
             vars.push(env(worker_env_names::HCCL_SOCKET_IFNAME, ifname.clone()));
         }
     }
+    if let Some(secret) = &spec.api_key_secret {
+        // The kubelet resolves the key; the operator needs no right to read Secrets.
+        vars.push(EnvVar {
+            name: worker_env_names::API_KEY.to_string(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(secret.clone()),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
     let user = &spec.template.env;
     vars.retain(|v| !user.iter().any(|u| u.name == v.name));
     vars.extend(user.iter().cloned());
@@ -478,5 +489,48 @@ pub fn build(
             ..Default::default()
         }),
         status: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu_service(extra: serde_json::Value) -> InferenceService {
+        let mut spec = serde_json::json!({
+            "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
+            "accelerator": {"type": "cpu"},
+        });
+        spec.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let mut isvc = InferenceService::new("llm", serde_json::from_value(spec).unwrap());
+        isvc.metadata.namespace = Some("ns".into());
+        isvc
+    }
+
+    #[test]
+    fn the_api_key_comes_from_the_named_secret_key() {
+        let isvc = cpu_service(serde_json::json!({
+            "apiKeySecret": {"name": "llm-keys", "key": "api-key"},
+        }));
+        let vars = worker_env(&isvc);
+        let var = vars
+            .iter()
+            .find(|v| v.name == worker_env_names::API_KEY)
+            .expect("the API key variable");
+        assert_eq!(var.value, None, "the key must not be copied into the pod");
+        let selector = var
+            .value_from
+            .as_ref()
+            .and_then(|from| from.secret_key_ref.as_ref())
+            .expect("a secretKeyRef");
+        assert_eq!(
+            (selector.name.as_str(), selector.key.as_str()),
+            ("llm-keys", "api-key")
+        );
+
+        let open = worker_env(&cpu_service(serde_json::json!({})));
+        assert!(!open.iter().any(|v| v.name == worker_env_names::API_KEY));
     }
 }
