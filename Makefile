@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench scale-test fuzz chaos
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-router scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -51,6 +51,12 @@ crds:
 bench:
 	$(CARGO) build --release -p npufleet-worker
 	$(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp
+
+# Routing policies on three SmolLM2 replicas behind the router: throughput, time to first
+# token and prefix-cache hits on shared- and distinct-prefix traces, the wake from zero and the
+# router's own cost (minutes; kept out of make test). Prints markdown tables.
+bench-router: setup build
+	$(CARGO) test -p npufleet-tests --test router_bench -- --ignored --nocapture
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).

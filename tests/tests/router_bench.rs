@@ -1,0 +1,489 @@
+//! The routing benchmark (`make bench-router`; minutes, so not in `make test`): the real
+//! control plane, the operator, the node agent running three SmolLM2 workers, and the router as
+//! its own process. In one run it measures, for round-robin, least-load and prefix-affinity,
+//! throughput, time to first token and each replica's prefix-cache hits on a shared-prefix trace
+//! and on a trace with no shared prefix; then the time from a request at zero replicas to its
+//! first token against the worker's own ready time, and the router's cost against talking to a
+//! worker directly. Prints markdown tables.
+//!
+//! Each replica's KV cache is held to `KV_CACHE_BLOCKS`, less than the trace's system prompts
+//! take together: the regime where routing decides whether a prefix is still cached (with room
+//! for every prefix everywhere, any policy hits once the caches are warm).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::ports::HTTP_PORT;
+use npufleet_crds::{InferenceService, RoutingPolicy};
+use npufleet_tests::fleet::{RunningRouter, serving_addresses};
+use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::{cluster, paths, wait};
+use serde_json::{Value, json};
+
+const MANAGER: &str = "router-bench";
+const MODEL: &str = "smollm2";
+const REPLICAS: usize = 3;
+/// 128 blocks of 16 positions per replica: room for about two of the shared trace's system
+/// prompts beside the requests in flight, not for all of them.
+const KV_CACHE_BLOCKS: &str = "128";
+const SYSTEM_PROMPTS: usize = 6;
+/// Sentences of about 22 tokens: a system prompt of about 400 tokens.
+const SYSTEM_PROMPT_SENTENCES: usize = 18;
+const CLIENTS: usize = 6;
+const REQUESTS_PER_RUN: usize = 36;
+const MAX_TOKENS: u32 = 8;
+const POLICIES: [RoutingPolicy; 3] = [
+    RoutingPolicy::RoundRobin,
+    RoutingPolicy::LeastLoad,
+    RoutingPolicy::PrefixAffinity,
+];
+
+async fn service(namespace: &str, node: &str, replicas: usize) -> Result<InferenceService> {
+    let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "bench", "namespace": namespace},
+        "spec": {
+            "model": {"name": MODEL, "source": {"imagePath": model_path.display().to_string()}},
+            "replicas": replicas,
+            "accelerator": {"type": "cpu"},
+            "engine": {"warmupIterations": 1, "drainSeconds": 5},
+            "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+            // Every answer runs to max_tokens, so runs differ only in where requests went.
+            "template": {"env": [
+                {"name": "NPUFLEET_THREADS", "value": "1"},
+                {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
+                {"name": "NPUFLEET_KV_CACHE_BLOCKS", "value": KV_CACHE_BLOCKS},
+            ]},
+        }
+    }))?)
+}
+
+/// The sum of a Prometheus series over its labels, in `metrics` text.
+fn series_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+    samples.sort();
+    let rank = ((p / 100.0) * samples.len() as f64).ceil() as usize;
+    samples[rank.clamp(1, samples.len()) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// A system prompt of about 400 tokens; `tag` makes it unique to one run, so every run starts
+/// with cold caches whatever the run before it left cached.
+fn system_prompt(tag: &str, n: usize) -> String {
+    let mut text = format!("You are assistant {n} of run {tag}, serving the team of desk {n}. ");
+    for rule in 0..SYSTEM_PROMPT_SENTENCES {
+        text.push_str(&format!(
+            "Rule {rule}: answer questions about topic {n}-{rule} politely, briefly and in plain words. "
+        ));
+    }
+    text
+}
+
+/// One trace's requests, in order: chat bodies that stream.
+fn trace(shared_prefix: bool, tag: &str) -> Vec<Value> {
+    let systems: Vec<String> = (0..SYSTEM_PROMPTS).map(|n| system_prompt(tag, n)).collect();
+    (0..REQUESTS_PER_RUN)
+        .map(|i| {
+            let system = if shared_prefix {
+                // A fixed shuffle of the system prompts, so consecutive requests differ.
+                systems[(i * 5 + i / SYSTEM_PROMPTS) % SYSTEM_PROMPTS].clone()
+            } else {
+                // As long as a shared-trace request, unique from its first token.
+                system_prompt(&format!("{tag}-{i}"), i)
+            };
+            json!({
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": format!("Question {i}: name a river.")},
+                ],
+                "max_tokens": MAX_TOKENS,
+                "stream": true,
+            })
+        })
+        .collect()
+}
+
+/// Whether SSE `text` holds a chunk with generated text (the first event only names the role).
+fn has_token(text: &str) -> bool {
+    text.match_indices("\"content\":\"").any(|(at, m)| {
+        text[at + m.len()..]
+            .chars()
+            .next()
+            .is_some_and(|c| c != '"')
+    })
+}
+
+/// One streamed request's time to its first generated text and to its end.
+async fn stream_once(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> Result<(Duration, Duration)> {
+    let started = Instant::now();
+    let response = http.post(url).json(body).send().await?;
+    let status = response.status();
+    ensure!(
+        status.is_success(),
+        "HTTP {status}: {}",
+        response.text().await?
+    );
+    let mut stream = response.bytes_stream();
+    let mut first = None;
+    let mut text = String::new();
+    while let Some(bytes) = stream.next().await {
+        text.push_str(&String::from_utf8_lossy(&bytes?));
+        if first.is_none() && has_token(&text) {
+            first = Some(started.elapsed());
+        }
+    }
+    ensure!(!text.contains("\"error\""), "the stream failed: {text}");
+    Ok((
+        first.with_context(|| format!("no generated text in {text}"))?,
+        started.elapsed(),
+    ))
+}
+
+struct RunResult {
+    elapsed: Duration,
+    ttft: Vec<Duration>,
+    latency: Vec<Duration>,
+}
+
+/// `clients` closed-loop clients send `bodies` (each once, in order) to `url`.
+async fn run_trace(url: &str, bodies: Vec<Value>, clients: usize) -> Result<RunResult> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let bodies = Arc::new(bodies);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (http, url, bodies, next) =
+                (http.clone(), url.to_owned(), bodies.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(body) = bodies.get(i) else { break };
+                    samples.push(stream_once(&http, &url, body).await?);
+                }
+                anyhow::Ok(samples)
+            })
+        })
+        .collect();
+    let mut result = RunResult {
+        elapsed: Duration::ZERO,
+        ttft: Vec::new(),
+        latency: Vec::new(),
+    };
+    for task in tasks {
+        for (ttft, latency) in task.await?? {
+            result.ttft.push(ttft);
+            result.latency.push(latency);
+        }
+    }
+    result.elapsed = started.elapsed();
+    Ok(result)
+}
+
+/// Prefix-cache hits and queries (tokens) and prompt tokens so far, per worker address.
+async fn cache_counters(
+    http: &reqwest::Client,
+    addresses: &[String],
+) -> Result<BTreeMap<String, [f64; 3]>> {
+    let mut counters = BTreeMap::new();
+    for address in addresses {
+        let metrics = http
+            .get(format!("http://{address}:{HTTP_PORT}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
+        counters.insert(
+            address.clone(),
+            [
+                series_sum(&metrics, "vllm:prefix_cache_hits_total"),
+                series_sum(&metrics, "vllm:prefix_cache_queries_total"),
+                series_sum(&metrics, "vllm:prompt_tokens_total"),
+            ],
+        );
+    }
+    Ok(counters)
+}
+
+async fn set_spec(services: &Api<InferenceService>, spec: Value) -> Result<()> {
+    services
+        .patch(
+            "bench",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": spec})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Sets the routing policy and waits until the router picks by it.
+async fn use_policy(
+    services: &Api<InferenceService>,
+    router: &RunningRouter,
+    policy: RoutingPolicy,
+) -> Result<()> {
+    set_spec(services, json!({"routing": {"policy": policy.as_str()}})).await?;
+    let http = reqwest::Client::new();
+    let url = router.url("/v1/chat/completions");
+    let probe = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": true});
+    let label = format!("policy=\"{}\"", policy.as_str());
+    wait::until(
+        &format!("the router routing by {}", policy.as_str()),
+        Duration::from_secs(30),
+        || async {
+            let before = router.metrics().await?;
+            stream_once(&http, &url, &probe).await?;
+            let after = router.metrics().await?;
+            let picks = |m: &str| {
+                m.lines()
+                    .filter(|l| l.starts_with("npufleet_router_picks_total{") && l.contains(&label))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>()
+            };
+            Ok((picks(&after) > picks(&before)).then_some(()))
+        },
+    )
+    .await
+}
+
+async fn wait_serving(pods: &Api<Pod>, replicas: usize) -> Result<Vec<String>> {
+    wait::until(
+        &format!("{replicas} replicas serving"),
+        Duration::from_secs(180),
+        || async {
+            let serving = serving_addresses(pods).await?;
+            Ok((serving.len() == replicas).then_some(serving))
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn routing_benchmark() -> Result<()> {
+    let c = cluster::shared();
+    let result = async {
+        let client: Client = c.client().await?;
+        let namespace = c.namespace(&client, "router-bench").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let agent = NodeAgent::start(
+            client.clone(),
+            NodeAgentConfig::new(
+                "agent-router-bench",
+                paths::workspace_bin("npufleet-worker")?,
+                c.scratch().join("agent-router-bench"),
+                81,
+            ),
+        )
+        .await?;
+        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &namespace)?;
+        let router = RunningRouter::start(c, "router-bench", &namespace, &["--wake-interval-seconds", "1"]).await?;
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+        npufleet_tests::operator::apply(&services, MANAGER, &service(&namespace, agent.node_name(), REPLICAS).await?).await?;
+        let addresses = wait_serving(&pods, REPLICAS).await?;
+        let http = reqwest::Client::new();
+
+        println!("\n### Routing policies: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
+        println!("| trace | policy | req/s | TTFT p50 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for (shared, trace_name) in [(true, "shared prefix"), (false, "no shared prefix")] {
+            for policy in POLICIES {
+                use_policy(&services, &router, policy).await?;
+                let before = cache_counters(&http, &addresses).await?;
+                let bodies = trace(shared, &format!("{}-{}", shared, policy.as_str()));
+                let mut run = run_trace(&router.url("/v1/chat/completions"), bodies, CLIENTS).await?;
+                let after = cache_counters(&http, &addresses).await?;
+                let delta: Vec<[f64; 3]> = addresses
+                    .iter()
+                    .map(|a| std::array::from_fn(|k| after[a][k] - before[a][k]))
+                    .collect();
+                let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
+                let (hit, queried, prompt) = delta
+                    .iter()
+                    .fold((0.0, 0.0, 0.0), |t, d| (t.0 + d[0], t.1 + d[1], t.2 + d[2]));
+                println!(
+                    "| {trace_name} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {} | {:.0}% |",
+                    policy.as_str(),
+                    REQUESTS_PER_RUN as f64 / run.elapsed.as_secs_f64(),
+                    ms(percentile(&mut run.ttft, 50.0)),
+                    ms(percentile(&mut run.ttft, 99.0)),
+                    prompt / REQUESTS_PER_RUN as f64,
+                    hits.join(" / "),
+                    if queried > 0.0 { 100.0 * hit / queried } else { 0.0 },
+                );
+            }
+        }
+
+        use_policy(&services, &router, RoutingPolicy::LeastLoad).await?;
+        set_spec(&services, json!({"replicas": 1})).await?;
+        wait::until("one worker pod left", Duration::from_secs(120), || async {
+            Ok((pods.list(&ListParams::default()).await?.items.len() == 1).then_some(()))
+        })
+        .await?;
+        let worker = wait_serving(&pods, 1).await?.remove(0);
+        router_cost(&http, &router, &worker).await?;
+        wake_from_zero(&services, &pods, &router).await?;
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The router's own cost: one client's requests one at a time (added p50 latency), then 32
+/// streams at once (throughput), each directly to the one worker left and through the router.
+async fn router_cost(http: &reqwest::Client, router: &RunningRouter, worker: &str) -> Result<()> {
+    let short = |i: usize, max_tokens: u32| json!({"model": MODEL, "messages": [{"role": "user", "content": format!("Say {i}.")}], "max_tokens": max_tokens, "stream": true});
+    let direct = format!("http://{worker}:{HTTP_PORT}/v1/chat/completions");
+    let routed = router.url("/v1/chat/completions");
+    // Alternate the two paths so drift in the machine's load falls on both alike.
+    let (mut direct_ttft, mut routed_ttft) = (Vec::new(), Vec::new());
+    for i in 0..40 {
+        direct_ttft.push(stream_once(http, &direct, &short(i, 1)).await?.0);
+        routed_ttft.push(stream_once(http, &routed, &short(i, 1)).await?.0);
+    }
+    let bodies: Vec<Value> = (0..192).map(|i| short(i, 16)).collect();
+    let direct_run = run_trace(&direct, bodies.clone(), 32).await?;
+    let routed_run = run_trace(&routed, bodies, 32).await?;
+    let (d50, r50) = (
+        percentile(&mut direct_ttft, 50.0),
+        percentile(&mut routed_ttft, 50.0),
+    );
+    let throughput = |r: &RunResult| 192.0 * 16.0 / r.elapsed.as_secs_f64();
+    println!("\n### The router's cost (one replica)\n");
+    println!("| path | TTFT p50 ms, 1 stream (1 token) | tokens/s, 32 streams (16 tokens each) |");
+    println!("|---|---|---|");
+    println!(
+        "| worker directly | {:.2} | {:.1} |",
+        ms(d50),
+        throughput(&direct_run)
+    );
+    println!(
+        "| through the router | {:.2} | {:.1} |",
+        ms(r50),
+        throughput(&routed_run)
+    );
+    println!(
+        "| router's cost | {:+.2} ms | {:+.1}% |",
+        ms(r50) - ms(d50),
+        100.0 * (throughput(&routed_run) / throughput(&direct_run) - 1.0)
+    );
+    Ok(())
+}
+
+/// A request sent while the fleet is at zero: the router holds it and asks for a wake-up
+/// (the test stands in for the autoscaler and sets one replica); its first token against the
+/// moment the new worker itself answers ready.
+async fn wake_from_zero(
+    services: &Api<InferenceService>,
+    pods: &Api<Pod>,
+    router: &RunningRouter,
+) -> Result<()> {
+    set_spec(services, json!({"replicas": 0})).await?;
+    wait::until(
+        "every worker pod gone",
+        Duration::from_secs(120),
+        || async {
+            Ok(pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        },
+    )
+    .await?;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let started = Instant::now();
+    let request = {
+        let (http, url) = (http.clone(), router.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": true});
+            let sent = started.elapsed();
+            anyhow::Ok(sent + stream_once(&http, &url, &body).await?.0)
+        })
+    };
+    let asked = wait::until(
+        "the router's wake-up request",
+        Duration::from_secs(20),
+        || async {
+            let service = services.get("bench").await?;
+            Ok(service
+                .annotations()
+                .contains_key(WAKE_REQUESTED_AT)
+                .then(|| started.elapsed()))
+        },
+    )
+    .await?;
+    set_spec(services, json!({"replicas": 1})).await?;
+    // The worker's own ready time: the first moment its readiness endpoint answers 200,
+    // polled directly at its pod address.
+    let probe = reqwest::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()?;
+    let worker_ready = wait::until("the new worker ready", Duration::from_secs(120), || async {
+        let Some(ip) = pods
+            .list(&ListParams::default().labels("npufleet.io/rank=0"))
+            .await?
+            .items
+            .iter()
+            .find_map(|p| p.status.as_ref()?.pod_ip.clone())
+        else {
+            return Ok(None);
+        };
+        let ready = probe
+            .get(format!("http://{ip}:{HTTP_PORT}/v2/health/ready"))
+            .send()
+            .await;
+        Ok(ready
+            .is_ok_and(|r| r.status().is_success())
+            .then(|| started.elapsed()))
+    })
+    .await?;
+    let first_token = request.await??;
+    println!("\n### From zero replicas\n");
+    println!(
+        "| wake-up asked | worker ready (its own /v2/health/ready) | first token | first token after worker ready |"
+    );
+    println!("|---|---|---|---|");
+    println!(
+        "| {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
+        asked.as_secs_f64(),
+        worker_ready.as_secs_f64(),
+        first_token.as_secs_f64(),
+        (first_token.saturating_sub(worker_ready)).as_secs_f64()
+    );
+    Ok(())
+}
