@@ -527,8 +527,8 @@ pub struct RoutingSpec {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum RoutingPolicy {
-    #[default]
     LeastLoad,
+    #[default]
     PrefixAffinity,
     RoundRobin,
 }
