@@ -10,8 +10,10 @@ mod serve_support;
 use std::time::{Duration, Instant};
 
 use npufleet_contract::proto::inference::ModelInferRequest;
+use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::{InferTensorContents, ModelStreamInferResponse};
+use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use npufleet_worker::server::oip;
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker, poll_until};
@@ -385,39 +387,29 @@ async fn an_oversized_grpc_message_names_the_limit() {
 }
 
 #[tokio::test]
-#[ignore = "flaky: the tiny model can finish the request before the metrics are scraped"]
 async fn time_to_first_token_is_observed_when_the_first_token_is_sent() {
-    let worker = Worker::start(&["--ignore-eos", "--max-batch-size", "1"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::spawn_model(&long_context_model(dir.path()), &["--ignore-eos"], &[]);
+    worker.wait_ready().await;
     let client = reqwest::Client::new();
-    let mut response = client
-        .post(format!("{}/v1/completions", worker.http))
-        .json(
-            &json!({"prompt": "hello world", "max_tokens": 2000, "temperature": 0,
-                      "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    let first = response.chunk().await.unwrap().unwrap();
-    assert!(!first.is_empty());
-    let text = scrape(&client, &worker).await;
-    // The request is still running, yet its time to first token is already recorded.
-    assert_eq!(
-        metric(&text, "vllm:num_requests_running", &[]),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "vllm:time_to_first_token_seconds_count", &[]),
-        Some(1.0),
-        "{text}"
-    );
+    let held = stalled_completion(&worker, "hello world", LONG_OUTPUT_TOKENS);
+    // The request cannot finish while its client holds it, yet its time to first token is
+    // already recorded.
+    let text = poll_until(Duration::from_secs(10), "the first token's TTFT", || {
+        let (client, worker) = (&client, &worker);
+        async move {
+            let text = scrape(client, worker).await;
+            (metric(&text, "vllm:time_to_first_token_seconds_count", &[]) == Some(1.0))
+                .then_some(text)
+        }
+    })
+    .await;
     assert_eq!(
         metric(&text, "vllm:request_generation_tokens_count", &[]),
-        Some(0.0)
+        Some(0.0),
+        "{text}"
     );
-    drop(response);
+    drop(held);
 
     // The rest of vLLM's names, and the ones a Gateway API Inference Extension endpoint
     // picker reads, move under load.
@@ -449,6 +441,132 @@ async fn time_to_first_token_is_observed_when_the_first_token_is_sent() {
         Some(1.0),
         "{text}"
     );
+}
+
+/// Tokens asked of a request that must outlast its client's buffers: tens of thousands of
+/// tokens are megabytes of stream, more than the socket buffers and the worker's own hold.
+const LONG_OUTPUT_TOKENS: i64 = 30_000;
+
+/// The test model with a context long enough for [`LONG_OUTPUT_TOKENS`].
+fn long_context_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut spec = GenTestModelArgs::new(dir.join("long.gguf"), TestModelFormat::Gguf);
+    spec.context = 32_768;
+    write_test_model(&spec).expect("writing the test model")
+}
+
+/// Opens a streamed completion on a connection with a receive buffer of a few kilobytes,
+/// reads up to its first event, then stops reading and holds the connection open.
+fn stalled_completion(worker: &Worker, prompt: &str, max_tokens: i64) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let addr: std::net::SocketAddr = worker.http.trim_start_matches("http://").parse().unwrap();
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(&addr.into()).unwrap();
+    let mut stream: std::net::TcpStream = socket.into();
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                      "stream": true})
+    .to_string();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let (mut seen, mut buf) = (Vec::new(), [0u8; 512]);
+    while !seen.windows(5).any(|w| w == b"data:") {
+        let n = stream.read(&mut buf).expect("reading the first event");
+        assert!(
+            n > 0,
+            "the stream ended: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        seen.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream
+}
+
+/// Finding 6 end to end: a gRPC `ModelStreamInfer` client that stops reading has its
+/// sequence cancelled once `--stalled-reader-timeout` passes without room, and the worker
+/// serves others meanwhile. (An HTTP/1 SSE reader stalls the same way only after the
+/// kernel's send buffer, up to 4 MiB here, is full: more tokens than this model decodes in
+/// a test's time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::spawn_model(
+        &long_context_model(dir.path()),
+        &["--ignore-eos", "--stalled-reader-timeout", "1"],
+        &[],
+    );
+    worker.wait_ready().await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    // A gRPC client that announces an 8 KiB window and never reads the responses.
+    let channel = tonic::transport::Endpoint::from_shared(worker.grpc.clone())
+        .unwrap()
+        .initial_stream_window_size(Some(8192))
+        .initial_connection_window_size(Some(8192))
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = GrpcInferenceServiceClient::new(channel);
+    let (requests, queued) = tokio::sync::mpsc::channel(1);
+    requests
+        .send(text_request("stalled", b"hello world", LONG_OUTPUT_TOKENS))
+        .await
+        .unwrap();
+    let responses = grpc
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(queued))
+        .await
+        .unwrap()
+        .into_inner();
+    poll_until(Duration::from_secs(10), "the held request running", || {
+        let (client, worker) = (&client, &worker);
+        async move {
+            let text = scrape(client, worker).await;
+            (metric(&text, "vllm:num_requests_running", &[]) == Some(1.0)).then_some(())
+        }
+    })
+    .await;
+
+    let (status, body) = post(
+        &client,
+        &format!("{}/v1/completions", worker.http),
+        json!({"prompt": "hello", "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+
+    let stalled = [r#"reason="stalled_reader""#];
+    poll_until(
+        Duration::from_secs(30),
+        "the stalled reader cancelled",
+        || {
+            let (client, worker) = (&client, &worker);
+            async move {
+                let text = scrape(client, worker).await;
+                (metric(&text, "npufleet_requests_rejected_total", &stalled) == Some(1.0)
+                    && metric(&text, "vllm:num_requests_running", &[]) == Some(0.0))
+                .then_some(())
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "the stalled reader was cancelled {:.2} s after it opened",
+        started.elapsed().as_secs_f64()
+    );
+    drop((responses, requests));
 }
 
 /// The KV-cache block count the worker reports in `vllm:cache_config_info`.
