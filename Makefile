@@ -82,4 +82,3 @@ fuzz:
 # Fault tests too slow for make test (minutes each).
 chaos: setup build
 	$(CARGO) test -p npufleet-tests --test faults_worker -- --ignored --nocapture
-	$(CARGO) test -p npufleet-worker --test serve_hardening -- --ignored --nocapture
