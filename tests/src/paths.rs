@@ -59,6 +59,12 @@ pub fn control_plane_bin() -> Result<PathBuf> {
     cached(&BIN, "control-plane.sh", &[])
 }
 
+/// The directory holding Prometheus and prometheus-adapter (built on first use).
+pub fn monitoring_bin() -> Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    cached(&BIN, "monitoring.sh", &[])
+}
+
 /// The KWOK stage definitions that ship with the pinned KWOK version.
 pub fn kwok_stages() -> Result<PathBuf> {
     Ok(control_plane_bin()?

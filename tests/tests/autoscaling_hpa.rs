@@ -72,7 +72,7 @@ async fn register_metrics_server(
         client_auth: Some(client_auth),
     };
     // Endpoints may not be loopback addresses: serve on the host's own address.
-    let host = host_address()?;
+    let host = npufleet_tests::monitoring::host_address()?;
     let server = MetricsServer::bind((host, 0).into(), store, &settings).await?;
     let addr = server.local_addr()?;
     let port = addr.port();
@@ -141,36 +141,6 @@ async fn register_metrics_server(
     )
     .await?;
     Ok((task, addr, certificate))
-}
-
-/// The first non-loopback IPv4 address of this machine.
-fn host_address() -> Result<std::net::Ipv4Addr> {
-    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `addrs` with a list we free with freeifaddrs below.
-    if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("listing network interfaces");
-    }
-    let mut found = None;
-    let mut cursor = addrs;
-    while !cursor.is_null() && found.is_none() {
-        // SAFETY: `cursor` points into the list getifaddrs returned, which is still alive.
-        let entry = unsafe { &*cursor };
-        if !entry.ifa_addr.is_null()
-            // SAFETY: ifa_addr is non-null and points to a sockaddr of the family it names.
-            && i32::from(unsafe { (*entry.ifa_addr).sa_family }) == libc::AF_INET
-        {
-            // SAFETY: an AF_INET address is a sockaddr_in.
-            let v4 = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
-            let ip = std::net::Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr));
-            if !ip.is_loopback() {
-                found = Some(ip);
-            }
-        }
-        cursor = entry.ifa_next;
-    }
-    // SAFETY: freeing the list getifaddrs allocated, once.
-    unsafe { libc::freeifaddrs(addrs) };
-    found.context("this machine has no non-loopback IPv4 address for the aggregator to reach")
 }
 
 async fn spec_replicas(api: &Api<InferenceService>, name: &str) -> Result<i32> {
