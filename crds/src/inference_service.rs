@@ -487,6 +487,11 @@ fn default_drain_seconds() -> i32 {
 #[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas")
     .message("spec.autoscaling.minReplicas must be less than or equal to spec.autoscaling.maxReplicas")
     .field_path(".minReplicas"))]
+// An HPA cannot scale from zero without the alpha HPAScaleToZero gate, and it would silently
+// raise 0 to 1; only the built-in autoscaler holds a fleet at zero.
+#[x_kube(validation = Rule::new("self.mode != 'hpa' || self.minReplicas >= 1")
+    .message("spec.autoscaling.minReplicas must be at least 1 when spec.autoscaling.mode is hpa (only the built-in autoscaler scales to zero)")
+    .field_path(".minReplicas"))]
 #[serde(rename_all = "camelCase")]
 pub struct AutoscalingSpec {
     /// Which loop owns `spec.replicas`.

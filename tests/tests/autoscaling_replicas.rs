@@ -4,7 +4,7 @@
 //!   count lives in `status.autoscaling` under its own field manager;
 //! - `minReplicas: 0` takes an idle fleet to zero, says so in status and events, and a
 //!   router's wake annotation brings one replica group back;
-//! - `mode: hpa` with `minReplicas: 0` is refused with a warning naming the field, never
+//! - `mode: hpa` with `minReplicas: 0` is refused at admission naming the field, never
 //!   silently run at one.
 
 use std::collections::BTreeSet;
@@ -341,13 +341,12 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hpa_mode_refuses_min_replicas_zero_with_a_warning() -> Result<()> {
+async fn hpa_mode_with_min_replicas_zero_is_rejected_at_admission() -> Result<()> {
     let c = cluster::shared();
     let client = c.client().await?;
     let result = async {
         let ns = c.namespace(&client, "hpa-min-zero").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
         let manifest: InferenceService = serde_json::from_value(json!({
             "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
@@ -358,28 +357,25 @@ async fn hpa_mode_refuses_min_replicas_zero_with_a_warning() -> Result<()> {
                 "autoscaling": {"mode": "hpa", "minReplicas": 0, "maxReplicas": 3},
             }
         }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
-        let warning = wait::until(
-            "an InvalidAutoscaling warning",
-            Duration::from_secs(30),
-            || async {
-                Ok(events(&client, &ns, "chat", "InvalidAutoscaling")
-                    .await?
-                    .pop())
-            },
-        )
-        .await?;
-        assert_eq!(warning.type_.as_deref(), Some("Warning"));
-        let note = warning.note.unwrap_or_default();
+        let refused = services
+            .patch(
+                "chat",
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&manifest),
+            )
+            .await
+            .expect_err("minReplicas 0 under the HPA was accepted");
+        let kube::Error::Api(status) = refused else {
+            anyhow::bail!("not refused by the apiserver: {refused}");
+        };
+        assert_eq!(status.code, 422, "{status:?}");
+        let message = status.message;
         assert!(
-            note.contains("minReplicas must be at least 1 with mode hpa")
-                && note.contains("mode builtin"),
-            "{note}"
+            message.contains("spec.autoscaling.minReplicas")
+                && message.contains("only the built-in autoscaler scales to zero"),
+            "{message}"
         );
-        let hpa = Api::<HorizontalPodAutoscaler>::namespaced(client.clone(), &ns)
-            .get_opt("chat")
-            .await?;
-        assert!(hpa.is_none(), "an HPA was made for minReplicas 0: {hpa:?}");
+        assert!(services.get_opt("chat").await?.is_none());
         Ok(())
     }
     .await;

@@ -204,6 +204,15 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
             "spec.autoscaling.minReplicas",
         ),
         (
+            "minReplicas 0 under the HPA",
+            with(
+                base.clone(),
+                "/spec/autoscaling",
+                json!({"mode": "hpa", "minReplicas": 0, "maxReplicas": 2}),
+            ),
+            "only the built-in autoscaler scales to zero",
+        ),
+        (
             "zero target queue depth",
             with(
                 base.clone(),
