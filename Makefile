@@ -54,9 +54,11 @@ bench:
 
 # Routing policies on three SmolLM2 replicas behind the router: throughput, time to first
 # token and prefix-cache hits on shared- and distinct-prefix traces, the wake from zero and the
-# router's own cost (minutes; kept out of make test). Prints markdown tables.
-bench-router: setup build
-	$(CARGO) test -p npufleet-tests --test router_bench -- --ignored --nocapture
+# router's own cost (minutes; kept out of make test). Prints markdown tables. Release builds,
+# as users run them: the test binary finds the binaries of its own profile.
+bench-router: setup
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).
