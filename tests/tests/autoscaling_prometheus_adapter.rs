@@ -104,14 +104,16 @@ async fn chart_leaves_the_adapter_alone(client: &kube::Client) -> Result<()> {
     );
     let services: Api<Service> = Api::namespaced(client.clone(), &release_ns);
     assert!(
-        services.get_opt("npufleet-external-metrics").await?.is_none(),
+        services
+            .get_opt("npufleet-external-metrics")
+            .await?
+            .is_none(),
         "the chart rendered its own metrics Service"
     );
     let deployment = Api::<Deployment>::namespaced(client.clone(), &release_ns)
         .get("npufleet")
         .await?;
-    let args = serde_json::to_value(&deployment.spec)?["template"]["spec"]["containers"][0]
-        ["args"]
+    let args = serde_json::to_value(&deployment.spec)?["template"]["spec"]["containers"][0]["args"]
         .clone();
     assert!(
         args.as_array()
