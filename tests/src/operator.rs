@@ -142,3 +142,60 @@ pub async fn wait_leader(
     })
     .await
 }
+
+/// `spec.replicas` of one InferenceService as a watch delivers each change: the highest count
+/// seen and when it first rose above one. Stops watching when dropped.
+pub struct ReplicaWatch {
+    max: Arc<std::sync::atomic::AtomicI32>,
+    first_scale_up: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    task: JoinHandle<()>,
+}
+
+impl ReplicaWatch {
+    pub fn start(services: &Api<InferenceService>, name: &str) -> Self {
+        use futures::StreamExt;
+        use kube::runtime::{WatchStreamExt, watcher};
+        let max = Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let first_scale_up = Arc::new(std::sync::Mutex::new(None));
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let changes = watcher(services.clone(), config)
+            .default_backoff()
+            .applied_objects();
+        let task = tokio::spawn({
+            let (max, first_scale_up) = (max.clone(), first_scale_up.clone());
+            async move {
+                futures::pin_mut!(changes);
+                while let Some(change) = changes.next().await {
+                    let Ok(service) = change else { continue };
+                    let replicas = service.spec.replicas;
+                    max.fetch_max(replicas, std::sync::atomic::Ordering::Relaxed);
+                    if replicas > 1 {
+                        let mut first = first_scale_up.lock().expect("not poisoned");
+                        first.get_or_insert_with(std::time::Instant::now);
+                    }
+                }
+            }
+        });
+        Self {
+            max,
+            first_scale_up,
+            task,
+        }
+    }
+
+    /// The highest `spec.replicas` seen so far.
+    pub fn max(&self) -> i32 {
+        self.max.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// When `spec.replicas` first rose above one, if it has.
+    pub fn first_scale_up(&self) -> Option<std::time::Instant> {
+        *self.first_scale_up.lock().expect("not poisoned")
+    }
+}
+
+impl Drop for ReplicaWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -6,8 +6,6 @@
 //! burst, back to 1, with every request answered. The clients send through `npufleet-router`,
 //! started as its own process, which spreads them over the replicas as they turn ready.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -16,9 +14,9 @@ use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
-use tokio::sync::Mutex;
 
 const MANAGER: &str = "autoscaling-builtin-test";
 const TARGET_QUEUE: u32 = 2;
@@ -67,26 +65,9 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         .await?;
 
         // Watch the desired count while the load runs.
-        let max_desired = Arc::new(AtomicU32::new(1));
-        let first_scale_up: Arc<Mutex<Option<Instant>>> = Arc::default();
         let router = RunningRouter::start(c, "router-builtin", &ns, &[]).await?;
         let load = Load::through(&router);
-        let watcher = {
-            let services = services.clone();
-            let (max_desired, first_scale_up) = (max_desired.clone(), first_scale_up.clone());
-            tokio::spawn(async move {
-                loop {
-                    if let Ok(service) = services.get("chat").await {
-                        let desired = u32::try_from(service.spec.replicas).unwrap_or(0);
-                        max_desired.fetch_max(desired, Ordering::Relaxed);
-                        if desired > 1 {
-                            first_scale_up.lock().await.get_or_insert_with(Instant::now);
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            })
-        };
+        let replicas = ReplicaWatch::start(&services, "chat");
 
         let burst_started = Instant::now();
         let clients = load.start(
@@ -126,11 +107,9 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             if desired == 1 && live == 1 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
         })
         .await?;
-        watcher.abort();
 
-        let first_up = first_scale_up
-            .lock()
-            .await
+        let first_up = replicas
+            .first_scale_up()
             .context("the service never scaled up")?
             .duration_since(burst_started);
         let sent = load.sent();
@@ -140,13 +119,13 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             burst.as_secs_f64(),
             first_up.as_secs_f64(),
             scaled_up_in.as_secs_f64(),
-            max_desired.load(Ordering::Relaxed),
+            replicas.max(),
         );
         assert_eq!(failed, 0, "failed requests: {:?}", load.failures().await);
         assert!(sent >= u64::from(CLIENTS), "only {sent} requests");
         // Closed-loop clients never put more than CLIENTS requests in the system: anything
         // above CLIENTS / target would be a cascade while replicas warm up.
-        assert_eq!(max_desired.load(Ordering::Relaxed), needed);
+        assert_eq!(replicas.max(), i32::try_from(needed)?);
         // Loose enough for a busy two-core machine; the figure itself is printed above.
         assert!(first_up < Duration::from_secs(10), "first scale-up after {first_up:?}");
 

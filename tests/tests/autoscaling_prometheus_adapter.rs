@@ -6,7 +6,6 @@
 //! clients and back down after it. The same Prometheus then runs every query of the shipped
 //! Grafana dashboard against the live fleet.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -20,9 +19,9 @@ use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::monitoring::{Adapter, EXTERNAL_METRICS_API_SERVICE, Prometheus, deploy_file};
 use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
-use tokio::sync::Mutex;
 
 const MANAGER: &str = "autoscaling-prometheus-adapter-test";
 const TARGET_QUEUE: u32 = 2;
@@ -184,20 +183,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         assert_eq!(idle["items"][0]["value"], "0", "{idle}");
 
         let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), &ns);
-        let first_scale_up: Arc<Mutex<Option<Instant>>> = Arc::default();
-        let watcher = {
-            let (services, first_scale_up) = (services.clone(), first_scale_up.clone());
-            tokio::spawn(async move {
-                loop {
-                    if let Ok(service) = services.get("chat").await
-                        && service.spec.replicas > 1
-                    {
-                        first_scale_up.lock().await.get_or_insert_with(Instant::now);
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            })
-        };
+        let replicas = ReplicaWatch::start(&services, "chat");
 
         let router = RunningRouter::start(c, "router-adapter", &ns, &[]).await?;
         let load = Load::through(&router);
@@ -216,9 +202,8 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
             if desired > 1 { Ok(Some(())) } else { anyhow::bail!("spec.replicas = {desired}") }
         })
         .await?;
-        let first_up = first_scale_up
-            .lock()
-            .await
+        let first_up = replicas
+            .first_scale_up()
             .map_or(burst_started.elapsed(), |t| t.duration_since(burst_started));
 
         // `kubectl get hpa` shows the adapter's current value against the target.
@@ -273,7 +258,6 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
             if desired == 1 && live == 1 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
         })
         .await?;
-        watcher.abort();
 
         let (sent, failed) = (load.sent(), load.failed());
         eprintln!(
