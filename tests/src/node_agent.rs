@@ -34,6 +34,14 @@ use crate::process::Process;
 
 /// The label on every agent-owned node; pods select a node with it.
 pub const NODE_AGENT_LABEL: &str = "npufleet.io/node-agent";
+/// `spec.scheduling` of an `InferenceService` whose pods run on the agent `node`.
+pub fn scheduling(node: &str) -> serde_json::Value {
+    json!({
+        "nodeSelector": {NODE_AGENT_LABEL: node},
+        "tolerations": [{"key": NODE_AGENT_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+    })
+}
+
 const WORKER_BINARY_NAME: &str = "npufleet-worker";
 const FIELD_MANAGER: &str = "npufleet-test-node-agent";
 const LEASE_DURATION_SECONDS: i32 = 40;
@@ -178,7 +186,9 @@ impl Shared {
                     "kubernetes.io/arch": "amd64",
                 },
             },
-            "spec": {},
+            // Only pods meant for an agent run here: a pod meant for a KWOK node in the same
+            // cluster would otherwise land here, fail to start and be recreated by the operator.
+            "spec": {"taints": [{"key": NODE_AGENT_LABEL, "value": name, "effect": "NoSchedule"}]},
         }))?;
         let nodes: Api<Node> = Api::all(self.client.clone());
         match nodes.create(&PostParams::default(), &node).await {

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -51,7 +51,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1, "drainSeconds": 60},
                 "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "scheduling": node_agent::scheduling(node),
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;

@@ -18,7 +18,7 @@ use npufleet_crds::InferenceService;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::monitoring::{Adapter, EXTERNAL_METRICS_API_SERVICE, Prometheus, deploy_file};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -153,7 +153,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1, "drainSeconds": 60},
                 "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "scheduling": node_agent::scheduling(node),
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;

@@ -21,7 +21,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::FIELD_MANAGER as AUTOSCALER;
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
 
@@ -230,7 +230,7 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1},
                 "autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
-                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "scheduling": node_agent::scheduling(node),
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;

@@ -14,7 +14,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, RunningRouter, is_serving, serving_addresses};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
 
@@ -80,7 +80,7 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
                 "parallelism": {"tensor": 2},
                 "engine": {"warmupIterations": 1, "drainSeconds": 60},
                 "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "scheduling": node_agent::scheduling(node),
                 "template": {"env": [
                     {"name": "NPUFLEET_THREADS", "value": "1"},
                     {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},

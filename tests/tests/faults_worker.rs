@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Router, is_serving, serving_addresses};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
 use tokio::sync::Mutex;
@@ -65,7 +65,7 @@ impl Fleet {
                 "replicas": replicas,
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1},
-                "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+                "scheduling": node_agent::scheduling(node),
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;

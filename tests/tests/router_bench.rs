@@ -24,7 +24,7 @@ use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
 use npufleet_tests::fleet::{RunningRouter, serving_addresses};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
 
@@ -56,7 +56,7 @@ async fn service(namespace: &str, node: &str, replicas: usize) -> Result<Inferen
             "replicas": replicas,
             "accelerator": {"type": "cpu"},
             "engine": {"warmupIterations": 1, "drainSeconds": 5},
-            "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+            "scheduling": node_agent::scheduling(node),
             // Every answer runs to max_tokens, so runs differ only in where requests went.
             "template": {"env": [
                 {"name": "NPUFLEET_THREADS", "value": "1"},

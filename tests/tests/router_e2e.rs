@@ -19,7 +19,7 @@ use npufleet_contract::proto::inference::{
 };
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, serving_addresses};
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
 
@@ -46,7 +46,7 @@ async fn service(namespace: &str, node: &str, replicas: i32) -> Result<Inference
             "accelerator": {"type": "cpu"},
             "engine": {"warmupIterations": 1, "drainSeconds": 30},
             "routing": {"policy": "least-load"},
-            "scheduling": {"nodeSelector": {NODE_AGENT_LABEL: node}},
+            "scheduling": node_agent::scheduling(node),
             // Every answer runs to its max_tokens, so a long stream is still going when a test
             // kills its worker.
             "template": {"env": [

@@ -21,7 +21,7 @@ use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::fleet::{RunningRouter, serving_addresses};
 use npufleet_tests::net::free_port;
-use npufleet_tests::node_agent::{NODE_AGENT_LABEL, NodeAgent, NodeAgentConfig};
+use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
 use npufleet_tests::{paths, wait};
 use serde_json::{Value, json};
@@ -89,10 +89,7 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
         "autoscaling".into(),
         json!({"mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "targetQueueDepth": TARGET_QUEUE}),
     );
-    spec.insert(
-        "scheduling".into(),
-        json!({"nodeSelector": {NODE_AGENT_LABEL: NODE}}),
-    );
+    spec.insert("scheduling".into(), node_agent::scheduling(NODE));
     spec.get_mut("template")
         .and_then(Value::as_object_mut)
         .with_context(|| format!("{SAMPLE} has no spec.template"))?
