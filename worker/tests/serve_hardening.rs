@@ -494,11 +494,51 @@ fn stalled_completion(worker: &Worker, prompt: &str, max_tokens: i64) -> std::ne
     stream
 }
 
-/// Finding 6 end to end: a gRPC `ModelStreamInfer` client that stops reading has its
-/// sequence cancelled once `--stalled-reader-timeout` passes without room, and the worker
-/// serves others meanwhile. (An HTTP/1 SSE reader stalls the same way only after the
-/// kernel's send buffer, up to 4 MiB here, is full: more tokens than this model decodes in
-/// a test's time.)
+/// While a reader holds a stalled stream: another request is served, and the stalled one is
+/// cancelled once `--stalled-reader-timeout` passes without room for its next chunk.
+async fn others_are_served_and_the_stalled_reader_is_cancelled(
+    client: &reqwest::Client,
+    worker: &Worker,
+    opened: Instant,
+) {
+    poll_until(
+        Duration::from_secs(10),
+        "the held request running",
+        || async {
+            let text = scrape(client, worker).await;
+            (metric(&text, "vllm:num_requests_running", &[]) == Some(1.0)).then_some(())
+        },
+    )
+    .await;
+
+    let (status, body) = post(
+        client,
+        &format!("{}/v1/completions", worker.http),
+        json!({"prompt": "hello", "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+
+    let stalled = [r#"reason="stalled_reader""#];
+    poll_until(
+        Duration::from_secs(30),
+        "the stalled reader cancelled",
+        || async {
+            let text = scrape(client, worker).await;
+            (metric(&text, "npufleet_requests_rejected_total", &stalled) == Some(1.0)
+                && metric(&text, "vllm:num_requests_running", &[]) == Some(0.0))
+            .then_some(())
+        },
+    )
+    .await;
+    eprintln!(
+        "the stalled reader was cancelled {:.2} s after it opened",
+        opened.elapsed().as_secs_f64()
+    );
+}
+
+/// Finding 6 end to end over gRPC: a `ModelStreamInfer` client that stops reading.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
     let dir = tempfile::tempdir().unwrap();
@@ -509,7 +549,7 @@ async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
     );
     worker.wait_ready().await;
     let client = reqwest::Client::new();
-    let started = Instant::now();
+    let opened = Instant::now();
     // A gRPC client that announces an 8 KiB window and never reads the responses.
     let channel = tonic::transport::Endpoint::from_shared(worker.grpc.clone())
         .unwrap()
@@ -529,44 +569,97 @@ async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
         .await
         .unwrap()
         .into_inner();
-    poll_until(Duration::from_secs(10), "the held request running", || {
-        let (client, worker) = (&client, &worker);
-        async move {
-            let text = scrape(client, worker).await;
-            (metric(&text, "vllm:num_requests_running", &[]) == Some(1.0)).then_some(())
-        }
-    })
-    .await;
-
-    let (status, body) = post(
-        &client,
-        &format!("{}/v1/completions", worker.http),
-        json!({"prompt": "hello", "max_tokens": 5, "temperature": 0}),
-    )
-    .await;
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(body["usage"]["completion_tokens"], 5);
-
-    let stalled = [r#"reason="stalled_reader""#];
-    poll_until(
-        Duration::from_secs(30),
-        "the stalled reader cancelled",
-        || {
-            let (client, worker) = (&client, &worker);
-            async move {
-                let text = scrape(client, worker).await;
-                (metric(&text, "npufleet_requests_rejected_total", &stalled) == Some(1.0)
-                    && metric(&text, "vllm:num_requests_running", &[]) == Some(0.0))
-                .then_some(())
-            }
-        },
-    )
-    .await;
-    eprintln!(
-        "the stalled reader was cancelled {:.2} s after it opened",
-        started.elapsed().as_secs_f64()
-    );
+    others_are_served_and_the_stalled_reader_is_cancelled(&client, &worker, opened).await;
     drop((responses, requests));
+}
+
+/// Finding 6 end to end over HTTP/1 SSE: the worker bounds each connection's send buffer
+/// (`--http-send-buffer-bytes`), so a reader that stops fills it within seconds rather than
+/// after megabytes of tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sse_reader_that_stops_reading_is_cancelled_and_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::spawn_model(
+        &long_context_model(dir.path()),
+        &["--ignore-eos", "--stalled-reader-timeout", "1"],
+        &[],
+    );
+    worker.wait_ready().await;
+    let client = reqwest::Client::new();
+    let opened = Instant::now();
+    let held = stalled_completion(&worker, "hello world", LONG_OUTPUT_TOKENS);
+    others_are_served_and_the_stalled_reader_is_cancelled(&client, &worker, opened).await;
+    drop(held);
+}
+
+/// Finding 5: resident memory after a burst is the documented level — what the worker held
+/// when ready, plus the KV cache it reserved (touched as used, then kept), plus a working set
+/// — and repeated bursts do not add to it: nothing a finished request used stays behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_after_repeated_bursts_returns_to_a_bounded_level() {
+    const KV_CACHE_BYTES: u64 = 8 << 20;
+    const WORKING_SET_BYTES: u64 = 48 << 20;
+    const STREAMS: usize = 16;
+    let kv_cache_bytes = KV_CACHE_BYTES.to_string();
+    let worker = Worker::start(&[
+        "--ignore-eos",
+        "--kv-cache-bytes",
+        &kv_cache_bytes,
+        "--max-batch-size",
+        "16",
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    let ready = worker.resident_bytes();
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        // Streams that together ask for more positions than the cache holds, so it is used
+        // to the full and requests also wait for room.
+        let burst = (0..STREAMS).map(|i| {
+            let (client, url) = (client.clone(), format!("{}/v1/completions", worker.http));
+            async move {
+                let response = client
+                    .post(url)
+                    .json(&json!({"prompt": format!("burst {i}"), "max_tokens": 700,
+                                  "temperature": 0, "stream": true}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 200);
+                let body = response.text().await.unwrap();
+                assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+            }
+        });
+        futures::future::join_all(burst).await;
+        poll_until(Duration::from_secs(10), "the burst to finish", || async {
+            let text = scrape(&client, &worker).await;
+            (metric(&text, "vllm:num_requests_running", &[]) == Some(0.0)).then_some(())
+        })
+        .await;
+        after.push(worker.resident_bytes());
+    }
+    let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
+    eprintln!(
+        "resident: {:.1} MiB ready, after each of three bursts of {STREAMS} streams: {:?} MiB",
+        mib(ready),
+        after
+            .iter()
+            .map(|&b| format!("{:.1}", mib(b)))
+            .collect::<Vec<_>>()
+    );
+    let level = ready + KV_CACHE_BYTES + WORKING_SET_BYTES;
+    for &bytes in &after {
+        assert!(
+            bytes <= level,
+            "{:.1} MiB resident after a burst, above the documented {:.1} MiB",
+            mib(bytes),
+            mib(level)
+        );
+    }
+    assert!(
+        after[2] <= after[0] + (4 << 20),
+        "repeated bursts grew resident memory: {after:?}"
+    );
 }
 
 /// The KV-cache block count the worker reports in `vllm:cache_config_info`.

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use npufleet_contract::auth::ApiKey;
 use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 use npufleet_contract::{env, ports};
@@ -155,6 +156,11 @@ pub struct ServeArgs {
     /// a client that stops reading for longer has its request cancelled.
     #[arg(long, env = "NPUFLEET_STALLED_READER_TIMEOUT", default_value_t = 30.0, value_parser = parse_seconds)]
     pub stalled_reader_timeout: f64,
+    /// Kernel send buffer of each HTTP connection, in bytes. Bounded so that a client that
+    /// stops reading an event stream fills it within seconds and meets
+    /// `--stalled-reader-timeout`, instead of the kernel taking megabytes of tokens first.
+    #[arg(long, env = "NPUFLEET_HTTP_SEND_BUFFER_BYTES", default_value_t = 64 << 10)]
+    pub http_send_buffer_bytes: usize,
     #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
@@ -424,6 +430,14 @@ pub async fn serve(
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
         thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
+    });
+    let send_buffer_bytes = args.http_send_buffer_bytes;
+    let http_listener = http_listener.tap_io(move |connection| {
+        if let Err(error) =
+            socket2::SockRef::from(&*connection).set_send_buffer_size(send_buffer_bytes)
+        {
+            tracing::warn!(%error, "cannot bound a connection's send buffer");
+        }
     });
     let http_server =
         axum::serve(http_listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));

@@ -147,6 +147,18 @@ impl Worker {
             .expect("connecting over gRPC")
     }
 
+    /// The worker's resident memory (`VmRSS`), in bytes.
+    pub fn resident_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("reading the worker's /proc status");
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no VmRSS in {status}"));
+        kib * 1024
+    }
+
     pub fn sigterm(&self) {
         self.signal("-TERM");
     }
