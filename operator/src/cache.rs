@@ -1,13 +1,14 @@
 //! The operator's one informer cache: a reflector per kind it reads (InferenceServices, their
 //! worker pods, the metadata of their rank-table ConfigMaps, Volcano PodGroups), shared by the
 //! controller, which is triggered from the same watches, and by the autoscaler. A reconcile
-//! reads these stores and never LISTs.
+//! reads these stores and never LISTs. Every watch covers the operator's [`WatchScope`].
 
 use std::sync::Mutex;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
+use kube::core::{DynamicResourceScope, NamespaceResourceScope};
 use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
@@ -19,6 +20,52 @@ use crate::resources::pod_group;
 
 /// Events a slow subscriber may fall behind before the reflector waits for it.
 const SUBSCRIBER_BUFFER: usize = 1024;
+
+/// The namespaces the operator watches and writes in: every one, or one for a namespaced
+/// install, where RBAC grants a Role in that namespace only and any cluster-wide list or watch
+/// would be refused.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WatchScope(Option<String>);
+
+impl WatchScope {
+    /// The one namespace, if the scope is not the whole cluster.
+    pub fn namespace(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+
+    /// An API over the scope's objects of kind `K`.
+    pub fn api<K>(&self, client: &Client) -> Api<K>
+    where
+        K: Resource<Scope = NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        match self.namespace() {
+            Some(namespace) => Api::namespaced(client.clone(), namespace),
+            None => Api::all(client.clone()),
+        }
+    }
+
+    /// [`WatchScope::api`] for a kind known only at run time.
+    pub fn api_with<K>(&self, client: &Client, dyntype: &K::DynamicType) -> Api<K>
+    where
+        K: Resource<Scope = DynamicResourceScope>,
+    {
+        match self.namespace() {
+            Some(namespace) => Api::namespaced_with(client.clone(), namespace, dyntype),
+            None => Api::all_with(client.clone(), dyntype),
+        }
+    }
+}
+
+/// A namespace name; empty (or blank) means every namespace.
+impl std::str::FromStr for WatchScope {
+    type Err = std::convert::Infallible;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let text = text.trim();
+        Ok(Self((!text.is_empty()).then(|| text.to_string())))
+    }
+}
 
 /// Readers of every store. Cloning a [`Store`] shares it.
 #[derive(Clone)]
@@ -96,8 +143,8 @@ impl Cache {
         }
     }
 
-    /// The watches behind the stores, cluster-wide; `None` when already started.
-    pub fn start(&self, client: &Client) -> Option<Started> {
+    /// The watches behind the stores, over `scope`; `None` when already started.
+    pub fn start(&self, client: &Client, scope: &WatchScope) -> Option<Started> {
         let writers = self.writers.lock().ok()?.take()?;
         let managed =
             watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
@@ -105,22 +152,21 @@ impl Cache {
         let pods_handle = writers.pods.subscribe()?;
         let rank_tables_handle = writers.rank_tables.subscribe()?;
         let services = watcher(
-            Api::<InferenceService>::all(client.clone()),
+            scope.api::<InferenceService>(client),
             watcher::Config::default(),
         )
         .default_backoff()
         .reflect_shared(writers.services);
-        let pods = watcher(Api::<Pod>::all(client.clone()), managed.clone())
+        let pods = watcher(scope.api::<Pod>(client), managed.clone())
             .default_backoff()
             .reflect_shared(writers.pods);
         let rank_tables = watcher(
-            Api::<PartialObjectMeta<ConfigMap>>::all(client.clone()),
+            scope.api::<PartialObjectMeta<ConfigMap>>(client),
             managed.clone(),
         )
         .default_backoff()
         .reflect_shared(writers.rank_tables);
-        let pod_group_api =
-            Api::<DynamicObject>::all_with(client.clone(), &pod_group::api_resource());
+        let pod_group_api = scope.api_with::<DynamicObject>(client, &pod_group::api_resource());
         let pod_groups = watcher(pod_group_api, managed)
             .default_backoff()
             .reflect(writers.pod_groups);

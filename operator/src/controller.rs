@@ -20,7 +20,7 @@ use npufleet_crds::InferenceService;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cache::{self, Cache};
+use crate::cache::{self, Cache, WatchScope};
 use crate::labels::{self, FIELD_MANAGER};
 use crate::metrics::Metrics;
 use crate::reconcile::{self, Note, Observed, Related};
@@ -70,6 +70,8 @@ pub struct Context {
     pub volcano_served: AtomicBool,
     /// The informer cache the reconcile and the autoscaler read.
     pub cache: Cache,
+    /// What the cache and the controller's own watches cover.
+    pub scope: WatchScope,
 }
 
 impl Context {
@@ -90,7 +92,15 @@ impl Context {
             metrics,
             volcano_served: AtomicBool::new(false),
             cache: Cache::new(),
+            scope: WatchScope::default(),
         }
+    }
+
+    /// The same, watching only `scope` (every namespace unless set).
+    #[must_use]
+    pub fn watching(mut self, scope: WatchScope) -> Self {
+        self.scope = scope;
+        self
     }
 }
 
@@ -108,13 +118,15 @@ pub async fn discover_volcano(client: &Client) -> bool {
 /// Runs the InferenceService controller, and the watches of the shared cache, until they end.
 pub async fn run(ctx: Arc<Context>) {
     let client = ctx.client.clone();
-    let Some(started) = ctx.cache.start(&client) else {
+    let Some(started) = ctx.cache.start(&client, &ctx.scope) else {
         tracing::error!("the operator's cache was already started");
         return;
     };
     let managed =
         watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
     let stores = ctx.cache.stores.clone();
+    let services = ctx.scope.api::<Service>(&client);
+    let disruption_budgets = ctx.scope.api::<PodDisruptionBudget>(&client);
     let mut pod_group_watch = Some(started.pod_group_watch);
     let discovery = {
         let ctx = ctx.clone();
@@ -143,8 +155,8 @@ pub async fn run(ctx: Arc<Context>) {
         Controller::for_shared_stream(started.services, stores.services.clone())
             .owns_shared_stream(started.pods)
             .owns_shared_stream(started.rank_tables)
-            .owns(Api::<Service>::all(client.clone()), managed.clone())
-            .owns(Api::<PodDisruptionBudget>::all(client.clone()), managed)
+            .owns(services, managed.clone())
+            .owns(disruption_budgets, managed)
             .shutdown_on_signal()
             .run(reconcile, error_policy, ctx)
             .for_each(|result| async move {

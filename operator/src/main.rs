@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use npufleet_operator::autoscaler::{self, Autoscaler};
+use npufleet_operator::cache::WatchScope;
 use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings, tls};
 use npufleet_operator::metrics::{self, Health, Metrics};
 use npufleet_operator::telemetry::{self, LogFormat};
@@ -72,6 +73,11 @@ struct Args {
         default_value = "npufleet-external-metrics-tls"
     )]
     external_metrics_secret: String,
+    /// Watch and write only this namespace (a namespaced install, RBAC by a Role there);
+    /// empty: every namespace. One operator covers one namespace; a release per namespace
+    /// covers several.
+    #[arg(long, env = "NPUFLEET_WATCH_NAMESPACE", default_value = "")]
+    watch_namespace: WatchScope,
     /// Seconds an InferenceService with `minReplicas: 0` must be idle (no request, no
     /// warming group, no wake request) before the built-in autoscaler takes it to zero.
     #[arg(
@@ -106,7 +112,13 @@ async fn lead(
     store: MetricsStore,
     settings: autoscaler::Settings,
 ) -> anyhow::Result<()> {
-    let scaler = Autoscaler::new(client, None, &ctx.cache.stores, settings, store)?;
+    let scaler = Autoscaler::new(
+        client,
+        ctx.scope.namespace(),
+        &ctx.cache.stores,
+        settings,
+        store,
+    )?;
     tokio::select! {
         () = npufleet_operator::run(ctx) => tracing::warn!("the controller stopped"),
         () = scaler.run() => tracing::warn!("the autoscaler stopped"),
@@ -179,12 +191,19 @@ async fn main() -> anyhow::Result<()> {
         cluster_domain: args.cluster_domain.clone(),
     };
     let health = Health::default();
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        settings,
-        metrics.clone(),
-        Some(identity.clone()),
-    ));
+    tracing::info!(
+        namespace = args.watch_namespace.namespace().unwrap_or("<all>"),
+        "watching"
+    );
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            settings,
+            metrics.clone(),
+            Some(identity.clone()),
+        )
+        .watching(args.watch_namespace.clone()),
+    );
 
     let mut scaler_settings = autoscaler::Settings::default();
     scaler_settings.policy.idle_before_zero =
