@@ -207,3 +207,17 @@ where
                 .any(|r| r.uid == uid && r.controller == Some(true))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::WatchScope;
+
+    #[test]
+    fn an_empty_watch_namespace_means_every_namespace() {
+        let parse = |text: &str| text.parse::<WatchScope>().expect("infallible");
+        assert_eq!(parse("").namespace(), None);
+        assert_eq!(parse("  ").namespace(), None);
+        assert_eq!(parse(" team-a ").namespace(), Some("team-a"));
+        assert_eq!(parse(""), WatchScope::default());
+    }
+}
