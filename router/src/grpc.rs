@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
+use npufleet_contract::auth::AUTHORIZATION;
 use npufleet_contract::ports::GRPC_PORT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -17,6 +18,7 @@ use npufleet_contract::proto::inference::{
     ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
     ServerReadyResponse,
 };
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status, Streaming};
 
@@ -28,6 +30,21 @@ use crate::route::Router;
 
 /// The worker's text input (see the worker's Open Inference Protocol mapping).
 const TEXT_INPUT: &str = "text_input";
+
+/// The client's credentials, passed to the replica as they came: workers of an
+/// InferenceService with an API key check it, the router holds none.
+fn credentials(metadata: &MetadataMap) -> Option<AsciiMetadataValue> {
+    metadata.get(AUTHORIZATION).cloned()
+}
+
+/// `message` as an upstream request carrying the client's `credentials`.
+fn with_credentials<T>(message: T, credentials: Option<&AsciiMetadataValue>) -> Request<T> {
+    let mut request = Request::new(message);
+    if let Some(value) = credentials {
+        request.metadata_mut().insert(AUTHORIZATION, value.clone());
+    }
+    request
+}
 
 pub struct GrpcFrontDoor {
     router: Arc<Router>,
@@ -100,15 +117,17 @@ impl GrpcFrontDoor {
         &self,
         model: &str,
         prefix_key: Option<u64>,
-        message: Req,
+        request: Request<Req>,
         call: F,
     ) -> Result<Response<Resp>, Status>
     where
         Req: Clone,
-        F: Fn(GrpcInferenceServiceClient<Channel>, Req) -> Fut,
+        F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
         let router = &self.router;
+        let credentials = credentials(request.metadata());
+        let message = request.into_inner();
         let mut tried: Vec<String> = Vec::new();
         let mut last: Option<Status> = None;
         while tried.len() < router.settings.max_attempts {
@@ -119,7 +138,8 @@ impl GrpcFrontDoor {
             };
             tried.push(lease.pod.clone());
             let sent_at = Instant::now();
-            match call(self.client(lease.ip), message.clone()).await {
+            let attempt = with_credentials(message.clone(), credentials.as_ref());
+            match call(self.client(lease.ip), attempt).await {
                 Ok(mut response) => {
                     router
                         .metrics
@@ -233,10 +253,9 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
-        let message = request.into_inner();
-        let model = message.name.clone();
-        self.unary(&model, None, message, |mut client, message| async move {
-            client.model_metadata(message).await
+        let model = request.get_ref().name.clone();
+        self.unary(&model, None, request, |mut client, request| async move {
+            client.model_metadata(request).await
         })
         .await
     }
@@ -245,11 +264,10 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let message = request.into_inner();
-        let model = message.model_name.clone();
-        let key = self.prefix_key(&message);
-        self.unary(&model, key, message, |mut client, message| async move {
-            client.model_infer(message).await
+        let model = request.get_ref().model_name.clone();
+        let key = self.prefix_key(request.get_ref());
+        self.unary(&model, key, request, |mut client, request| async move {
+            client.model_infer(request).await
         })
         .await
     }
@@ -263,6 +281,7 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let credentials = credentials(request.metadata());
         let mut incoming = request.into_inner();
         let Some(first) = incoming.message().await? else {
             return Err(Status::invalid_argument(
@@ -311,7 +330,11 @@ impl GrpcInferenceService for GrpcFrontDoor {
                 .filter_map(|r| std::future::ready(r.ok())),
         );
         let sent_at = Instant::now();
-        let upstream = match self.client(lease.ip).model_stream_infer(requests).await {
+        let upstream = match self
+            .client(lease.ip)
+            .model_stream_infer(with_credentials(requests, credentials.as_ref()))
+            .await
+        {
             Ok(upstream) => upstream.into_inner(),
             Err(status) => {
                 self.count(&model, &lease.pod, status.code());

@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Node, Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -272,7 +272,10 @@ impl Shared {
             .expect("free addresses")
             .pop()
             .context("the node agent ran out of pod addresses")?;
-        let started = self.spawn(pod, address);
+        let started = match self.secret_values(pod).await {
+            Ok(secrets) => self.spawn(pod, address, &secrets),
+            Err(error) => Err(error),
+        };
         let (process, config_volumes) = match started {
             Ok(started) => started,
             Err(error) => {
@@ -339,7 +342,49 @@ impl Shared {
         Ok(())
     }
 
-    fn spawn(&self, pod: &Pod, address: Ipv4Addr) -> Result<(Process, Vec<ConfigVolume>)> {
+    /// The values of the pod's `secretKeyRef` environment variables, by (Secret, key), read
+    /// from the apiserver as a kubelet reads them.
+    async fn secret_values(&self, pod: &Pod) -> Result<SecretValues> {
+        let secrets: Api<Secret> =
+            Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        let mut values = SecretValues::new();
+        let references = pod
+            .spec
+            .iter()
+            .flat_map(|spec| &spec.containers)
+            .flat_map(|container| container.env.iter().flatten())
+            .filter_map(|var| var.value_from.as_ref()?.secret_key_ref.as_ref());
+        for reference in references {
+            let secret = secrets
+                .get(&reference.name)
+                .await
+                .with_context(|| format!("reading Secret {}", reference.name))?;
+            let value = secret
+                .data
+                .as_ref()
+                .and_then(|data| data.get(&reference.key))
+                .with_context(|| {
+                    format!("Secret {} has no key {}", reference.name, reference.key)
+                })?;
+            values.insert(
+                (reference.name.clone(), reference.key.clone()),
+                String::from_utf8(value.0.clone()).with_context(|| {
+                    format!(
+                        "Secret {} key {} is not UTF-8",
+                        reference.name, reference.key
+                    )
+                })?,
+            );
+        }
+        Ok(values)
+    }
+
+    fn spawn(
+        &self,
+        pod: &Pod,
+        address: Ipv4Addr,
+        secrets: &SecretValues,
+    ) -> Result<(Process, Vec<ConfigVolume>)> {
         let spec = pod.spec.as_ref().context("pod has no spec")?;
         let [container] = spec.containers.as_slice() else {
             bail!(
@@ -394,7 +439,7 @@ impl Shared {
         for var in container.env.iter().flatten() {
             let mut value = match (&var.value, &var.value_from) {
                 (Some(value), _) => value.clone(),
-                (None, Some(from)) => field_value(pod, from, address)?,
+                (None, Some(from)) => field_value(pod, from, address, secrets)?,
                 (None, None) => String::new(),
             };
             for (mount_path, dir) in &mounts {
@@ -756,16 +801,33 @@ fn quantity_bytes(quantity: &str) -> Result<u64> {
     Ok(number * scale)
 }
 
+/// Secret values by (Secret name, key).
+type SecretValues = BTreeMap<(String, String), String>;
+
 fn field_value(
     pod: &Pod,
     from: &k8s_openapi::api::core::v1::EnvVarSource,
     address: Ipv4Addr,
+    secrets: &SecretValues,
 ) -> Result<String> {
     if let Some(resource) = &from.resource_field_ref {
         return resource_value(pod, resource);
     }
+    if let Some(reference) = &from.secret_key_ref {
+        return secrets
+            .get(&(reference.name.clone(), reference.key.clone()))
+            .cloned()
+            .with_context(|| {
+                format!(
+                    "Secret {} key {} was not read",
+                    reference.name, reference.key
+                )
+            });
+    }
     let Some(field) = &from.field_ref else {
-        bail!("the node agent resolves only fieldRef and resourceFieldRef environment variables");
+        bail!(
+            "the node agent resolves only fieldRef, resourceFieldRef and secretKeyRef environment variables"
+        );
     };
     Ok(match field.field_path.as_str() {
         "metadata.name" => pod.name_any(),

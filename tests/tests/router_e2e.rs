@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{Pod, Secret, SecretKeySelector};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
@@ -558,6 +558,83 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
         if !metrics.contains("npufleet_router_retries_total") {
             bail!("no retry recorded: {metrics}");
         }
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// A service whose workers require an API key (`spec.apiKeySecret`) behind the router, which
+/// holds no key: a client's key reaches the worker over HTTP (`Authorization`) and gRPC
+/// (`authorization` metadata); without it the worker's 401 / UNAUTHENTICATED comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_api_key_goes_through_the_router_to_the_workers_that_check_it() -> Result<()> {
+    const KEY: &str = "router-e2e-key";
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-auth", 74, &[]).await?;
+        let secret: Secret = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "chat-api-key", "namespace": fleet.namespace},
+            "stringData": {"key": KEY},
+        }))?;
+        Api::<Secret>::namespaced(fleet.client.clone(), &fleet.namespace)
+            .create(&PostParams::default(), &secret)
+            .await?;
+        let mut guarded = service(&fleet.namespace, fleet.agent.node_name(), 1).await?;
+        guarded.spec.api_key_secret = Some(SecretKeySelector {
+            name: "chat-api-key".into(),
+            key: "key".into(),
+            optional: None,
+        });
+        npufleet_tests::operator::apply(&fleet.services(), MANAGER, &guarded).await?;
+        fleet.wait_serving(1).await?;
+
+        let http = reqwest::Client::new();
+        let url = fleet.router.url("/v1/chat/completions");
+        let refused = http.post(&url).json(&chat("Hello", 4)).send().await?;
+        let (status, message) = error_of(refused).await?;
+        assert_eq!(status, 401, "{message}");
+        let answered = http
+            .post(&url)
+            .bearer_auth(KEY)
+            .json(&chat("Hello", 4))
+            .send()
+            .await?;
+        assert_eq!(answered.status(), 200, "{}", answered.text().await?);
+
+        let mut grpc =
+            GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
+        let status = grpc
+            .model_infer(oip_text(MODEL, "Hello", 4))
+            .await
+            .expect_err("a call without the key was answered");
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+        fn with_key<T>(message: T) -> tonic::Request<T> {
+            let mut request = tonic::Request::new(message);
+            request.metadata_mut().insert(
+                npufleet_contract::auth::AUTHORIZATION,
+                format!("Bearer {KEY}")
+                    .parse()
+                    .expect("an ASCII header value"),
+            );
+            request
+        }
+        let answer = grpc
+            .model_infer(with_key(oip_text(MODEL, "Hello", 4)))
+            .await?;
+        assert!(!answer.into_inner().outputs.is_empty());
+        let stream = grpc
+            .model_stream_infer(with_key(futures::stream::iter([oip_text(
+                MODEL, "Hello", 4,
+            )])))
+            .await?;
+        let first = stream
+            .into_inner()
+            .message()
+            .await?
+            .context("the stream ended before its first response")?;
+        assert!(first.error_message.is_empty(), "{}", first.error_message);
         Ok(())
     }
     .await;
