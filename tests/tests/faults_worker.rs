@@ -65,7 +65,7 @@ impl Fleet {
                 "replicas": replicas,
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1},
-                "scheduling": node_agent::scheduling(node),
+                "scheduling": node_agent::scheduling(&node),
                 "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
             }
         }))?;
