@@ -24,6 +24,7 @@ setup:
 	@tests/setup/control-plane.sh >/dev/null
 	@tests/setup/monitoring.sh >/dev/null
 	@tests/setup/model.sh >/dev/null
+	@tests/setup/inference-extension.sh >/dev/null
 	@tests/setup/python-env.sh >/dev/null
 	@bash worker/ascend/bindings.sh setup >/dev/null
 

@@ -527,6 +527,30 @@ pub struct RoutingSpec {
     /// long as that replica is not loaded beyond a bound over the mean. `round-robin`: in turn.
     #[serde(default)]
     pub policy: RoutingPolicy,
+
+    /// A Gateway API Inference Extension endpoint picker for this service. When set, and the
+    /// `inference.networking.k8s.io/v1` InferencePool API is served, the operator keeps an
+    /// InferencePool named after the service that selects its serving (rank-0) pods and names
+    /// this picker, so an inference gateway (CCE's AI inference gateway, llm-d) can route to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker: Option<EndpointPicker>,
+}
+
+/// The endpoint picker Service an InferencePool names (its `endpointPickerRef`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointPicker {
+    /// Service name of the picker, in the InferenceService's namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub service: String,
+    /// The picker's ext-proc gRPC port.
+    #[serde(default = "default_endpoint_picker_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+fn default_endpoint_picker_port() -> i32 {
+    9002
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -741,6 +765,10 @@ pub struct InferenceServiceStatus {
 
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingStatus>,
+
+    /// The InferencePool the operator keeps for `spec.routing.endpointPicker`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool: Option<String>,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -24,7 +24,7 @@ use crate::cache::{self, Cache, WatchScope};
 use crate::labels::{self, FIELD_MANAGER};
 use crate::metrics::Metrics;
 use crate::reconcile::{self, Note, Observed, Related};
-use crate::resources::pod_group;
+use crate::resources::{inference_pool, pod_group};
 use crate::settings::Settings;
 use crate::status;
 
@@ -68,6 +68,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// Whether `scheduling.volcano.sh/v1beta1` PodGroups are served; refreshed periodically.
     pub volcano_served: AtomicBool,
+    /// Whether `inference.networking.k8s.io/v1` InferencePools are served; refreshed likewise.
+    pub inference_pools_served: AtomicBool,
     /// The informer cache the reconcile and the autoscaler read.
     pub cache: Cache,
     /// What the cache and the controller's own watches cover.
@@ -91,6 +93,7 @@ impl Context {
             settings,
             metrics,
             volcano_served: AtomicBool::new(false),
+            inference_pools_served: AtomicBool::new(false),
             cache: Cache::new(),
             scope: WatchScope::default(),
         }
@@ -104,13 +107,11 @@ impl Context {
     }
 }
 
-/// Whether the cluster serves Volcano PodGroups.
-pub async fn discover_volcano(client: &Client) -> bool {
-    match client
-        .list_api_group_resources("scheduling.volcano.sh/v1beta1")
-        .await
-    {
-        Ok(list) => list.resources.iter().any(|r| r.name == "podgroups"),
+/// Whether the cluster serves `resource` (a Volcano PodGroup, an InferencePool: APIs that
+/// exist only where their project is installed).
+pub async fn api_served(client: &Client, resource: &ApiResource) -> bool {
+    match client.list_api_group_resources(&resource.api_version).await {
+        Ok(list) => list.resources.iter().any(|r| r.name == resource.plural),
         Err(_) => false,
     }
 }
@@ -133,9 +134,13 @@ pub async fn run(ctx: Arc<Context>) {
         async move {
             let mut pod_groups = futures::future::OptionFuture::from(None);
             loop {
-                let served = discover_volcano(&ctx.client).await;
+                let served = api_served(&ctx.client, &pod_group::api_resource()).await;
                 if ctx.volcano_served.swap(served, Ordering::Relaxed) != served {
                     tracing::info!(served, "Volcano PodGroup API availability changed");
+                }
+                let pools = api_served(&ctx.client, &inference_pool::api_resource()).await;
+                if ctx.inference_pools_served.swap(pools, Ordering::Relaxed) != pools {
+                    tracing::info!(served = pools, "InferencePool API availability changed");
                 }
                 if served && let Some(watch) = pod_group_watch.take() {
                     pod_groups = Some(watch).into();
@@ -295,6 +300,7 @@ fn observe(isvc: &InferenceService, ctx: &Context, namespace: &str) -> Observed 
             .collect(),
         pod_groups,
         volcano_served,
+        inference_pools_served: ctx.inference_pools_served.load(Ordering::Relaxed),
     }
 }
 
@@ -331,6 +337,7 @@ fn related_api_version(kind: &str) -> &'static str {
     match kind {
         "PodDisruptionBudget" => "policy/v1",
         "PodGroup" => "scheduling.volcano.sh/v1beta1",
+        "InferencePool" => inference_pool::API_VERSION,
         _ => "v1",
     }
 }
@@ -374,6 +381,19 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     }
     for name in &plan.delete_pod_groups {
         writer.delete(&pod_groups, "PodGroup", name).await;
+    }
+    let inference_pools = Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        &namespace,
+        &inference_pool::api_resource(),
+    );
+    if let Some(pool) = &plan.inference_pool {
+        writer
+            .apply_with(&inference_pools, "InferencePool", pool)
+            .await;
+    }
+    if let Some(name) = &plan.delete_inference_pool {
+        writer.delete(&inference_pools, "InferencePool", name).await;
     }
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     for name in &plan.delete_pods {

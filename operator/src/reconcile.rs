@@ -15,7 +15,7 @@ use npufleet_crds::{InferenceService, InferenceServiceStatus};
 use crate::autoscaler::SCALE_DOWN_ANNOTATION;
 use crate::labels;
 use crate::replica_group::{self, ReplicaGroup, phase, pod_is_ready};
-use crate::resources::{self, names, pod, pod_group, rank_table, services};
+use crate::resources::{self, inference_pool, names, pod, pod_group, rank_table, services};
 use crate::settings::Settings;
 use crate::status::{self, Observation};
 
@@ -30,6 +30,8 @@ pub struct Observed {
     pub pod_groups: Vec<String>,
     /// Whether `scheduling.volcano.sh/v1beta1` PodGroups are served.
     pub volcano_served: bool,
+    /// Whether `inference.networking.k8s.io/v1` InferencePools are served.
+    pub inference_pools_served: bool,
 }
 
 /// An object an Event is about besides the InferenceService (the Events API's `related`).
@@ -67,11 +69,14 @@ pub struct Plan {
     pub disruption_budget: PodDisruptionBudget,
     pub rank_tables: Vec<ConfigMap>,
     pub pod_groups: Vec<DynamicObject>,
+    pub inference_pool: Option<DynamicObject>,
     /// Pods that do not exist yet.
     pub create_pods: Vec<Pod>,
     pub delete_pods: Vec<String>,
     pub delete_rank_tables: Vec<String>,
     pub delete_pod_groups: Vec<String>,
+    /// The InferencePool made for an endpoint picker the spec no longer names.
+    pub delete_inference_pool: Option<String>,
     pub notes: Vec<Note>,
     /// What the status was built from; the controller rebuilds it with the failures of its
     /// writes.
@@ -405,11 +410,33 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     };
     let pod_group_names: Vec<String> = pod_groups.iter().map(|o| o.name_any()).collect();
 
+    let picker = isvc.spec.routing.endpoint_picker.as_ref();
+    let inference_pool = picker
+        .filter(|_| observed.inference_pools_served)
+        .map(|picker| inference_pool::build(isvc, picker));
+    if picker.is_some() && !observed.inference_pools_served {
+        notes.push(Note {
+            warning: true,
+            reason: "InferencePoolNotServed",
+            message: format!(
+                "spec.routing.endpointPicker is set but {} InferencePools are not served; install the Gateway API Inference Extension CRDs",
+                inference_pool::API_VERSION
+            ),
+            related: None,
+        });
+    }
+    seen.inference_pool = inference_pool.as_ref().map(|pool| pool.name_any());
+    let made_pool = isvc.status.as_ref().and_then(|s| s.inference_pool.clone());
+    // Where the API is no longer served, the pools went with it.
+    let delete_inference_pool =
+        made_pool.filter(|_| inference_pool.is_none() && observed.inference_pools_served);
+
     Plan {
         services: vec![services::headless(isvc), services::client(isvc)],
         disruption_budget: services::disruption_budget(isvc),
         rank_tables,
         pod_groups,
+        inference_pool,
         create_pods,
         delete_pods,
         delete_rank_tables: observed
@@ -424,6 +451,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             .filter(|n| !pod_group_names.contains(n))
             .cloned()
             .collect(),
+        delete_inference_pool,
         notes,
         status: status::build(isvc, settings, &seen, now),
         observation: seen,

@@ -44,6 +44,8 @@ pub struct Observation {
     pub stalled: Option<String>,
     /// Writes the apiserver refused in this reconcile, with its message (set by the controller).
     pub apply_failures: Vec<String>,
+    /// The InferencePool kept for the service's endpoint picker.
+    pub inference_pool: Option<String>,
 }
 
 /// Cuts `text` to at most `max` bytes on a character boundary.
@@ -303,5 +305,6 @@ pub fn build(
         last_failure: None,
         // Left out of the operator's apply so the autoscaler's field manager keeps it.
         autoscaling: None,
+        inference_pool: seen.inference_pool.clone(),
     }
 }

@@ -73,6 +73,12 @@ pub fn kwok_stages() -> Result<PathBuf> {
         .join("kwok-stages"))
 }
 
+/// The Gateway API Inference Extension's InferencePool CRD file (fetched on first use).
+pub fn inference_pool_crd() -> Result<PathBuf> {
+    static CRD: OnceLock<PathBuf> = OnceLock::new();
+    cached(&CRD, "inference-extension.sh", &[])
+}
+
 /// SmolLM2-135M-Instruct (Q4_1 GGUF).
 pub fn smollm2_gguf() -> Result<PathBuf> {
     static MODEL: OnceLock<PathBuf> = OnceLock::new();

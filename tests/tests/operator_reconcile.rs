@@ -76,6 +76,18 @@ async fn serve_volcano_pod_groups(client: &Client) -> Result<()> {
     .await
 }
 
+/// The Gateway API Inference Extension's own InferencePool CRD, from its release module.
+async fn serve_inference_pools(client: &Client) -> Result<()> {
+    let file = tokio::task::spawn_blocking(paths::inference_pool_crd).await??;
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&std::fs::read_to_string(&file)?)
+        .with_context(|| format!("parsing {}", file.display()))?;
+    let name = crd.name_any();
+    Api::<CustomResourceDefinition>::all(client.clone())
+        .create(&PostParams::default(), &crd)
+        .await?;
+    npufleet_tests::crd::wait_established(client, &name).await
+}
+
 fn run(mut cmd: Command) -> Result<String> {
     let out = cmd.output()?;
     if !out.status.success() {
@@ -122,6 +134,7 @@ async fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
 async fn start_operator(c: &cluster::Cluster) -> Result<Operator> {
     let client = c.client().await?;
     serve_volcano_pod_groups(&client).await?;
+    serve_inference_pools(&client).await?;
     let chart = paths::repo_root().join("charts/npufleet");
     let mut helm = c.helm();
     helm.args(["install", "npufleet"]).arg(&chart).args([
@@ -722,5 +735,87 @@ async fn a_failed_rank_degrades_the_service_and_its_group_is_recreated() -> Resu
         .list(&ListParams::default().labels("npufleet.io/inference-service=tp"))
         .await?;
     assert_eq!(pods_now.items.len(), 2);
+    Ok(())
+}
+
+/// With the Gateway API Inference Extension installed (its real CRD), an InferenceService that
+/// names an endpoint picker gets an InferencePool of its serving pods, which the CRD's own
+/// schema accepts, under the chart's RBAC; naming none takes the pool away.
+#[tokio::test]
+async fn an_endpoint_picker_gets_an_inference_pool_of_the_serving_pods() -> Result<()> {
+    let _op = operator();
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let ns = c.namespace(&client, "operator-inference-pool").await?;
+    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
+    let pool_resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool"),
+        "inferencepools",
+    );
+    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &pool_resource);
+    let service: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "qwen2.5-0.5b", "namespace": ns},
+        "spec": {
+            "model": {"name": "qwen", "source": {"imagePath": "/models/qwen.gguf"}},
+            "accelerator": {"type": "cpu"},
+            "routing": {"endpointPicker": {"service": "qwen-epp"}},
+        }
+    }))?;
+    isvcs
+        .patch(
+            "qwen2.5-0.5b",
+            &PatchParams::apply("inference-pool-test").force(),
+            &Patch::Apply(&service),
+        )
+        .await?;
+
+    let pool = wait::until("the InferencePool", TIMEOUT, || async {
+        Ok(pools.get_opt("qwen2.5-0.5b").await?)
+    })
+    .await
+    .with_context(operator_log)?;
+    assert_eq!(
+        pool.data["spec"]["selector"]["matchLabels"]["npufleet.io/rank"], "0",
+        "{pool:?}"
+    );
+    assert_eq!(
+        pool.data["spec"]["selector"]["matchLabels"]["npufleet.io/inference-service"],
+        "qwen2.5-0.5b"
+    );
+    assert_eq!(
+        pool.data["spec"]["targetPorts"],
+        json!([{"number": npufleet_contract::ports::HTTP_PORT}])
+    );
+    assert_eq!(pool.data["spec"]["endpointPickerRef"]["name"], "qwen-epp");
+    assert_eq!(
+        pool.data["spec"]["endpointPickerRef"]["port"]["number"],
+        9002
+    );
+    let owner = pool.owner_references().first().context("an owner")?;
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("InferenceService", "qwen2.5-0.5b")
+    );
+    wait::until("status.inferencePool", TIMEOUT, || async {
+        let isvc = isvcs.get("qwen2.5-0.5b").await?;
+        Ok((isvc.data["status"]["inferencePool"] == "qwen2.5-0.5b").then_some(()))
+    })
+    .await?;
+
+    isvcs
+        .patch(
+            "qwen2.5-0.5b",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"routing": {"endpointPicker": null}}})),
+        )
+        .await?;
+    wait::until("the InferencePool deleted", TIMEOUT, || async {
+        let gone = pools.get_opt("qwen2.5-0.5b").await?.is_none();
+        let isvc = isvcs.get("qwen2.5-0.5b").await?;
+        Ok((gone && isvc.data["status"]["inferencePool"].is_null()).then_some(()))
+    })
+    .await
+    .with_context(operator_log)?;
     Ok(())
 }

@@ -1026,3 +1026,51 @@ fn model_like_names_name_every_object_validly() {
         "labels keep the InferenceService's own name"
     );
 }
+
+#[test]
+fn an_endpoint_picker_gets_an_inference_pool_of_the_group_leaders_where_the_api_is_served() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 2);
+    isvc.spec.routing.endpoint_picker = Some(npufleet_crds::EndpointPicker {
+        service: "llm-epp".into(),
+        port: 9002,
+    });
+    let served = Observed {
+        inference_pools_served: true,
+        ..Default::default()
+    };
+    let made = plan(&isvc, &served, &Settings::default(), &now());
+    let pool = made.inference_pool.expect("an InferencePool");
+    assert_eq!(pool.name_any(), "llm");
+    assert_eq!(
+        pool.data["spec"]["selector"]["matchLabels"],
+        serde_json::json!(labels::group_leaders(&isvc))
+    );
+    assert_eq!(
+        pool.data["spec"]["targetPorts"],
+        serde_json::json!([{"number": npufleet_contract::ports::HTTP_PORT}])
+    );
+    assert_eq!(
+        pool.data["spec"]["endpointPickerRef"],
+        serde_json::json!({"kind": "Service", "name": "llm-epp", "port": {"number": 9002}})
+    );
+    assert_eq!(made.status.inference_pool.as_deref(), Some("llm"));
+
+    // Without the API: no pool, and a warning saying what to install.
+    let missing = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    assert!(missing.inference_pool.is_none());
+    let note = missing
+        .notes
+        .iter()
+        .find(|n| n.reason == "InferencePoolNotServed")
+        .expect("a warning");
+    assert!(note.warning && note.message.contains("inference.networking.k8s.io/v1"));
+
+    // The picker taken out of the spec: the pool the status names goes.
+    let mut dropped = isvc.clone();
+    dropped.spec.routing.endpoint_picker = None;
+    dropped.status = Some(made.status);
+    let after = plan(&dropped, &served, &Settings::default(), &now());
+    assert!(after.inference_pool.is_none());
+    assert_eq!(after.delete_inference_pool.as_deref(), Some("llm"));
+    assert_eq!(after.status.inference_pool, None);
+}

@@ -1,5 +1,6 @@
 //! Builders of the objects an InferenceService owns. Pure: they read only the spec.
 
+pub mod inference_pool;
 pub mod names;
 pub mod pod;
 pub mod pod_group;
