@@ -1074,3 +1074,51 @@ fn an_endpoint_picker_gets_an_inference_pool_of_the_group_leaders_where_the_api_
     assert_eq!(after.delete_inference_pool.as_deref(), Some("llm"));
     assert_eq!(after.status.inference_pool, None);
 }
+
+#[test]
+fn worker_pods_leave_a_lost_node_after_the_configured_time_unless_the_user_says_otherwise() {
+    let tolerations = |isvc: &InferenceService| {
+        let made = plan(isvc, &Observed::default(), &Settings::default(), &now());
+        let spec = made.create_pods[0].spec.clone().unwrap();
+        spec.tolerations.unwrap_or_default()
+    };
+    let seconds_for = |list: &[k8s_openapi::api::core::v1::Toleration], key: &str| {
+        list.iter()
+            .find(|t| t.key.as_deref() == Some(key))
+            .map(|t| (t.effect.clone(), t.toleration_seconds))
+    };
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let default = tolerations(&isvc);
+    for key in [
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+    ] {
+        assert_eq!(
+            seconds_for(&default, key),
+            Some((
+                Some("NoExecute".to_string()),
+                Some(npufleet_crds::DEFAULT_NODE_LOSS_TOLERATION_SECONDS)
+            ))
+        );
+    }
+
+    isvc.spec.scheduling.node_loss_toleration_seconds = Some(5);
+    isvc.spec.scheduling.tolerations = vec![k8s_openapi::api::core::v1::Toleration {
+        key: Some("node.kubernetes.io/unreachable".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoExecute".into()),
+        toleration_seconds: Some(600),
+        value: None,
+    }];
+    let configured = tolerations(&isvc);
+    assert_eq!(
+        seconds_for(&configured, "node.kubernetes.io/not-ready"),
+        Some((Some("NoExecute".to_string()), Some(5)))
+    );
+    assert_eq!(
+        seconds_for(&configured, "node.kubernetes.io/unreachable"),
+        Some((Some("NoExecute".to_string()), Some(600))),
+        "the user's own toleration wins"
+    );
+    assert_eq!(configured.len(), 2);
+}

@@ -8,7 +8,8 @@ use k8s_openapi::api::core::v1::{
     NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
     PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodAntiAffinity,
     PodSecurityContext, PodSpec, Probe, ResourceFieldSelector, ResourceRequirements,
-    SeccompProfile, SecurityContext, SleepAction, Volume, VolumeMount, WeightedPodAffinityTerm,
+    SeccompProfile, SecurityContext, SleepAction, Toleration, Volume, VolumeMount,
+    WeightedPodAffinityTerm,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
@@ -82,6 +83,33 @@ fn env_from_field(name: &str, field_path: &str) -> EnvVar {
             ..Default::default()
         }),
     }
+}
+
+/// Taints a node gets when it stops reporting; a pod tolerating them for a while stays bound.
+const NODE_LOSS_TAINTS: [&str; 2] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+];
+
+/// The user's tolerations, plus a bounded stay on a lost node for each node-loss taint the
+/// user does not tolerate already (the apiserver would otherwise add 300 s).
+fn tolerations(scheduling: &npufleet_crds::SchedulingSpec) -> Vec<Toleration> {
+    let seconds = scheduling
+        .node_loss_toleration_seconds
+        .unwrap_or(npufleet_crds::DEFAULT_NODE_LOSS_TOLERATION_SECONDS);
+    let mut tolerations = scheduling.tolerations.clone();
+    for taint in NODE_LOSS_TAINTS {
+        if !tolerations.iter().any(|t| t.key.as_deref() == Some(taint)) {
+            tolerations.push(Toleration {
+                key: Some(taint.to_string()),
+                operator: Some("Exists".to_string()),
+                effect: Some("NoExecute".to_string()),
+                toleration_seconds: Some(seconds),
+                value: None,
+            });
+        }
+    }
+    tolerations
 }
 
 /// The worker container's memory limit, in bytes (the node's allocatable memory when the pod
@@ -469,8 +497,7 @@ pub fn build(
             termination_grace_period_seconds: Some(drain_seconds + PRE_STOP_SLEEP_SECONDS),
             scheduler_name: scheduler,
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
-            tolerations: (!spec.scheduling.tolerations.is_empty())
-                .then(|| spec.scheduling.tolerations.clone()),
+            tolerations: Some(tolerations(&spec.scheduling)),
             affinity: affinity(isvc, group),
             priority_class_name: spec.scheduling.priority_class_name.clone(),
             automount_service_account_token: Some(false),
