@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use tracing_subscriber::EnvFilter;
@@ -138,6 +139,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("binding the gRPC listener to {}", args.grpc_addr))?;
     tracing::info!(http = %http_listener.local_addr()?, grpc = %grpc_listener.local_addr()?, namespace = args.namespace.as_deref().unwrap_or("(all)"), "routing");
 
+    // Without TCP_NODELAY a relayed token waits for the previous one's delayed ACK (40 ms).
+    let http_listener = http_listener.tap_io(|connection| {
+        if let Err(error) = connection.set_nodelay(true) {
+            tracing::warn!(%error, "cannot set TCP_NODELAY on a connection");
+        }
+    });
     let http = axum::serve(
         http_listener,
         app(HttpState {
@@ -156,7 +163,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let grpc = tonic::transport::Server::builder()
         .add_service(grpc_service)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             shutdown_signal(),
         );
 

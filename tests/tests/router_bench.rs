@@ -360,43 +360,61 @@ async fn routing_benchmark() -> Result<()> {
     c.diagnose(result)
 }
 
+/// Rounds of the 32-stream throughput run per path, alternated.
+const ROUTER_COST_ROUNDS: usize = 3;
+
 /// The router's own cost: one client's requests one at a time (added p50 latency), then 32
 /// streams at once (throughput), each directly to the one worker left and through the router.
 async fn router_cost(http: &reqwest::Client, router: &RunningRouter, worker: &str) -> Result<()> {
     let short = |i: usize, max_tokens: u32| json!({"model": MODEL, "messages": [{"role": "user", "content": format!("Say {i}.")}], "max_tokens": max_tokens, "stream": true});
     let direct = format!("http://{worker}:{HTTP_PORT}/v1/chat/completions");
     let routed = router.url("/v1/chat/completions");
-    // Alternate the two paths so drift in the machine's load falls on both alike.
+    // Alternate the two paths so drift in the machine's load falls on both alike, and give
+    // each its own prompts so neither finds the other's in the prefix cache.
     let (mut direct_ttft, mut routed_ttft) = (Vec::new(), Vec::new());
     for i in 0..40 {
         direct_ttft.push(stream_once(http, &direct, &short(i, 1)).await?.0);
-        routed_ttft.push(stream_once(http, &routed, &short(i, 1)).await?.0);
+        routed_ttft.push(stream_once(http, &routed, &short(1000 + i, 1)).await?.0);
     }
-    let bodies: Vec<Value> = (0..192).map(|i| short(i, 16)).collect();
-    let direct_run = run_trace(&direct, bodies.clone(), 32).await?;
-    let routed_run = run_trace(&routed, bodies, 32).await?;
+    let (mut direct_seconds, mut routed_seconds) = (0.0, 0.0);
+    for round in 0..ROUTER_COST_ROUNDS {
+        let bodies = |path: usize| -> Vec<Value> {
+            (0..192)
+                .map(|i| short(10_000 * (2 * round + path) + i, 16))
+                .collect()
+        };
+        direct_seconds += run_trace(&direct, bodies(0), 32)
+            .await?
+            .elapsed
+            .as_secs_f64();
+        routed_seconds += run_trace(&routed, bodies(1), 32)
+            .await?
+            .elapsed
+            .as_secs_f64();
+    }
     let (d50, r50) = (
         percentile(&mut direct_ttft, 50.0),
         percentile(&mut routed_ttft, 50.0),
     );
-    let throughput = |r: &RunResult| 192.0 * 16.0 / r.elapsed.as_secs_f64();
+    let throughput = |seconds: f64| ROUTER_COST_ROUNDS as f64 * 192.0 * 16.0 / seconds;
+    let (direct_run, routed_run) = (direct_seconds, routed_seconds);
     println!("\n### The router's cost (one replica)\n");
     println!("| path | TTFT p50 ms, 1 stream (1 token) | tokens/s, 32 streams (16 tokens each) |");
     println!("|---|---|---|");
     println!(
         "| worker directly | {:.2} | {:.1} |",
         ms(d50),
-        throughput(&direct_run)
+        throughput(direct_run)
     );
     println!(
         "| through the router | {:.2} | {:.1} |",
         ms(r50),
-        throughput(&routed_run)
+        throughput(routed_run)
     );
     println!(
         "| router's cost | {:+.2} ms | {:+.1}% |",
         ms(r50) - ms(d50),
-        100.0 * (throughput(&routed_run) / throughput(&direct_run) - 1.0)
+        100.0 * (throughput(routed_run) / throughput(direct_run) - 1.0)
     );
     Ok(())
 }

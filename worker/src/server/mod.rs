@@ -33,7 +33,6 @@ use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::api::{Engine, EngineState};
@@ -420,7 +419,7 @@ pub async fn serve(
             shared.clone(),
         )))
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(grpc_listener),
+            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             stopped(stop_rx.clone()),
         );
     let grpc_task = tokio::spawn(grpc_server);
