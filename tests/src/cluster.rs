@@ -14,7 +14,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
@@ -151,6 +152,29 @@ pub struct Cluster {
     bin: PathBuf,
     started_in: Duration,
     dir: ScratchDir,
+}
+
+/// An hour's token of ServiceAccount `namespace/account`.
+pub async fn service_account_token(
+    client: &Client,
+    namespace: &str,
+    account: &str,
+) -> Result<String> {
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            bound_object_ref: None,
+        },
+        ..Default::default()
+    };
+    Ok(Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+        .create_token_request(account, &PostParams::default(), &request)
+        .await
+        .with_context(|| format!("token for ServiceAccount {namespace}/{account}"))?
+        .status
+        .context("token status")?
+        .token)
 }
 
 /// The cluster shared by every test of one test binary, with all components
@@ -509,6 +533,22 @@ impl Cluster {
     }
 
     /// A directory for a test's own files, removed with the cluster.
+    /// A kubeconfig like the admin's whose every user authenticates with `token`, written to
+    /// `file_name` in the scratch directory.
+    pub fn kubeconfig_with_token(&self, token: &str, file_name: &str) -> Result<PathBuf> {
+        let mut config: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(self.kubeconfig())?)?;
+        let users = config["users"]
+            .as_sequence_mut()
+            .context("kubeconfig has users")?;
+        for user in users {
+            user["user"] = serde_yaml::to_value(serde_json::json!({ "token": token }))?;
+        }
+        let path = self.scratch().join(file_name);
+        std::fs::write(&path, serde_yaml::to_string(&config)?)?;
+        Ok(path)
+    }
+
     pub fn scratch(&self) -> &Path {
         self.dir.path()
     }

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::events::v1::Event;
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::policy::PolicyConfig;
 use npufleet_operator::autoscaler::{self, Autoscaler};
@@ -198,4 +199,22 @@ impl Drop for ReplicaWatch {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Events about object `name` in `namespace` with `reason`, as the apiserver lists them.
+pub async fn events(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+) -> Result<Vec<Event>> {
+    let list = Api::<Event>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .collect())
 }

@@ -84,19 +84,6 @@ fn autoscaled_count(service: &InferenceService) -> Option<i32> {
         .desired_replicas
 }
 
-/// Events on `name` with `reason`, newest last.
-async fn events(client: &kube::Client, ns: &str, name: &str, reason: &str) -> Result<Vec<Event>> {
-    let list = Api::<Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await?;
-    Ok(list
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .collect())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autoscaler() -> Result<()>
 {
@@ -301,7 +288,7 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
         .await
         .with_context(|| format!("conditions: {conditions:?}"))?;
         assert_eq!(ready_condition.status, "True");
-        let scaled = events(&client, &ns, "chat", "ScaledToZero").await?;
+        let scaled = npufleet_tests::operator::events(&client, &ns, "chat", "ScaledToZero").await?;
         let note = scaled.last().and_then(|e| e.note.clone()).context("no ScaledToZero event")?;
         assert!(note.contains("1 -> 0 replicas: no request for"), "{note}");
 
@@ -324,7 +311,7 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
         })
         .await?;
         let wake_to_ready = woke.elapsed();
-        let wakes = events(&client, &ns, "chat", "Wake").await?;
+        let wakes = npufleet_tests::operator::events(&client, &ns, "chat", "Wake").await?;
         let note = wakes.last().and_then(|e| e.note.clone()).context("no Wake event")?;
         assert!(note.contains("0 -> 1 replicas"), "{note}");
         eprintln!(

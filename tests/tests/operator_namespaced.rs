@@ -3,16 +3,14 @@
 //! a Role in the watched namespace, so the operator must never list or watch cluster-wide,
 //! and an InferenceService elsewhere is neither seen nor touched.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
@@ -42,41 +40,6 @@ fn run(mut cmd: Command) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// A token of the chart's ServiceAccount.
-async fn operator_token(client: &Client) -> Result<String> {
-    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(3600),
-            bound_object_ref: None,
-        },
-        ..Default::default()
-    };
-    Ok(accounts
-        .create_token_request(RELEASE, &PostParams::default(), &request)
-        .await
-        .context("token for the chart's ServiceAccount")?
-        .status
-        .context("token status")?
-        .token)
-}
-
-/// The admin's kubeconfig with every user authenticating by `token` instead.
-fn kubeconfig_with_token(c: &cluster::Cluster, token: &str) -> Result<PathBuf> {
-    let mut config: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(c.kubeconfig())?)?;
-    let users = config["users"]
-        .as_sequence_mut()
-        .context("kubeconfig has users")?;
-    for user in users {
-        user["user"] = serde_yaml::to_value(json!({ "token": token }))?;
-    }
-    let path = c.scratch().join("namespaced-operator-kubeconfig.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&config)?)?;
-    Ok(path)
 }
 
 /// Whether the apiserver lets the operator's ServiceAccount list pods in `namespace` (or in
@@ -212,7 +175,7 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
     assert!(!may_list_pods(&client, None).await?);
     assert!(!may_list_pods(&client, Some(&outside)).await?);
     assert!(may_list_pods(&client, Some(&watched)).await?);
-    let token = operator_token(&client).await?;
+    let token = cluster::service_account_token(&client, RELEASE_NAMESPACE, RELEASE).await?;
     let as_operator = c.client_with_token(&token).await?;
     match Api::<Pod>::all(as_operator.clone())
         .list(&ListParams::default())
@@ -231,7 +194,7 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
     let outside_services: Api<InferenceService> = Api::namespaced(client.clone(), &outside);
     operator::apply(&outside_services, MANAGER, &service(&outside)?).await?;
 
-    let kubeconfig = kubeconfig_with_token(c, &token)?;
+    let kubeconfig = c.kubeconfig_with_token(&token, "namespaced-operator-kubeconfig.yaml")?;
     let log = c.scratch().join(format!("{IDENTITY}.log"));
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.args(["--external-metrics-addr=", "--metrics-addr"])

@@ -2,7 +2,6 @@
 //! with nothing but the chart's ServiceAccount token (so only the chart's RBAC), reconciling
 //! the samples and worker groups on KWOK nodes.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -10,9 +9,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -101,21 +99,6 @@ fn run(mut cmd: Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// A kubeconfig like the admin's but authenticating with `token`.
-fn kubeconfig_with_token(c: &cluster::Cluster, token: &str) -> Result<PathBuf> {
-    let mut config: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(c.kubeconfig())?)?;
-    let users = config["users"]
-        .as_sequence_mut()
-        .context("kubeconfig has users")?;
-    for user in users {
-        user["user"] = serde_yaml::to_value(json!({ "token": token }))?;
-    }
-    let path = c.scratch().join("operator-kubeconfig.yaml");
-    std::fs::write(&path, serde_yaml::to_string(&config)?)?;
-    Ok(path)
-}
-
 async fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     stream
@@ -144,23 +127,8 @@ async fn start_operator(c: &cluster::Cluster) -> Result<Operator> {
     ]);
     run(helm).context("helm install")?;
 
-    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), RELEASE_NAMESPACE);
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(3600),
-            bound_object_ref: None,
-        },
-        ..Default::default()
-    };
-    let token = accounts
-        .create_token_request("npufleet", &PostParams::default(), &request)
-        .await
-        .context("token for the chart's ServiceAccount")?
-        .status
-        .context("token status")?
-        .token;
-    let kubeconfig = kubeconfig_with_token(c, &token)?;
+    let token = cluster::service_account_token(&client, RELEASE_NAMESPACE, "npufleet").await?;
+    let kubeconfig = c.kubeconfig_with_token(&token, "operator-kubeconfig.yaml")?;
     let metrics_port = free_port()?;
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.args([

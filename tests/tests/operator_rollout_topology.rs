@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
 use npufleet_crds::{InferenceService, NODE_LABEL_ACCELERATOR};
 use npufleet_operator::labels;
 use npufleet_operator::replica_group::pod_is_ready;
@@ -167,30 +166,6 @@ fn replay(events: &[Seen]) -> Vec<Snapshot> {
     snapshots
 }
 
-/// Events about InferenceService `name` with `reason`, as (related object, note).
-async fn events(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    reason: &str,
-) -> Result<Vec<(String, String)>> {
-    let list = Api::<Event>::namespaced(client.clone(), ns)
-        .list(&ListParams::default())
-        .await?;
-    Ok(list
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter(|e| e.reason.as_deref() == Some(reason))
-        .map(|e| {
-            (
-                e.related.and_then(|r| r.name).unwrap_or_default(),
-                e.note.unwrap_or_default(),
-            )
-        })
-        .collect())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
     let c = cluster::shared();
@@ -306,7 +281,17 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
         ensure!(most_live <= 2, "{most_live} live pods at once: more than replicas + maxSurge");
 
         let rolled = wait::until("the RollingGroup event", TIMEOUT, || async {
-            let found = events(&client, &ns, "chat", "RollingGroup").await?;
+            let found: Vec<(String, String)> =
+                npufleet_tests::operator::events(&client, &ns, "chat", "RollingGroup")
+                    .await?
+                    .into_iter()
+                    .map(|e| {
+                        (
+                            e.related.and_then(|r| r.name).unwrap_or_default(),
+                            e.note.unwrap_or_default(),
+                        )
+                    })
+                    .collect();
             Ok((!found.is_empty()).then_some(found))
         })
         .await?;

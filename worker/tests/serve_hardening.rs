@@ -538,16 +538,22 @@ async fn others_are_served_and_the_stalled_reader_is_cancelled(
     );
 }
 
-/// Finding 6 end to end over gRPC: a `ModelStreamInfer` client that stops reading.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
-    let dir = tempfile::tempdir().unwrap();
+/// A worker on the long-context model that cancels a reader stalled for a second.
+async fn stalled_reader_worker(dir: &std::path::Path) -> Worker {
     let worker = Worker::spawn_model(
-        &long_context_model(dir.path()),
+        &long_context_model(dir),
         &["--ignore-eos", "--stalled-reader-timeout", "1"],
         &[],
     );
     worker.wait_ready().await;
+    worker
+}
+
+/// Finding 6 end to end over gRPC: a `ModelStreamInfer` client that stops reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = stalled_reader_worker(dir.path()).await;
     let client = reqwest::Client::new();
     let opened = Instant::now();
     // A gRPC client that announces an 8 KiB window and never reads the responses.
@@ -579,12 +585,7 @@ async fn a_grpc_reader_that_stops_reading_is_cancelled_and_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sse_reader_that_stops_reading_is_cancelled_and_others_are_served() {
     let dir = tempfile::tempdir().unwrap();
-    let worker = Worker::spawn_model(
-        &long_context_model(dir.path()),
-        &["--ignore-eos", "--stalled-reader-timeout", "1"],
-        &[],
-    );
-    worker.wait_ready().await;
+    let worker = stalled_reader_worker(dir.path()).await;
     let client = reqwest::Client::new();
     let opened = Instant::now();
     let held = stalled_completion(&worker, "hello world", LONG_OUTPUT_TOKENS);
