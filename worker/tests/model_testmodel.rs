@@ -151,6 +151,38 @@ fn every_weight_storage_loads_and_tracks_f32() {
     }
 }
 
+/// Under `auto`, a block-quantised file is held once: full-precision chunks widen its blocks
+/// per tile instead of keeping an f32 copy, with exactly the results of the f32 copy.
+#[test]
+fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
+    let d = tempfile::tempdir().unwrap();
+    let path = write_into(
+        d.path(),
+        GenTestModelArgs {
+            weight_type: TestWeightType::Q4_1,
+            ..spec(TestModelFormat::Gguf)
+        },
+    )
+    .unwrap();
+    let auto = load(
+        &path,
+        PrecisionPolicy::Auto {
+            int8_max_prompt_tokens: 4,
+        },
+    );
+    let int8 = load(&path, PrecisionPolicy::Int8);
+    let fp32 = load(&path, PrecisionPolicy::Fp32);
+    assert_eq!(auto.weight_bytes(), int8.weight_bytes());
+    assert!(fp32.weight_bytes() > 3 * auto.weight_bytes());
+    let ids = auto
+        .tokenizer()
+        .encode("once upon a time there was a little model");
+    assert_eq!(
+        prompt_logits(&auto, &ids, WeightPrecision::Full),
+        prompt_logits(&fp32, &ids, WeightPrecision::Full)
+    );
+}
+
 #[test]
 fn command_line_writes_a_loadable_model() {
     let dir = tempfile::tempdir().unwrap();

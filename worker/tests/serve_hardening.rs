@@ -699,21 +699,32 @@ async fn the_kv_cache_is_sized_from_the_memory_limit() {
         "{blocks} blocks under the limit, {default_blocks} without"
     );
 
-    // A limit the weights alone fill is refused at start, naming the figures.
+    // A limit the weights alone fill, or a cache too small for one block, is refused at
+    // start, naming the figures.
     let dir = tempfile::tempdir().unwrap();
     let model = serve_support::test_model(dir.path());
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-        .arg("serve")
-        .arg("--model")
-        .arg(&model)
-        .args(["--memory-limit-bytes", "1000", "--accelerator", "cpu"])
-        .args(["--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let refusal = |limit: [&str; 2]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
+            .arg("serve")
+            .arg("--model")
+            .arg(&model)
+            .args(limit)
+            .args(["--accelerator", "cpu"])
+            .args(["--http-addr", "127.0.0.1:0", "--grpc-addr", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = refusal(["--memory-limit-bytes", "1000"]);
     assert!(
-        stderr.contains("memory limit of 1000 bytes") && stderr.contains("room for no block"),
+        stderr.contains("the model does not fit: its weights take")
+            && stderr.contains("the memory limit is 1000 bytes"),
+        "{stderr}"
+    );
+    let stderr = refusal(["--kv-cache-bytes", "100"]);
+    assert!(
+        stderr.contains("room for no block") && stderr.contains("the cache gets 100 bytes"),
         "{stderr}"
     );
 }

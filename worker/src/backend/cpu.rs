@@ -182,8 +182,9 @@ impl CpuBackend {
         &self.kernels
     }
 
-    /// `out = x · Wᵀ` for f32 or f16 weights, per tile of weight rows in parallel; f16
-    /// rows are widened to f32 first, so both storages share one kernel and its rounding.
+    /// `out = x · Wᵀ` in f32 arithmetic for weights in any storage, per tile of weight rows in
+    /// parallel. Other storages are widened to f32 one tile at a time, so every storage shares
+    /// one kernel and its rounding, and no f32 copy of a quantised matrix is ever held whole.
     fn matmul_float(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
         let (rows, cols) = (w.rows, w.cols);
         let dot_rows = self.kernels.dot_f32_rows;
@@ -205,7 +206,13 @@ impl CpuBackend {
                             );
                             widened
                         }
-                        _ => unreachable!("block formats take the quantised path"),
+                        _ => {
+                            widened.resize(weights.len(), 0.0);
+                            for (r, row) in range.clone().zip(widened.chunks_exact_mut(cols)) {
+                                w.row_to_f32(r, row);
+                            }
+                            widened
+                        }
                     };
                     tile_out.resize(n * range.len(), 0.0);
                     dot_rows(tile, x, cols, tile_out, range.len());
@@ -428,6 +435,14 @@ impl Backend for CpuBackend {
         match &w.data {
             WeightData::F32(_) | WeightData::F16(_) => self.matmul_float(w, x, n, out),
             _ => self.matmul_quantized(w, x, n, out),
+        }
+    }
+
+    fn matmul_f32(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
+        assert_eq!(x.len(), n * w.cols, "matmul input shape");
+        assert_eq!(out.len(), n * w.rows, "matmul output shape");
+        if n > 0 {
+            self.matmul_float(w, x, n, out)
         }
     }
 

@@ -203,6 +203,12 @@ pub trait Backend: Send + Sync {
     fn run(&self, work: &mut (dyn FnMut() + Send));
     /// `out[n × w.rows] = x[n × w.cols] · Wᵀ`.
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]);
+    /// [`Backend::matmul`] in f32 arithmetic whatever the storage: block-quantised weights
+    /// are widened as they are read instead of meeting int8 activations. The default is for
+    /// a backend whose only path for block formats is its quantised one.
+    fn matmul_f32(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
+        self.matmul(w, x, n, out)
+    }
     /// `outs[i][n × ws[i].rows] = x · Wᵢᵀ` for matrices that read the same input (the Q/K/V
     /// projections, gate and up), which a backend may compute as one pass.
     fn matmul_shared_input(&self, ws: &[&Matrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {

@@ -147,12 +147,14 @@ fn linear(
 ) {
     for (r, p) in segments {
         let m = w.get(*p);
-        be.matmul(
-            m,
+        let (x, out) = (
             &x[r.start * m.cols..r.end * m.cols],
-            r.len(),
             &mut out[r.start * m.rows..r.end * m.rows],
         );
+        match p {
+            WeightPrecision::Int8 => be.matmul(m, x, r.len(), out),
+            WeightPrecision::Full => be.matmul_f32(m, x, r.len(), out),
+        }
     }
 }
 
@@ -176,7 +178,15 @@ fn linear_shared_input<const L: usize>(
             .zip(&ms)
             .map(|(out, m)| &mut out[r.start * m.rows..r.end * m.rows])
             .collect();
-        be.matmul_shared_input(&ms, &x[r.start * cols..r.end * cols], r.len(), &mut parts);
+        let x = &x[r.start * cols..r.end * cols];
+        match p {
+            WeightPrecision::Int8 => be.matmul_shared_input(&ms, x, r.len(), &mut parts),
+            WeightPrecision::Full => {
+                for (m, out) in ms.iter().zip(parts.iter_mut()) {
+                    be.matmul_f32(m, x, r.len(), out)
+                }
+            }
+        }
     }
 }
 

@@ -35,7 +35,8 @@ impl Shard {
 }
 
 /// A linear layer in the storages the policy keeps: `quant` for [`WeightPrecision::Int8`]
-/// chunks, `full` for [`WeightPrecision::Full`]; a chunk asking for a missing one uses the other.
+/// chunks, `full` for [`WeightPrecision::Full`]; a chunk asking for a missing one uses the other
+/// (a full-precision chunk multiplies block-quantised weights in f32, widening them per tile).
 pub struct Linear {
     pub full: Option<Matrix>,
     pub quant: Option<Matrix>,
@@ -69,14 +70,17 @@ impl Linear {
                 m.to_q8_0()
             }
         };
-        let (full, quant) = match policy {
-            PrecisionPolicy::Fp32 => (Some(m.to_f32_matrix()), None),
-            PrecisionPolicy::Fp16 => (Some(m.to_f16_matrix()), None),
+        let (quant, full) = match policy {
+            PrecisionPolicy::Fp32 => (None, Some(m.to_f32_matrix())),
+            PrecisionPolicy::Fp16 => (None, Some(m.to_f16_matrix())),
             PrecisionPolicy::Int8 => match quantized(&m) {
-                Some(q) => (None, Some(q)),
-                None => (Some(m.to_f32_matrix()), None),
+                Some(q) => (Some(q), None),
+                None => (None, Some(m.to_f32_matrix())),
             },
-            PrecisionPolicy::Auto { .. } => (Some(m.to_f32_matrix()), quantized(&m)),
+            // Block-quantised weights are widened per tile when a chunk runs in f32, so no
+            // full-precision copy is held; float weights stay in their own storage.
+            PrecisionPolicy::Auto { .. } if m.is_quantized() => (Some(m), None),
+            PrecisionPolicy::Auto { .. } => (quantized(&m), Some(m)),
         };
         Linear { full, quant }
     }

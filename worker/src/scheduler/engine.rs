@@ -70,6 +70,19 @@ impl EngineCore {
     pub(super) fn plan(model: &Model, cfg: &EngineConfig) -> anyhow::Result<Limits> {
         check_config(cfg)?;
         let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
+        if let super::KvCacheSize::ShareOfMemoryLimit { limit_bytes, .. } = cfg.kv_cache
+            && model.weight_bytes() >= limit_bytes
+        {
+            bail!(
+                "the model does not fit: its weights take {} bytes ({:.1} MiB) under the {} \
+                 precision policy, and the memory limit is {limit_bytes} bytes ({:.1} MiB); \
+                 give the pod more memory or serve a smaller quantisation",
+                model.weight_bytes(),
+                mib(model.weight_bytes()),
+                model.policy().precision(),
+                mib(limit_bytes)
+            );
+        }
         let num_blocks = super::kv_cache_blocks(model, cfg);
         if num_blocks == 0 {
             let budget = match cfg.kv_cache {
@@ -634,4 +647,8 @@ fn timings_of(sequence: &Sequence) -> RequestTimings {
         first_token: since_submit(sequence.first_token),
         total: sequence.submitted.elapsed(),
     }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1 << 20) as f64
 }
