@@ -267,7 +267,15 @@ impl Writer<'_> {
     where
         K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
     {
-        match api.delete(name, &DeleteParams::background()).await {
+        self.delete_with(api, kind, name, &DeleteParams::background())
+            .await;
+    }
+
+    async fn delete_with<K>(&mut self, api: &Api<K>, kind: &str, name: &str, params: &DeleteParams)
+    where
+        K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        match api.delete(name, params).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => {}
             Err(error) => self
@@ -398,6 +406,13 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     for name in &plan.delete_pods {
         writer.delete(&pods, "Pod", name).await;
+    }
+    for name in &plan.force_delete_pods {
+        let now = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::background()
+        };
+        writer.delete_with(&pods, "Pod", name, &now).await;
     }
     for pod in &plan.create_pods {
         writer.apply(pod).await;

@@ -73,6 +73,9 @@ pub struct Plan {
     /// Pods that do not exist yet.
     pub create_pods: Vec<Pod>,
     pub delete_pods: Vec<String>,
+    /// Pods evicted from a lost node: no kubelet will confirm their end, and their group
+    /// cannot be made again under the same names until they are gone.
+    pub force_delete_pods: Vec<String>,
     pub delete_rank_tables: Vec<String>,
     pub delete_pod_groups: Vec<String>,
     /// The InferencePool made for an endpoint picker the spec no longer names.
@@ -161,6 +164,23 @@ fn failure_of(pod: &Pod) -> String {
     text
 }
 
+/// Evicted by the taint manager from a node that stopped reporting (the Pod's
+/// `DisruptionTarget` condition says so) and still waiting for that node's kubelet.
+fn evicted_from_lost_node(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|conditions| {
+                conditions.iter().any(|c| {
+                    c.type_ == "DisruptionTarget"
+                        && c.status == "True"
+                        && c.reason.as_deref() == Some("DeletionByTaintManager")
+                })
+            })
+}
+
 /// The replica group numbers to run, given the groups with live pods (mapped to whether the
 /// autoscaler marked them for removal). Scaling down drops marked groups first, so the
 /// least-loaded groups go, then the highest-numbered; scaling up takes the lowest free numbers.
@@ -197,6 +217,22 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     let mut create_pods = Vec::new();
     let mut delete_pods = Vec::new();
     let mut notes = Vec::new();
+    let force_delete_pods: Vec<String> = observed
+        .pods
+        .iter()
+        .filter(|p| evicted_from_lost_node(p))
+        .map(|p| p.name_any())
+        .collect();
+    for name in &force_delete_pods {
+        notes.push(Note {
+            warning: true,
+            reason: "NodeLost",
+            message: format!(
+                "pod {name} was evicted from a node that stopped reporting; removing it so its group can be made elsewhere"
+            ),
+            related: Some(Related::pod(name.clone())),
+        });
+    }
     let mut seen = Observation {
         desired_groups: desired,
         uses_rank_table,
@@ -439,6 +475,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         inference_pool,
         create_pods,
         delete_pods,
+        force_delete_pods,
         delete_rank_tables: observed
             .rank_tables
             .iter()

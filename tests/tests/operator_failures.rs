@@ -520,3 +520,103 @@ async fn evictions_never_take_more_than_the_budgeted_groups_out_of_service() -> 
     set_unschedulable(&f.client, node, false).await?;
     Ok(())
 }
+
+/// A server that stops reporting (KWOK stops heartbeating it, as a dead kubelet would): after
+/// the node controller's grace period and `nodeLossTolerationSeconds` the taint manager evicts
+/// the group's pod, which no kubelet will ever confirm gone; the operator removes it and makes
+/// the group again on the server that is left.
+#[tokio::test]
+async fn a_group_on_a_lost_node_is_made_again_on_another() -> Result<()> {
+    let f = fixture("node-loss").await?;
+    const POOL: &str = "npufleet.io/test-pool";
+    let c = cluster::shared();
+    for name in ["node-loss-a", "node-loss-b"] {
+        let mut node = FakeNode::ascend910(name);
+        node.labels.insert(POOL.into(), "node-loss".into());
+        // The node controller stops evicting in a zone where most nodes are not ready;
+        // a zone of their own keeps this test's lost node out of other tests' counts.
+        node.labels
+            .insert("topology.kubernetes.io/zone".into(), "node-loss".into());
+        c.add_fake_node(&f.client, &node).await?;
+    }
+    let isvc = service(
+        "lost",
+        json!({"accelerator": {"type": "ascend910", "devicesPerPod": 1},
+               "scheduling": {"nodeSelector": {POOL: "node-loss"}, "nodeLossTolerationSeconds": 1}}),
+    )?;
+    f.services.create(&PostParams::default(), &isvc).await?;
+    wait_condition(&f, "lost", "Ready", "True", "AllReplicasReady").await?;
+    let pods: Api<Pod> = Api::namespaced(f.client.clone(), &f.namespace);
+    let first = pods.get("lost-0-0").await?;
+    let lost_node = first
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .context("the pod is bound")?;
+
+    let nodes: Api<Node> = Api::all(f.client.clone());
+    nodes
+        .patch(
+            &lost_node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {cluster::KWOK_NODE_LABEL: null}}})),
+        )
+        .await?;
+    let lost_at = std::time::Instant::now();
+    let replacement = wait::until(
+        "the group serving on the other server",
+        Duration::from_secs(180),
+        || async {
+            let Some(pod) = pods.get_opt("lost-0-0").await? else {
+                return Ok(None);
+            };
+            let moved = pod.metadata.uid != first.metadata.uid
+                && pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                    != Some(lost_node.as_str());
+            let ready = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            Ok((moved && ready).then_some(pod))
+        },
+    )
+    .await;
+    let replacement = match replacement {
+        Ok(pod) => pod,
+        Err(err) => {
+            let node = nodes.get(&lost_node).await?;
+            let pod = pods.get_opt("lost-0-0").await?;
+            let notes = events(&f, "lost").await?;
+            return Err(err.context(format!(
+                "lost node: {:?} {:?}\npod: {:?}\nevents: {notes:?}",
+                node.spec.and_then(|s| s.taints),
+                node.status.and_then(|s| s.conditions),
+                pod.map(|p| (
+                    p.metadata.deletion_timestamp,
+                    p.spec.and_then(|s| s.node_name),
+                    p.status
+                )),
+            )));
+        }
+    };
+    eprintln!(
+        "serving again on {} {:.1} s after {lost_node} stopped reporting",
+        replacement
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default(),
+        lost_at.elapsed().as_secs_f64()
+    );
+    wait_condition(&f, "lost", "Ready", "True", "AllReplicasReady").await?;
+    let notes = events(&f, "lost").await?;
+    assert!(
+        notes
+            .iter()
+            .any(|(_, reason, _, note)| reason == "NodeLost" && note.contains("lost-0-0")),
+        "{notes:?}"
+    );
+    nodes.delete(&lost_node, &Default::default()).await?;
+    Ok(())
+}

@@ -1122,3 +1122,55 @@ fn worker_pods_leave_a_lost_node_after_the_configured_time_unless_the_user_says_
     );
     assert_eq!(configured.len(), 2);
 }
+
+#[test]
+fn a_pod_evicted_from_a_lost_node_is_removed_at_once_and_others_wait_for_their_kubelet() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let mut pods = running(&isvc, true);
+    let mut draining = pods[0].clone();
+    draining.metadata.deletion_timestamp = Some(now());
+    let waiting = plan(
+        &isvc,
+        &Observed {
+            pods: vec![draining.clone()],
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert!(waiting.force_delete_pods.is_empty());
+    assert!(
+        waiting.create_pods.is_empty(),
+        "the same name is still taken"
+    );
+
+    let conditions = draining
+        .status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap();
+    conditions.push(PodCondition {
+        type_: "DisruptionTarget".into(),
+        status: "True".into(),
+        reason: Some("DeletionByTaintManager".into()),
+        ..Default::default()
+    });
+    pods[0] = draining;
+    let lost = plan(
+        &isvc,
+        &Observed {
+            pods,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    );
+    assert_eq!(lost.force_delete_pods, vec!["llm-0-0".to_string()]);
+    assert!(
+        lost.notes
+            .iter()
+            .any(|n| n.reason == "NodeLost" && n.warning)
+    );
+}
