@@ -8,6 +8,10 @@ pub const HTTP_ADDR: &str = "NPUFLEET_HTTP_ADDR";
 pub const MAX_BATCH_SIZE: &str = "NPUFLEET_MAX_BATCH_SIZE";
 pub const QUEUE_LIMIT: &str = "NPUFLEET_QUEUE_LIMIT";
 pub const WARMUP_ITERATIONS: &str = "NPUFLEET_WARMUP_ITERATIONS";
+/// Compute threads (0: every core).
+pub const THREADS: &str = "NPUFLEET_THREADS";
+/// Generate to `max_tokens` past end-of-sequence tokens (benchmarks and load tests).
+pub const IGNORE_EOS: &str = "NPUFLEET_IGNORE_EOS";
 /// A [`crate::precision::Precision`] name.
 pub const PRECISION: &str = "NPUFLEET_PRECISION";
 pub const AUTO_INT8_MAX_PROMPT_TOKENS: &str = "NPUFLEET_AUTO_INT8_MAX_PROMPT_TOKENS";

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
@@ -52,7 +53,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
                 "engine": {"warmupIterations": 1, "drainSeconds": 60},
                 "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": TARGET_QUEUE},
                 "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
             }
         }))?;
         npufleet_tests::operator::apply(&services, MANAGER, &service).await?;

@@ -14,6 +14,7 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::api::{Api, ListParams};
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
@@ -154,7 +155,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
                 "engine": {"warmupIterations": 1, "drainSeconds": 60},
                 "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": TARGET_QUEUE},
                 "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
             }
         }))?;
         npufleet_tests::operator::apply(&services, MANAGER, &service).await?;

@@ -19,6 +19,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::FIELD_MANAGER as AUTOSCALER;
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
@@ -218,7 +219,7 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
                 "engine": {"warmupIterations": 1},
                 "autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
                 "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
             }
         }))?;
         npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;

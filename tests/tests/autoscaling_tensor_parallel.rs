@@ -12,6 +12,7 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Load, RunningRouter, is_serving, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
@@ -82,8 +83,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
                 "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": TARGET_QUEUE},
                 "scheduling": node_agent::scheduling(node),
                 "template": {"env": [
-                    {"name": "NPUFLEET_THREADS", "value": "1"},
-                    {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
+                    {"name": worker_env::THREADS, "value": "1"},
+                    {"name": worker_env::IGNORE_EOS, "value": "true"},
                 ]},
             }
         }))?;

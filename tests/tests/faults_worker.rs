@@ -11,6 +11,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_tests::fleet::{Router, is_serving, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
@@ -28,6 +29,13 @@ const KILL_NOTICE_PROMISE: Duration = Duration::from_secs(2);
 /// period, the status update and one routing refresh).
 const HANG_UNROUTED_PROMISE: Duration = Duration::from_secs(5);
 
+fn worker_env_of(env: &[(&str, &str)]) -> serde_json::Value {
+    std::iter::once((worker_env::THREADS, "1"))
+        .chain(env.iter().copied())
+        .map(|(name, value)| json!({"name": name, "value": value}))
+        .collect()
+}
+
 /// A namespace with a node agent, the operator, and a CPU InferenceService `chat` of
 /// `replicas` SmolLM2 workers serving.
 struct Fleet {
@@ -38,7 +46,8 @@ struct Fleet {
 }
 
 impl Fleet {
-    async fn start(test: &str, subnet: u8, replicas: i32) -> Result<Fleet> {
+    /// `env`: settings for the workers beside one compute thread each.
+    async fn start(test: &str, subnet: u8, replicas: i32, env: &[(&str, &str)]) -> Result<Fleet> {
         let c = cluster::shared();
         let client = c.client().await?;
         let namespace = c.namespace(&client, test).await?;
@@ -66,7 +75,7 @@ impl Fleet {
                 "accelerator": {"type": "cpu"},
                 "engine": {"warmupIterations": 1},
                 "scheduling": node_agent::scheduling(&node),
-                "template": {"env": [{"name": "NPUFLEET_THREADS", "value": "1"}]},
+                "template": {"env": worker_env_of(env)},
             }
         }))?;
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
@@ -118,11 +127,10 @@ fn signal(pid: i32, signal: i32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "timing-sensitive: a short greedy answer can end before the kill; run by make chaos"]
 async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() -> Result<()> {
     let c = cluster::shared();
     let result = async {
-        let fleet = Fleet::start("faults-kill", 61, 1).await?;
+        let fleet = Fleet::start("faults-kill", 61, 1, &[(worker_env::IGNORE_EOS, "true")]).await?;
         let address = serving_addresses(&fleet.pods()).await?.remove(0);
         let (pod, pid) = fleet.worker_at(&address).await?;
 
@@ -141,7 +149,8 @@ async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() ->
         assert!(response.status().is_success(), "{}", response.status());
         let mut body = response.bytes_stream();
         let mut received = String::new();
-        // Kill once tokens are flowing.
+        // Kill once tokens are flowing; the worker ignores end-of-sequence tokens, so the
+        // 400-token answer cannot end before the kill.
         while received.matches("data: ").count() < 3 {
             let chunk = body
                 .next()
@@ -249,7 +258,7 @@ async fn a_hung_worker_stops_being_ready_and_used_and_no_client_waits_past_its_d
 -> Result<()> {
     let c = cluster::shared();
     let result = async {
-        let fleet = Fleet::start("faults-hang", 62, 2).await?;
+        let fleet = Fleet::start("faults-hang", 62, 2, &[]).await?;
         let pods = fleet.pods();
         let services: Api<InferenceService> = Api::namespaced(fleet.client.clone(), &fleet.namespace);
         let load = Arc::new(DeadlineLoad::default());

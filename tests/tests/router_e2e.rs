@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::{Pod, Secret, SecretKeySelector};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::env as worker_env;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
@@ -50,8 +51,8 @@ async fn service(namespace: &str, node: &str, replicas: i32) -> Result<Inference
             // Every answer runs to its max_tokens, so a long stream is still going when a test
             // kills its worker.
             "template": {"env": [
-                {"name": "NPUFLEET_THREADS", "value": "1"},
-                {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
+                {"name": worker_env::THREADS, "value": "1"},
+                {"name": worker_env::IGNORE_EOS, "value": "true"},
             ]},
         }
     }))?)

@@ -17,6 +17,7 @@ use clap::Parser;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
+use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::fleet::{RunningRouter, serving_addresses};
@@ -95,7 +96,7 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
         .with_context(|| format!("{SAMPLE} has no spec.template"))?
         .insert(
             "env".into(),
-            json!([{"name": "NPUFLEET_THREADS", "value": "1"}]),
+            json!([{"name": worker_env::THREADS, "value": "1"}]),
         );
     serde_json::from_value(sample).with_context(|| format!("{SAMPLE} is not an InferenceService"))
 }

@@ -83,7 +83,7 @@ pub struct EngineArgs {
     #[command(flatten)]
     pub precision: PrecisionArgs,
     /// Compute threads; 0 uses every core.
-    #[arg(long, env = "NPUFLEET_THREADS", default_value_t = 0)]
+    #[arg(long, env = env::THREADS, default_value_t = 0)]
     pub threads: usize,
     /// Prompt prefixes (system prompts) to keep in the prefix cache: a JSON array of strings,
     /// or the path of a file holding one.
@@ -116,7 +116,7 @@ pub struct EngineArgs {
     pub kv_cache_blocks: Option<usize>,
     /// Generate past the model's end-of-sequence tokens, so every request runs to its
     /// `max_tokens`: for benchmarks and load tests, not for serving users.
-    #[arg(long, env = "NPUFLEET_IGNORE_EOS")]
+    #[arg(long, env = env::IGNORE_EOS)]
     pub ignore_eos: bool,
 }
 
