@@ -1,5 +1,6 @@
 //! The model layer: configuration, weights, tokenizer and the forward pass of a Llama-style
-//! decoder, loaded from a GGUF file or a Hugging Face safetensors directory.
+//! decoder (Llama, and Qwen2 with its Q/K/V biases), loaded from a GGUF file or a Hugging
+//! Face safetensors directory.
 //!
 //! Plain data in, plain data out: [`Model::forward`] runs one engine step over a batch of
 //! sequence chunks against a paged [`KvCache`]; scheduling and sampling live above this layer.
@@ -42,14 +43,24 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
     pub add_bos: bool,
+    /// The Q, K and V projections add a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// The source's Q/K rows (and biases) rotate pairs `(i, i + head_dim/2)` of each head (the
+    /// NEOX layout of Qwen2 GGUF files and of every Hugging Face checkpoint); the loader
+    /// reorders them into the adjacent pairs the forward pass rotates.
+    pub rotary_half_split: bool,
 }
+
+/// Architectures the forward pass implements (GGUF `general.architecture` names).
+const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
 
 impl ModelConfig {
     fn validate(&self) -> Result<()> {
         ensure!(
-            self.architecture == "llama",
-            "unsupported architecture {:?} (only llama is implemented)",
-            self.architecture
+            ARCHITECTURES.contains(&self.architecture.as_str()),
+            "unsupported architecture {:?} (implemented: {})",
+            self.architecture,
+            ARCHITECTURES.join(", ")
         );
         for (name, v) in [
             ("layers", self.n_layers),
@@ -231,7 +242,7 @@ impl Model {
         let (config, weights, tokenizer) = if path.is_dir() {
             let config = hf_config(path)?;
             config.validate()?;
-            let src = weights::SafetensorsDir::open(path, &config)?;
+            let src = weights::SafetensorsDir::open(path)?;
             let w = weights::load_weights(&src, &config, opts.policy, shard)?;
             (config, w, Tokenizer::from_hf_dir(path)?)
         } else {
@@ -504,6 +515,10 @@ fn gguf_config(file: &gguf::GgufFile, tokenizer: &Tokenizer) -> Result<ModelConf
             .get("tokenizer.ggml.add_bos_token")
             .and_then(gguf::Value::as_bool)
             .unwrap_or(false),
+        qkv_bias: arch == "qwen2",
+        // llama.cpp's converter permutes Llama's Q/K rows to adjacent pairs but leaves
+        // Qwen2's as Hugging Face wrote them (llama.cpp rotates them with its NEOX rope).
+        rotary_half_split: arch == "qwen2",
         architecture: arch,
     })
 }
@@ -528,6 +543,8 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
     let model_type = v.get("model_type").and_then(|s| s.as_str()).unwrap_or("");
     let architecture = if model_type == "llama" || archs.contains(&"LlamaForCausalLM") {
         "llama".to_string()
+    } else if model_type == "qwen2" || archs.contains(&"Qwen2ForCausalLM") {
+        "qwen2".to_string()
     } else {
         bail!(
             "{}: unsupported model type {model_type:?} {archs:?}",
@@ -555,7 +572,6 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
         .and_then(|t| t.get("add_bos_token").and_then(|b| b.as_bool()))
         .unwrap_or(false);
     Ok(ModelConfig {
-        architecture,
         n_layers: uint("num_hidden_layers")?,
         dim,
         ffn_dim: uint("intermediate_size")?,
@@ -575,5 +591,8 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
         eos_token_ids: ids("eos_token_id"),
         bos_token_id: ids("bos_token_id").first().copied(),
         add_bos,
+        qkv_bias: architecture == "qwen2",
+        rotary_half_split: true,
+        architecture,
     })
 }
