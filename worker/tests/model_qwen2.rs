@@ -153,7 +153,7 @@ fn gguf_config_reads_the_qwen2_metadata() {
     let model = load(&variant("f32"), PrecisionPolicy::Fp32);
     let cfg = model.config();
     assert_eq!(cfg.architecture, "qwen2");
-    assert!(cfg.qkv_bias && cfg.rotary_half_split);
+    assert!(cfg.qkv_bias);
     assert_eq!(
         (
             cfg.n_layers,

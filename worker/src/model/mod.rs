@@ -24,7 +24,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::collective::{Collective, CollectiveError};
 pub use kv_cache::KvCache;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use weights::{Shard, Weights};
+use weights::{RotaryRows, Shard, Weights};
 
 /// The architecture's numbers, llama2.c style.
 #[derive(Clone, Debug, PartialEq)]
@@ -45,10 +45,6 @@ pub struct ModelConfig {
     pub add_bos: bool,
     /// The Q, K and V projections add a bias (Qwen2).
     pub qkv_bias: bool,
-    /// The source's Q/K rows (and biases) rotate pairs `(i, i + head_dim/2)` of each head (the
-    /// NEOX layout of Qwen2 GGUF files and of every Hugging Face checkpoint); the loader
-    /// reorders them into the adjacent pairs the forward pass rotates.
-    pub rotary_half_split: bool,
 }
 
 /// Architectures the forward pass implements (GGUF `general.architecture` names).
@@ -243,14 +239,22 @@ impl Model {
             let config = hf_config(path)?;
             config.validate()?;
             let src = weights::SafetensorsDir::open(path)?;
-            let w = weights::load_weights(&src, &config, opts.policy, shard)?;
+            let w =
+                weights::load_weights(&src, &config, RotaryRows::HalfSplit, opts.policy, shard)?;
             (config, w, Tokenizer::from_hf_dir(path)?)
         } else {
             let file = gguf::GgufFile::open(path)?;
             let tokenizer = Tokenizer::from_gguf(&file)?;
             let config = gguf_config(&file, &tokenizer)?;
             config.validate()?;
-            let w = weights::load_weights(&file, &config, opts.policy, shard)
+            // llama.cpp's converter permutes Llama's Q/K rows to adjacent pairs but leaves
+            // Qwen2's as Hugging Face wrote them (llama.cpp rotates those with its NEOX rope).
+            let rotary = if config.architecture == "qwen2" {
+                RotaryRows::HalfSplit
+            } else {
+                RotaryRows::Adjacent
+            };
+            let w = weights::load_weights(&file, &config, rotary, opts.policy, shard)
                 .with_context(|| format!("loading weights from {}", path.display()))?;
             (config, w, tokenizer)
         };
@@ -516,9 +520,6 @@ fn gguf_config(file: &gguf::GgufFile, tokenizer: &Tokenizer) -> Result<ModelConf
             .and_then(gguf::Value::as_bool)
             .unwrap_or(false),
         qkv_bias: arch == "qwen2",
-        // llama.cpp's converter permutes Llama's Q/K rows to adjacent pairs but leaves
-        // Qwen2's as Hugging Face wrote them (llama.cpp rotates them with its NEOX rope).
-        rotary_half_split: arch == "qwen2",
         architecture: arch,
     })
 }
@@ -592,7 +593,6 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
         bos_token_id: ids("bos_token_id").first().copied(),
         add_bos,
         qkv_bias: architecture == "qwen2",
-        rotary_half_split: true,
         architecture,
     })
 }

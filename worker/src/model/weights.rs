@@ -130,6 +130,16 @@ impl Weights {
     }
 }
 
+/// How a source orders each head's Q/K rows (and biases) for the rotary embedding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotaryRows {
+    /// Pairs `(2i, 2i+1)`, the order the forward pass rotates (Llama GGUF files).
+    Adjacent,
+    /// Pairs `(i, i + head_dim/2)`, the NEOX order of Hugging Face checkpoints and Qwen2
+    /// GGUF files; reordered at load.
+    HalfSplit,
+}
+
 /// Where tensors come from, addressed by their GGUF names (`blk.N.attn_q.weight`, ...).
 pub trait TensorSource {
     /// `Ok(None)` when the tensor is absent.
@@ -139,6 +149,7 @@ pub trait TensorSource {
 pub fn load_weights(
     src: &dyn TensorSource,
     cfg: &ModelConfig,
+    rotary: RotaryRows,
     policy: PrecisionPolicy,
     shard: Shard,
 ) -> Result<Weights> {
@@ -175,11 +186,10 @@ pub fn load_weights(
     let kv_rows = shard.part(cfg.n_kv_heads * hd);
     let ffn_rows = shard.part(cfg.ffn_dim);
     // Reorders this rank's Q/K rows (whole heads) into adjacent rotary pairs.
-    let rotary = |heads: usize| -> Option<Vec<usize>> {
-        cfg.rotary_half_split
-            .then(|| half_to_adjacent_rows(heads / shard.world, hd))
+    let order = |heads: usize| -> Option<Vec<usize>> {
+        (rotary == RotaryRows::HalfSplit).then(|| half_to_adjacent_rows(heads / shard.world, hd))
     };
-    let (q_order, k_order) = (rotary(cfg.n_heads), rotary(cfg.n_kv_heads));
+    let (q_order, k_order) = (order(cfg.n_heads), order(cfg.n_kv_heads));
     let mut layers = Vec::with_capacity(cfg.n_layers);
     for i in 0..cfg.n_layers {
         let name = |t: &str| format!("blk.{i}.{t}.weight");
