@@ -1,5 +1,6 @@
-//! The Llama forward pass over a mixed batch: every chunk's tokens are stacked into one
-//! `n × dim` activation matrix, so each weight matrix is read once per step for all of them.
+//! The Llama forward pass (and Qwen2's, which adds Q/K/V biases) over a mixed batch: every
+//! chunk's tokens are stacked into one `n × dim` activation matrix, so each weight matrix is
+//! read once per step for all of them.
 
 use std::ops::Range;
 
@@ -44,6 +45,11 @@ pub(super) fn forward(
             &rows.segments,
             [&mut q, &mut k, &mut v],
         );
+        for (out, bias) in [(&mut q, &lw.bq), (&mut k, &lw.bk), (&mut v, &lw.bv)] {
+            if let Some(bias) = bias {
+                add_bias(out, bias);
+            }
+        }
         rotations.apply(&mut q);
         rotations.apply(&mut k);
         for (c, r) in batch.iter().zip(&rows.chunks) {
@@ -254,6 +260,13 @@ impl Rotations {
                     }
                 }
             });
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add(row, bias);
     }
 }
 

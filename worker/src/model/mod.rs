@@ -1,5 +1,6 @@
 //! The model layer: configuration, weights, tokenizer and the forward pass of a Llama-style
-//! decoder, loaded from a GGUF file or a Hugging Face safetensors directory.
+//! decoder (Llama, and Qwen2 with its Q/K/V biases), loaded from a GGUF file or a Hugging
+//! Face safetensors directory.
 //!
 //! Plain data in, plain data out: [`Model::forward`] runs one engine step over a batch of
 //! sequence chunks against a paged [`KvCache`]; scheduling and sampling live above this layer.
@@ -23,7 +24,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::collective::{Collective, CollectiveError};
 pub use kv_cache::KvCache;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use weights::{Shard, Weights};
+use weights::{RotaryRows, Shard, Weights};
 
 /// The architecture's numbers, llama2.c style.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,14 +43,20 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
     pub add_bos: bool,
+    /// The Q, K and V projections add a bias (Qwen2).
+    pub qkv_bias: bool,
 }
+
+/// Architectures the forward pass implements (GGUF `general.architecture` names).
+const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
 
 impl ModelConfig {
     fn validate(&self) -> Result<()> {
         ensure!(
-            self.architecture == "llama",
-            "unsupported architecture {:?} (only llama is implemented)",
-            self.architecture
+            ARCHITECTURES.contains(&self.architecture.as_str()),
+            "unsupported architecture {:?} (implemented: {})",
+            self.architecture,
+            ARCHITECTURES.join(", ")
         );
         for (name, v) in [
             ("layers", self.n_layers),
@@ -231,15 +238,23 @@ impl Model {
         let (config, weights, tokenizer) = if path.is_dir() {
             let config = hf_config(path)?;
             config.validate()?;
-            let src = weights::SafetensorsDir::open(path, &config)?;
-            let w = weights::load_weights(&src, &config, opts.policy, shard)?;
+            let src = weights::SafetensorsDir::open(path)?;
+            let w =
+                weights::load_weights(&src, &config, RotaryRows::HalfSplit, opts.policy, shard)?;
             (config, w, Tokenizer::from_hf_dir(path)?)
         } else {
             let file = gguf::GgufFile::open(path)?;
             let tokenizer = Tokenizer::from_gguf(&file)?;
             let config = gguf_config(&file, &tokenizer)?;
             config.validate()?;
-            let w = weights::load_weights(&file, &config, opts.policy, shard)
+            // llama.cpp's converter permutes Llama's Q/K rows to adjacent pairs but leaves
+            // Qwen2's as Hugging Face wrote them (llama.cpp rotates those with its NEOX rope).
+            let rotary = if config.architecture == "qwen2" {
+                RotaryRows::HalfSplit
+            } else {
+                RotaryRows::Adjacent
+            };
+            let w = weights::load_weights(&file, &config, rotary, opts.policy, shard)
                 .with_context(|| format!("loading weights from {}", path.display()))?;
             (config, w, tokenizer)
         };
@@ -504,6 +519,7 @@ fn gguf_config(file: &gguf::GgufFile, tokenizer: &Tokenizer) -> Result<ModelConf
             .get("tokenizer.ggml.add_bos_token")
             .and_then(gguf::Value::as_bool)
             .unwrap_or(false),
+        qkv_bias: arch == "qwen2",
         architecture: arch,
     })
 }
@@ -528,6 +544,8 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
     let model_type = v.get("model_type").and_then(|s| s.as_str()).unwrap_or("");
     let architecture = if model_type == "llama" || archs.contains(&"LlamaForCausalLM") {
         "llama".to_string()
+    } else if model_type == "qwen2" || archs.contains(&"Qwen2ForCausalLM") {
+        "qwen2".to_string()
     } else {
         bail!(
             "{}: unsupported model type {model_type:?} {archs:?}",
@@ -555,7 +573,6 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
         .and_then(|t| t.get("add_bos_token").and_then(|b| b.as_bool()))
         .unwrap_or(false);
     Ok(ModelConfig {
-        architecture,
         n_layers: uint("num_hidden_layers")?,
         dim,
         ffn_dim: uint("intermediate_size")?,
@@ -575,5 +592,7 @@ fn hf_config(dir: &Path) -> Result<ModelConfig> {
         eos_token_ids: ids("eos_token_id"),
         bos_token_id: ids("bos_token_id").first().copied(),
         add_bos,
+        qkv_bias: architecture == "qwen2",
+        architecture,
     })
 }

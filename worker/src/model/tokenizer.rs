@@ -29,6 +29,10 @@ const END_OF_TURN_TEXTS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "<en
 /// The Llama 3 pre-tokenizer split (llama.cpp's `llama-bpe`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The Qwen2 pre-tokenizer split (llama.cpp's `qwen2`, also named `deepseek-r1-qwen` in the
+/// DeepSeek-R1 distills): Llama 3's, but every digit is a piece of its own.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// One chat message, for chat-template application.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage {
@@ -92,6 +96,20 @@ pub fn byte_level_bpe(
         .map_err(|e| anyhow::anyhow!("building the BPE model: {e}"))?;
     let byte_level =
         |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    // The split regex isolates the pieces; byte-level then only maps bytes to symbols.
+    let split_then_bytes = |regex: &str| -> Result<PreTokenizerWrapper> {
+        Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Split(
+                Split::new(
+                    SplitPattern::Regex(regex.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| anyhow::anyhow!("pre-tokenizer regex: {e}"))?,
+            ),
+            byte_level(false),
+        ])))
+    };
     let pre_tokenizer = match pre {
         "" | "default" | "gpt2" | "gpt-2" => byte_level(true),
         "smollm" | "starcoder" | "refact" | "codeshell" => {
@@ -100,17 +118,8 @@ pub fn byte_level_bpe(
                 byte_level(true),
             ]))
         }
-        "llama3" | "llama-bpe" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
-            PreTokenizerWrapper::Split(
-                Split::new(
-                    SplitPattern::Regex(LLAMA3_SPLIT.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| anyhow::anyhow!("pre-tokenizer regex: {e}"))?,
-            ),
-            byte_level(false),
-        ])),
+        "llama3" | "llama-bpe" => split_then_bytes(LLAMA3_SPLIT)?,
+        "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT)?,
         other => bail!("unsupported pre-tokenizer {other:?} (tokenizer.ggml.pre)"),
     };
     let mut tk = tokenizers::Tokenizer::new(bpe);

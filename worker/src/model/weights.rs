@@ -5,7 +5,11 @@
 //! Tensor-parallel split (Megatron): Q/K/V and gate/up are column-parallel (each rank keeps
 //! its heads' or its FFN slice's output rows), attention-out and down are row-parallel (each
 //! rank keeps the matching input columns and the partial sums are all-reduced). Norms,
-//! embeddings and the output head are replicated.
+//! embeddings and the output head are replicated; Q/K/V biases split with their rows.
+//!
+//! Q/K rows that rotate half-split pairs (Hugging Face checkpoints, Qwen2 GGUF files) are
+//! reordered here into the adjacent pairs the forward pass rotates, so one forward pass
+//! serves both layouts.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -91,6 +95,10 @@ pub struct LayerWeights {
     pub wq: Linear,
     pub wk: Linear,
     pub wv: Linear,
+    /// Q/K/V biases of this rank's rows, when the architecture has them.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub wo: Linear,
     pub ffn_norm: Vec<f32>,
     pub w_gate: Linear,
@@ -126,6 +134,16 @@ impl Weights {
     }
 }
 
+/// How a source orders each head's Q/K rows (and biases) for the rotary embedding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotaryRows {
+    /// Pairs `(2i, 2i+1)`, the order the forward pass rotates (Llama GGUF files).
+    Adjacent,
+    /// Pairs `(i, i + head_dim/2)`, the NEOX order of Hugging Face checkpoints and Qwen2
+    /// GGUF files; reordered at load.
+    HalfSplit,
+}
+
 /// Where tensors come from, addressed by their GGUF names (`blk.N.attn_q.weight`, ...).
 pub trait TensorSource {
     /// `Ok(None)` when the tensor is absent.
@@ -135,6 +153,7 @@ pub trait TensorSource {
 pub fn load_weights(
     src: &dyn TensorSource,
     cfg: &ModelConfig,
+    rotary: RotaryRows,
     policy: PrecisionPolicy,
     shard: Shard,
 ) -> Result<Weights> {
@@ -170,19 +189,41 @@ pub fn load_weights(
     let q_rows = shard.part(cfg.n_heads * hd);
     let kv_rows = shard.part(cfg.n_kv_heads * hd);
     let ffn_rows = shard.part(cfg.ffn_dim);
+    // Reorders this rank's Q/K rows (whole heads) into adjacent rotary pairs.
+    let order = |heads: usize| -> Option<Vec<usize>> {
+        (rotary == RotaryRows::HalfSplit).then(|| half_to_adjacent_rows(heads / shard.world, hd))
+    };
+    let (q_order, k_order) = (order(cfg.n_heads), order(cfg.n_kv_heads));
     let mut layers = Vec::with_capacity(cfg.n_layers);
     for i in 0..cfg.n_layers {
         let name = |t: &str| format!("blk.{i}.{t}.weight");
         let column = |t: &str,
                       rows: usize,
                       range: &std::ops::Range<usize>,
+                      order: Option<&[usize]>,
                       precise: bool|
          -> Result<Linear> {
-            Ok(Linear::new(
-                need(&name(t), rows, dim)?.select_rows(range.clone()),
-                policy,
-                precise,
-            ))
+            let m = need(&name(t), rows, dim)?.select_rows(range.clone());
+            let m = match order {
+                Some(order) => permute_rows(&m, order),
+                None => m,
+            };
+            Ok(Linear::new(m, policy, precise))
+        };
+        let bias = |t: &str,
+                    rows: usize,
+                    range: &std::ops::Range<usize>,
+                    order: Option<&[usize]>|
+         -> Result<Option<Vec<f32>>> {
+            if !cfg.qkv_bias {
+                return Ok(None);
+            }
+            let b = need(&format!("blk.{i}.{t}.bias"), 1, rows)?.to_f32();
+            let b = &b[range.clone()];
+            Ok(Some(match order {
+                Some(order) => order.iter().map(|&r| b[r]).collect(),
+                None => b.to_vec(),
+            }))
         };
         let row = |t: &str, cols: usize, range: &std::ops::Range<usize>| -> Result<Linear> {
             let m = need(&name(t), dim, cols)?;
@@ -193,15 +234,19 @@ pub fn load_weights(
             };
             Ok(Linear::new(m, policy, false))
         };
+        let (q_heads, kv_heads) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
         layers.push(LayerWeights {
             attn_norm: vector(&name("attn_norm"), dim)?,
-            wq: column("attn_q", cfg.n_heads * hd, &q_rows, true)?,
-            wk: column("attn_k", cfg.n_kv_heads * hd, &kv_rows, true)?,
-            wv: column("attn_v", cfg.n_kv_heads * hd, &kv_rows, true)?,
-            wo: row("attn_output", cfg.n_heads * hd, &q_rows)?,
+            wq: column("attn_q", q_heads, &q_rows, q_order.as_deref(), true)?,
+            wk: column("attn_k", kv_heads, &kv_rows, k_order.as_deref(), true)?,
+            wv: column("attn_v", kv_heads, &kv_rows, None, true)?,
+            bq: bias("attn_q", q_heads, &q_rows, q_order.as_deref())?,
+            bk: bias("attn_k", kv_heads, &kv_rows, k_order.as_deref())?,
+            bv: bias("attn_v", kv_heads, &kv_rows, None)?,
+            wo: row("attn_output", q_heads, &q_rows)?,
             ffn_norm: vector(&name("ffn_norm"), dim)?,
-            w_gate: column("ffn_gate", cfg.ffn_dim, &ffn_rows, false)?,
-            w_up: column("ffn_up", cfg.ffn_dim, &ffn_rows, false)?,
+            w_gate: column("ffn_gate", cfg.ffn_dim, &ffn_rows, None, false)?,
+            w_up: column("ffn_up", cfg.ffn_dim, &ffn_rows, None, false)?,
             w_down: row("ffn_down", cfg.ffn_dim, &ffn_rows)?,
         });
     }
@@ -261,13 +306,10 @@ pub struct SafetensorsDir {
     maps: Vec<(PathBuf, memmap2::Mmap)>,
     /// HF tensor name → index into `maps`.
     index: HashMap<String, usize>,
-    head_dim: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
 }
 
 impl SafetensorsDir {
-    pub fn open(dir: &Path, cfg: &ModelConfig) -> Result<SafetensorsDir> {
+    pub fn open(dir: &Path) -> Result<SafetensorsDir> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
             .with_context(|| format!("reading {}", dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -293,13 +335,7 @@ impl SafetensorsDir {
             }
             maps.push((path, mmap));
         }
-        Ok(SafetensorsDir {
-            maps,
-            index,
-            head_dim: cfg.head_dim,
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-        })
+        Ok(SafetensorsDir { maps, index })
     }
 
     fn hf_name(name: &str) -> Option<String> {
@@ -315,6 +351,9 @@ impl SafetensorsDir {
                     "attn_q.weight" => "self_attn.q_proj.weight",
                     "attn_k.weight" => "self_attn.k_proj.weight",
                     "attn_v.weight" => "self_attn.v_proj.weight",
+                    "attn_q.bias" => "self_attn.q_proj.bias",
+                    "attn_k.bias" => "self_attn.k_proj.bias",
+                    "attn_v.bias" => "self_attn.v_proj.bias",
                     "attn_output.weight" => "self_attn.o_proj.weight",
                     "ffn_norm.weight" => "post_attention_layernorm.weight",
                     "ffn_gate.weight" => "mlp.gate_proj.weight",
@@ -328,10 +367,10 @@ impl SafetensorsDir {
     }
 }
 
-/// Reorders the rows of each head from the half-split rotary layout (pairs `i`,
-/// `i + head_dim/2`) to the adjacent-pair layout (pairs `2i`, `2i+1`) the forward pass uses,
-/// the same permutation llama.cpp's converter applies when writing GGUF.
-pub fn rotary_half_to_adjacent(m: &Matrix, n_heads: usize, head_dim: usize) -> Matrix {
+/// Source rows, per destination row, that reorder each head from the half-split rotary
+/// layout (pairs `i`, `i + head_dim/2`) to the adjacent-pair layout (pairs `2i`, `2i+1`) the
+/// forward pass uses: the permutation llama.cpp's converter applies to Llama's Q/K.
+fn half_to_adjacent_rows(n_heads: usize, head_dim: usize) -> Vec<usize> {
     let half = head_dim / 2;
     let mut src_rows = Vec::with_capacity(n_heads * head_dim);
     for h in 0..n_heads {
@@ -340,33 +379,47 @@ pub fn rotary_half_to_adjacent(m: &Matrix, n_heads: usize, head_dim: usize) -> M
             src_rows.push(h * head_dim + half + j);
         }
     }
-    permute_rows(m, &src_rows)
+    src_rows
+}
+
+/// Applies [`half_to_adjacent_rows`] to a matrix.
+pub fn rotary_half_to_adjacent(m: &Matrix, n_heads: usize, head_dim: usize) -> Matrix {
+    permute_rows(m, &half_to_adjacent_rows(n_heads, head_dim))
 }
 
 /// The inverse of [`rotary_half_to_adjacent`].
 pub fn rotary_adjacent_to_half(m: &Matrix, n_heads: usize, head_dim: usize) -> Matrix {
-    let half = head_dim / 2;
     let mut src_rows = vec![0; n_heads * head_dim];
-    for h in 0..n_heads {
-        for j in 0..half {
-            src_rows[h * head_dim + j] = h * head_dim + 2 * j;
-            src_rows[h * head_dim + half + j] = h * head_dim + 2 * j + 1;
-        }
+    for (dst, src) in half_to_adjacent_rows(n_heads, head_dim)
+        .into_iter()
+        .enumerate()
+    {
+        src_rows[src] = dst;
     }
     permute_rows(m, &src_rows)
 }
 
+/// Row `i` of the result is row `src_rows[i]` of `m`. Rows are whole blocks in every block
+/// format, so f16 and block-quantised rows are moved as stored; other storages go through f32.
 fn permute_rows(m: &Matrix, src_rows: &[usize]) -> Matrix {
-    let c = m.cols;
-    let data = m.to_f32();
-    let mut out = Vec::with_capacity(data.len());
-    for &r in src_rows {
-        out.extend_from_slice(&data[r * c..(r + 1) * c]);
+    fn pick<T: Clone>(v: &[T], rows: usize, src_rows: &[usize]) -> Vec<T> {
+        let per = v.len() / rows.max(1);
+        src_rows
+            .iter()
+            .flat_map(|&r| v[r * per..(r + 1) * per].iter().cloned())
+            .collect()
     }
-    let permuted = Matrix::f32(m.rows, c, out);
-    match m.data {
-        WeightData::F16(_) => permuted.to_f16_matrix(),
-        _ => permuted,
+    let data = match &m.data {
+        WeightData::F16(v) => WeightData::F16(pick(v, m.rows, src_rows)),
+        WeightData::Q4_0(v) => WeightData::Q4_0(pick(v, m.rows, src_rows)),
+        WeightData::Q4_1(v) => WeightData::Q4_1(pick(v, m.rows, src_rows)),
+        WeightData::Q8_0(v) => WeightData::Q8_0(pick(v, m.rows, src_rows)),
+        _ => WeightData::F32(pick(&m.to_f32(), m.rows, src_rows)),
+    };
+    Matrix {
+        rows: src_rows.len(),
+        cols: m.cols,
+        data,
     }
 }
 
@@ -399,16 +452,41 @@ impl TensorSource for SafetensorsDir {
             }
             other => bail!("{hf}: unsupported dtype {other:?}"),
         };
-        let m = Matrix { rows, cols, data };
-        Ok(Some(match name.rsplit('.').nth(1) {
-            // A wrong shape is left for the loader's shape check to report.
-            Some("attn_q") if m.rows == self.n_heads * self.head_dim => {
-                rotary_half_to_adjacent(&m, self.n_heads, self.head_dim)
-            }
-            Some("attn_k") if m.rows == self.n_kv_heads * self.head_dim => {
-                rotary_half_to_adjacent(&m, self.n_kv_heads, self.head_dim)
-            }
-            _ => m,
-        }))
+        Ok(Some(Matrix { rows, cols, data }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn numbered(rows: usize, cols: usize) -> Matrix {
+        Matrix::f32(
+            rows,
+            cols,
+            (0..rows * cols).map(|v| v as f32 / 7.0).collect(),
+        )
+    }
+
+    #[test]
+    fn rotary_reordering_pairs_each_half_and_inverts() {
+        assert_eq!(half_to_adjacent_rows(2, 4), vec![0, 2, 1, 3, 4, 6, 5, 7]);
+        let m = numbered(8, 3);
+        let there = rotary_half_to_adjacent(&m, 2, 4);
+        assert_eq!(there.to_f32()[3..6], m.to_f32()[6..9]);
+        assert_eq!(rotary_adjacent_to_half(&there, 2, 4).to_f32(), m.to_f32());
+    }
+
+    #[test]
+    fn block_quantised_rows_move_as_blocks() {
+        let m = numbered(8, 64).to_q8_0().expect("64 columns quantise");
+        let permuted = rotary_half_to_adjacent(&m, 2, 4);
+        assert!(matches!(permuted.data, WeightData::Q8_0(_)));
+        assert_eq!(
+            permuted.to_f32(),
+            rotary_half_to_adjacent(&Matrix::f32(8, 64, m.to_f32()), 2, 4).to_f32()
+        );
+        let f16 = rotary_half_to_adjacent(&numbered(8, 3).to_f16_matrix(), 2, 4);
+        assert!(matches!(f16.data, WeightData::F16(_)));
     }
 }

@@ -17,6 +17,7 @@ pub mod oip;
 pub mod openai;
 
 pub mod ranks;
+pub mod reasoning;
 pub mod rest;
 pub mod shared;
 pub mod telemetry;
@@ -162,6 +163,12 @@ pub struct ServeArgs {
     pub http_send_buffer_bytes: usize,
     #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// How chat answers' `<think>` reasoning is returned: `auto` moves it to
+    /// `reasoning_content` when the chat template opens a `<think>` block in the prompt
+    /// (DeepSeek-R1 and its distills), `deepseek_r1` always does (vLLM's parser of that name),
+    /// `none` leaves it in `content`.
+    #[arg(long, env = "NPUFLEET_REASONING_PARSER", value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
+    pub reasoning_parser: reasoning::ReasoningParser,
 }
 
 fn parse_seconds(value: &str) -> Result<f64, String> {
@@ -429,7 +436,8 @@ pub async fn serve(
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
         thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
-    });
+    })
+    .layer(axum::Extension(args.reasoning_parser));
     let send_buffer_bytes = args.http_send_buffer_bytes;
     let http_listener = http_listener.tap_io(move |connection| {
         if let Err(error) =

@@ -1,14 +1,15 @@
 //! The OpenAI-compatible HTTP API: `/v1/completions`, `/v1/chat/completions` (both with
-//! server-sent-event streaming) and `/v1/models`.
+//! server-sent-event streaming) and `/v1/models`. Chat answers that reason in a
+//! `<think>` block return it as `reasoning_content` (see [`super::reasoning`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::Json;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -18,6 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::api::{ChatMessage, GenerateRequest, GenerationEvent, Prompt, SamplingParams, Usage};
 use crate::server::error::ServeError;
 use crate::server::http::{BodyBytes, BodyError, HttpState, OpenAiError, parse_json};
+use crate::server::reasoning::{ReasoningParser, ReasoningSplitter, Split};
 use crate::server::shared::{Shared, TrackedStream};
 
 /// Chunks of one streamed response buffered ahead of its connection.
@@ -411,6 +413,17 @@ struct Reply {
     created: u64,
     model: String,
     include_usage: bool,
+    /// The chat answer's `<think>` block goes to `reasoning_content`.
+    split_reasoning: bool,
+}
+
+/// `None` for an empty side, as vLLM leaves a missing side null.
+fn non_empty(text: &str) -> Value {
+    if text.is_empty() {
+        Value::Null
+    } else {
+        Value::from(text)
+    }
 }
 
 impl Reply {
@@ -455,6 +468,30 @@ impl Reply {
         self.envelope(true, json!([choice]))
     }
 
+    /// A streamed chat chunk carrying both sides of a reasoning split; `None` when both are
+    /// empty.
+    fn split_chunk(&self, split: &Split) -> Option<Value> {
+        let mut delta = Map::new();
+        if !split.reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), split.reasoning.as_str().into());
+        }
+        if !split.content.is_empty() {
+            delta.insert("content".into(), split.content.as_str().into());
+        }
+        if delta.is_empty() {
+            return None;
+        }
+        Some(self.envelope(
+            true,
+            json!([{
+                "index": 0,
+                "delta": delta,
+                "logprobs": null,
+                "finish_reason": null,
+            }]),
+        ))
+    }
+
     fn role_chunk(&self) -> Value {
         self.envelope(
             true,
@@ -481,12 +518,24 @@ impl Reply {
                 "logprobs": null,
                 "finish_reason": finish,
             }),
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
+            Endpoint::Chat => {
+                let message = if self.split_reasoning {
+                    let split = ReasoningSplitter::split(text);
+                    json!({
+                        "role": "assistant",
+                        "content": non_empty(&split.content),
+                        "reasoning_content": non_empty(&split.reasoning),
+                    })
+                } else {
+                    json!({"role": "assistant", "content": text})
+                };
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": null,
+                    "finish_reason": finish,
+                })
+            }
         };
         let mut body = self.envelope(false, json!([choice]));
         body["usage"] = usage_json(usage);
@@ -524,13 +573,26 @@ async fn stream_events(
         return;
     }
     let mut ended = false;
+    let mut splitter = reply.split_reasoning.then(ReasoningSplitter::new);
     while let Some(event) = events.next().await {
         let chunks = match event {
             GenerationEvent::Token { text, .. } if text.is_empty() => continue,
-            GenerationEvent::Token { text, .. } => vec![reply.chunk(Some(&text), None)],
+            GenerationEvent::Token { text, .. } => match splitter.as_mut() {
+                Some(splitter) => reply
+                    .split_chunk(&splitter.push(&text))
+                    .into_iter()
+                    .collect(),
+                None => vec![reply.chunk(Some(&text), None)],
+            },
             GenerationEvent::Finished { reason, usage, .. } => {
                 ended = true;
-                let mut chunks = vec![reply.chunk(None, Some(reason.as_openai()))];
+                // Text held back as a possible tag is released before the end.
+                let mut chunks: Vec<Value> = splitter
+                    .take()
+                    .and_then(|splitter| reply.split_chunk(&splitter.finish()))
+                    .into_iter()
+                    .collect();
+                chunks.push(reply.chunk(None, Some(reason.as_openai())));
                 if reply.include_usage {
                     chunks.push(reply.usage_chunk(&usage));
                 }
@@ -559,12 +621,15 @@ async fn stream_events(
 async fn generate(
     state: HttpState,
     endpoint: Endpoint,
+    reasoning: ReasoningParser,
     request: ValidatedRequest,
 ) -> Result<Response, ServeError> {
-    let prompt = match request.input {
-        RequestInput::Prompt(prompt) => prompt,
+    let (prompt, split_reasoning) = match request.input {
+        RequestInput::Prompt(prompt) => (prompt, false),
         RequestInput::Messages(messages) => {
-            Prompt::Text(state.shared.apply_chat_template(messages).await?)
+            let text = state.shared.apply_chat_template(messages).await?;
+            let split = endpoint == Endpoint::Chat && reasoning.applies(&text);
+            (Prompt::Text(text), split)
         }
     };
     let prefix = match endpoint {
@@ -577,6 +642,7 @@ async fn generate(
         created: unix_seconds(),
         model: state.shared.model_name.clone(),
         include_usage: request.include_usage,
+        split_reasoning,
     };
     let events = state
         .shared
@@ -602,6 +668,7 @@ async fn generate(
 async fn serve(
     state: HttpState,
     endpoint: Endpoint,
+    reasoning: ReasoningParser,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
     let BodyBytes(body) = match body {
@@ -613,7 +680,7 @@ async fn serve(
         Endpoint::Chat => validate_chat_body,
     };
     let result = match validate(&body, &state.shared.model_name) {
-        Ok(request) => generate(state, endpoint, request).await,
+        Ok(request) => generate(state, endpoint, reasoning, request).await,
         Err(err) => Err(err),
     };
     result.unwrap_or_else(|err| OpenAiError(err).into_response())
@@ -623,14 +690,20 @@ pub async fn completions(
     State(state): State<HttpState>,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    serve(state, Endpoint::Completions, body).await
+    serve(state, Endpoint::Completions, ReasoningParser::None, body).await
 }
 
+/// The worker's `--reasoning-parser` arrives as a router extension; a router without one
+/// uses the default.
 pub async fn chat_completions(
     State(state): State<HttpState>,
+    reasoning: Option<Extension<ReasoningParser>>,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    serve(state, Endpoint::Chat, body).await
+    let reasoning = reasoning
+        .map(|Extension(parser)| parser)
+        .unwrap_or_default();
+    serve(state, Endpoint::Chat, reasoning, body).await
 }
 
 pub async fn models(State(state): State<HttpState>) -> Json<Value> {
@@ -815,6 +888,7 @@ mod tests {
             created: 1,
             model: "m".into(),
             include_usage: true,
+            split_reasoning: false,
         };
         let chunk = reply.chunk(Some("hi"), None);
         assert_eq!(chunk["object"], "chat.completion.chunk");
@@ -830,5 +904,41 @@ mod tests {
         let done = reply.chunk(None, Some("length"));
         assert_eq!(done["choices"][0]["delta"], json!({}));
         assert_eq!(done["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn reasoning_goes_to_its_own_field() {
+        let reply = Reply {
+            endpoint: Endpoint::Chat,
+            id: "chatcmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+            include_usage: false,
+            split_reasoning: true,
+        };
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            cached_prompt_tokens: 0,
+        };
+        let body = reply.complete("2+2 is 4.\n</think>\n\n4", "stop", &usage);
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["reasoning_content"], "2+2 is 4.\n");
+        assert_eq!(message["content"], "\n\n4");
+        let body = reply.complete("no end yet", "length", &usage);
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["reasoning_content"], "no end yet");
+        assert!(message["content"].is_null());
+        let chunk = reply
+            .split_chunk(&Split {
+                reasoning: "a".into(),
+                content: "b".into(),
+            })
+            .unwrap();
+        assert_eq!(
+            chunk["choices"][0]["delta"],
+            json!({"reasoning_content": "a", "content": "b"})
+        );
+        assert!(reply.split_chunk(&Split::default()).is_none());
     }
 }

@@ -110,3 +110,91 @@ pub fn argmax(v: &[f32]) -> u32 {
         })
         .0 as u32
 }
+
+/// The test environment's python (with `gguf` and numpy).
+pub fn python() -> PathBuf {
+    setup_path("python-env.sh")
+}
+
+pub fn reference_script(name: &str) -> PathBuf {
+    Path::new(&std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
+        .join("tests/reference")
+        .join(name)
+}
+
+/// Writes the random Qwen2 GGUF file `out` with `tests/reference/qwen2_model.py` and its
+/// `args` (`--weights`, `--tied`, `--template`, `--hf-dir`).
+pub fn write_qwen2_model(out: &Path, args: &[&str]) -> PathBuf {
+    let result = Command::new(python())
+        .arg(reference_script("qwen2_model.py"))
+        .arg(out)
+        .args(args)
+        .output()
+        .expect("running qwen2_model.py");
+    assert!(
+        result.status.success(),
+        "qwen2_model.py failed: {}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    out.to_path_buf()
+}
+
+/// One greedy step of the numpy reference.
+pub struct RefStep {
+    pub token: u32,
+    pub top_ids: Vec<u32>,
+    pub top_logits: Vec<f32>,
+}
+
+/// Greedy decoding of `n_gen` tokens after each prompt by `tests/reference/llama_numpy.py`.
+pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<RefStep>> {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let dir = tempfile::tempdir_in(&tmp).expect("temporary directory");
+    let prompts_file = dir.path().join("prompts.json");
+    std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
+    let out = Command::new(python())
+        .arg(reference_script("llama_numpy.py"))
+        .arg(model)
+        .arg(&prompts_file)
+        .arg(n_gen.to_string())
+        .arg(tmp.join("llama-numpy-cache"))
+        .output()
+        .expect("running llama_numpy.py");
+    assert!(
+        out.status.success(),
+        "numpy reference failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path.trim()).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    json["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| RefStep {
+                    token: s["token"].as_u64().unwrap() as u32,
+                    top_ids: ids(&s["top_ids"]),
+                    top_logits: s["top_logits"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap() as f32)
+                        .collect(),
+                })
+                .collect()
+        })
+        .collect()
+}

@@ -1,4 +1,8 @@
-"""Independent f32 Llama forward pass in numpy over a GGUF file's tensors.
+"""Independent f32 Llama / Qwen2 forward pass in numpy over a GGUF file's tensors.
+
+Qwen2 is Llama with Q/K/V biases and llama.cpp's NEOX rotary embedding, which rotates the
+pairs (i, i + head_dim/2) of each head as the file stores them (Llama GGUF rows are
+permuted by the converter to adjacent pairs, rotated as such).
 
 The tensors are read and dequantised by the `gguf` package (not by the engine under test).
 Greedy-decodes each prompt (given as token ids, so tokenisation is tested separately) and
@@ -33,7 +37,8 @@ class Llama:
     def __init__(self, path):
         r = GGUFReader(path)
         arch = field(r, "general.architecture")
-        assert arch == "llama", arch
+        assert arch in ("llama", "qwen2"), arch
+        self.neox = arch == "qwen2"
         self.n_layers = int(field(r, f"{arch}.block_count"))
         self.dim = int(field(r, f"{arch}.embedding_length"))
         self.n_heads = int(field(r, f"{arch}.attention.head_count"))
@@ -47,6 +52,9 @@ class Llama:
             t = tensors[name]
             return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
 
+        def bias(name):
+            return get(name) if name in tensors else 0.0
+
         self.embd = get("token_embd.weight")
         self.out = get("output.weight") if "output.weight" in tensors else self.embd
         self.out_norm = get("output_norm.weight")
@@ -56,20 +64,24 @@ class Llama:
             self.layers.append({k: get(p + k + ".weight") for k in (
                 "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
+            for k in ("attn_q", "attn_k", "attn_v"):
+                self.layers[-1][k + ".bias"] = bias(p + k + ".bias")
 
     def rms(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
     def rope(self, x, pos):
-        # Adjacent pairs (2i, 2i+1) of each head: the layout of GGUF Q/K rows.
+        # Pair i (frequency theta^(-2i/d)) is (2i, 2i+1) for Llama and (i, i + d/2) for NEOX.
         t, h, d = x.shape
         freq = self.theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         ang = (np.asarray(pos, dtype=np.float64)[:, None] * freq[None, :]).astype(np.float32)
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        a, b = x[..., 0::2], x[..., 1::2]
+        first, second = (slice(0, d // 2), slice(d // 2, d)) if self.neox else (
+            slice(0, d, 2), slice(1, d, 2))
+        a, b = x[..., first], x[..., second]
         out = np.empty_like(x)
-        out[..., 0::2] = a * cos - b * sin
-        out[..., 1::2] = a * sin + b * cos
+        out[..., first] = a * cos - b * sin
+        out[..., second] = a * sin + b * cos
         return out
 
     def forward(self, tokens, start, cache):
@@ -80,9 +92,9 @@ class Llama:
         x = self.embd[tokens]
         for i, lw in enumerate(self.layers):
             h = self.rms(x, lw["attn_norm"])
-            q = self.rope((h @ lw["attn_q"].T).reshape(t, nh, hd), pos)
-            k = self.rope((h @ lw["attn_k"].T).reshape(t, nkv, hd), pos)
-            v = (h @ lw["attn_v"].T).reshape(t, nkv, hd)
+            q = self.rope((h @ lw["attn_q"].T + lw["attn_q.bias"]).reshape(t, nh, hd), pos)
+            k = self.rope((h @ lw["attn_k"].T + lw["attn_k.bias"]).reshape(t, nkv, hd), pos)
+            v = (h @ lw["attn_v"].T + lw["attn_v.bias"]).reshape(t, nkv, hd)
             ck, cv = cache[i]
             ck = np.concatenate([ck, k]) if ck is not None else k
             cv = np.concatenate([cv, v]) if cv is not None else v
