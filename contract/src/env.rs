@@ -12,6 +12,8 @@ pub const WARMUP_ITERATIONS: &str = "NPUFLEET_WARMUP_ITERATIONS";
 pub const THREADS: &str = "NPUFLEET_THREADS";
 /// Generate to `max_tokens` past end-of-sequence tokens (benchmarks and load tests).
 pub const IGNORE_EOS: &str = "NPUFLEET_IGNORE_EOS";
+/// How chat answers' `<think>` reasoning is returned: `auto`, `deepseek_r1` or `none`.
+pub const REASONING_PARSER: &str = "NPUFLEET_REASONING_PARSER";
 /// A [`crate::precision::Precision`] name.
 pub const PRECISION: &str = "NPUFLEET_PRECISION";
 pub const AUTO_INT8_MAX_PROMPT_TOKENS: &str = "NPUFLEET_AUTO_INT8_MAX_PROMPT_TOKENS";

@@ -18,6 +18,7 @@ use serde_json::json;
 
 use crate::api::EngineState;
 use crate::server::error::ServeError;
+use crate::server::reasoning::ReasoningParser;
 use crate::server::shared::Shared;
 use crate::server::{auth, openai, rest};
 
@@ -28,6 +29,8 @@ pub struct HttpState {
     pub api_key: Option<ApiKey>,
     pub max_body_bytes: usize,
     pub thermal_root: Arc<PathBuf>,
+    /// How chat answers' `<think>` reasoning is returned.
+    pub reasoning_parser: ReasoningParser,
 }
 
 pub fn router(state: HttpState) -> Router {

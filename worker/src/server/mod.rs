@@ -167,7 +167,7 @@ pub struct ServeArgs {
     /// `reasoning_content` when the chat template opens a `<think>` block in the prompt
     /// (DeepSeek-R1 and its distills), `deepseek_r1` always does (vLLM's parser of that name),
     /// `none` leaves it in `content`.
-    #[arg(long, env = "NPUFLEET_REASONING_PARSER", value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
+    #[arg(long, env = env::REASONING_PARSER, value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
     pub reasoning_parser: reasoning::ReasoningParser,
 }
 
@@ -436,8 +436,8 @@ pub async fn serve(
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
         thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
-    })
-    .layer(axum::Extension(args.reasoning_parser));
+        reasoning_parser: args.reasoning_parser,
+    });
     let send_buffer_bytes = args.http_send_buffer_bytes;
     let http_listener = http_listener.tap_io(move |connection| {
         if let Err(error) =

@@ -6,10 +6,10 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::Json;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -693,16 +693,11 @@ pub async fn completions(
     serve(state, Endpoint::Completions, ReasoningParser::None, body).await
 }
 
-/// The worker's `--reasoning-parser` arrives as a router extension; a router without one
-/// uses the default.
 pub async fn chat_completions(
     State(state): State<HttpState>,
-    reasoning: Option<Extension<ReasoningParser>>,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    let reasoning = reasoning
-        .map(|Extension(parser)| parser)
-        .unwrap_or_default();
+    let reasoning = state.reasoning_parser;
     serve(state, Endpoint::Chat, reasoning, body).await
 }
 
