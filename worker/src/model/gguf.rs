@@ -121,6 +121,9 @@ pub enum TensorType {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
     Bf16,
 }
 
@@ -132,6 +135,9 @@ impl TensorType {
             2 => TensorType::Q4_0,
             3 => TensorType::Q4_1,
             8 => TensorType::Q8_0,
+            12 => TensorType::Q4K,
+            13 => TensorType::Q5K,
+            14 => TensorType::Q6K,
             30 => TensorType::Bf16,
             _ => return None,
         })
@@ -144,6 +150,9 @@ impl TensorType {
             TensorType::Q4_0 => 2,
             TensorType::Q4_1 => 3,
             TensorType::Q8_0 => 8,
+            TensorType::Q4K => 12,
+            TensorType::Q5K => 13,
+            TensorType::Q6K => 14,
             TensorType::Bf16 => 30,
         }
     }
@@ -156,6 +165,9 @@ impl TensorType {
             TensorType::Q4_0 => (32, 18),
             TensorType::Q4_1 => (32, 20),
             TensorType::Q8_0 => (32, 34),
+            TensorType::Q4K => (256, 144),
+            TensorType::Q5K => (256, 176),
+            TensorType::Q6K => (256, 210),
         }
     }
 }
