@@ -1,7 +1,7 @@
 //! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
 //! quantisation round trips.
 
-use npufleet_worker::backend::cpu::{CpuBackend, GroupKernel, Kernels};
+use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels};
 use npufleet_worker::backend::kquant::{
     self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
@@ -633,23 +633,28 @@ fn paged_attention_matches_contiguous_reference() {
     }
 }
 
-/// The three k-quant formats' kernels and dequantiser on `n` random blocks (`rows` rows of
-/// `n / rows`), by name.
+/// Weight row `r` · one activation row, with a kernel set's kernel.
+type RowDot = dyn Fn(&Kernels, usize, &[BlockQ8Act]) -> f32;
+/// The first weight-row group · every activation row, with a kernel set's kernel.
+type GroupDot = dyn Fn(&Kernels, &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]>;
+
+/// One k-quant format's kernels and dequantised values on random blocks, by name.
 struct KquantCase {
     name: &'static str,
     dequantized: Vec<f32>,
-    dot: Box<dyn Fn(&Kernels, usize, &[BlockQ8Act]) -> f32>,
-    group: Box<dyn Fn(&Kernels, &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]>>,
+    dot: Box<RowDot>,
+    group: Box<GroupDot>,
     matrix: Matrix,
 }
 
+/// The three k-quant formats on `rows` random rows of `supers` super-blocks each.
 fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
     fn case<B: Copy + 'static>(
         name: &'static str,
         blocks: Vec<B>,
         rows: usize,
         dequantize: fn(&[B], &mut [f32]),
-        dot: fn(&Kernels) -> fn(&[B], &[BlockQ8Act]) -> f32,
+        dot: fn(&Kernels) -> DotKernel<B>,
         group: fn(&Kernels) -> GroupKernel<B>,
         data: fn(Vec<B>) -> WeightData,
     ) -> KquantCase {

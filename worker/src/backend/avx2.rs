@@ -660,16 +660,15 @@ fn kmin_scales(rows: [(f16, f16, &[u8; 12]); GROUP_ROWS]) -> ([__m256; 8], [__m2
     let mut d = [[0f32; GROUP_ROWS]; 8];
     let mut m = [[0f32; GROUP_ROWS]; 8];
     for (r, (rd, rm, scales)) in rows.into_iter().enumerate() {
-        let sm = kquant::scales_mins(rd, rm, scales);
-        for j in 0..8 {
-            d[j][r] = sm[j].0;
-            m[j][r] = sm[j].1;
+        for (j, (sd, sm)) in kquant::scales_mins(rd, rm, scales).into_iter().enumerate() {
+            d[j][r] = sd;
+            m[j][r] = sm;
         }
     }
     let (mut dv, mut mv) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
-    for j in 0..8 {
-        dv[j] = lanes_ps(d[j]);
-        mv[j] = lanes_ps(m[j]);
+    for (((dv, mv), d), m) in dv.iter_mut().zip(&mut mv).zip(&d).zip(&m) {
+        *dv = lanes_ps(*d);
+        *mv = lanes_ps(*m);
     }
     (dv, mv)
 }
@@ -686,9 +685,9 @@ fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin
         // SAFETY: each `qs` is 128 bytes; 32 are read from byte 32·i.
         let w = unsafe { words32(column_ptrs(blocks, |b| b.qs.as_ptr().add(32 * i))) };
         let (mut first, mut second) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
-        for k in 0..8 {
-            first[k] = _mm256_and_si256(w[k], low);
-            second[k] = _mm256_and_si256(_mm256_srli_epi16::<4>(w[k]), low);
+        for ((first, second), w) in first.iter_mut().zip(&mut second).zip(&w) {
+            *first = _mm256_and_si256(*w, low);
+            *second = _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low);
         }
         for (j, q) in [(2 * i, first), (2 * i + 1, second)] {
             out[j].write(ExpandedKMin {
@@ -715,14 +714,14 @@ fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin
             let j = 2 * i + half;
             let bit = _mm256_set1_epi8((1u8 << j) as i8);
             let mut q = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
+            for ((q, w), high) in q.iter_mut().zip(&w).zip(&high) {
                 let nibble = if half == 0 {
-                    _mm256_and_si256(w[k], low)
+                    _mm256_and_si256(*w, low)
                 } else {
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(w[k]), low)
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low)
                 };
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(high[k], bit), bit);
-                q[k] = _mm256_or_si256(nibble, _mm256_and_si256(set, sixteen));
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(*high, bit), bit);
+                *q = _mm256_or_si256(nibble, _mm256_and_si256(set, sixteen));
             }
             out[j].write(ExpandedKMin {
                 q,
@@ -753,14 +752,14 @@ fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>
             let ql = if p % 2 == 0 { &ql_a } else { &ql_b };
             let shift = _mm_cvtsi32_si128(2 * p as i32);
             let mut q = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
+            for ((q, ql), qh) in q.iter_mut().zip(ql).zip(&qh) {
                 let nibble = if p < 2 {
-                    _mm256_and_si256(ql[k], low)
+                    _mm256_and_si256(*ql, low)
                 } else {
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql[k]), low)
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(*ql), low)
                 };
-                let high = _mm256_and_si256(_mm256_srl_epi16(qh[k], shift), three);
-                q[k] = _mm256_or_si256(nibble, _mm256_slli_epi16::<4>(high));
+                let high = _mm256_and_si256(_mm256_srl_epi16(*qh, shift), three);
+                *q = _mm256_or_si256(nibble, _mm256_slli_epi16::<4>(high));
             }
             let mut lo = [0i32; GROUP_ROWS];
             let mut hi = [0i32; GROUP_ROWS];

@@ -187,7 +187,7 @@ pub fn q6_k_values(b: &BlockQ6K) -> [i8; QK_K] {
         let (ql, qh) = (&b.ql[64 * half..], &b.qh[32 * half..]);
         for p in 0..4 {
             for l in 0..32 {
-                let low = ql[l + 32 * (p % 2)] >> (4 * (p / 2)) & 0x0f;
+                let low = (ql[l + 32 * (p % 2)] >> (4 * (p / 2))) & 0x0f;
                 let high = (qh[l] >> (2 * p)) & 3;
                 q[32 * p + l] = (low | (high << 4)) as i8 - 32;
             }
