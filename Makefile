@@ -26,6 +26,7 @@ setup:
 	@tests/setup/model.sh >/dev/null
 	@tests/setup/inference-extension.sh >/dev/null
 	@tests/setup/python-env.sh >/dev/null
+	@tests/setup/kquant-models.sh >/dev/null
 	@bash worker/ascend/bindings.sh setup >/dev/null
 
 lint:

@@ -1,7 +1,10 @@
 //! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
 //! quantisation round trips.
 
-use npufleet_worker::backend::cpu::{CpuBackend, GroupKernel, Kernels};
+use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels};
+use npufleet_worker::backend::kquant::{
+    self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
+};
 use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
 use npufleet_worker::backend::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
 
@@ -18,6 +21,46 @@ impl Rng {
 
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.f32() * scale).collect()
+    }
+
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                self.f32();
+                (self.0 >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// A positive f16 scale of the size real k-quant files hold.
+    fn scale(&mut self) -> [u8; 2] {
+        half::f16::from_f32((self.f32().abs() + 0.05) * 0.02)
+            .to_bits()
+            .to_le_bytes()
+    }
+
+    /// `n` k-quant blocks of `block_bytes` with random quants and sane f16 scales at the
+    /// byte offsets `scales`.
+    fn kquant_bytes(&mut self, n: usize, block_bytes: usize, scales: &[usize]) -> Vec<u8> {
+        let mut out = self.bytes(n * block_bytes);
+        for b in out.chunks_exact_mut(block_bytes) {
+            for &at in scales {
+                b[at..at + 2].copy_from_slice(&self.scale());
+            }
+        }
+        out
+    }
+
+    fn q4_k(&mut self, n: usize) -> Vec<BlockQ4K> {
+        kquant::parse_q4_k(&self.kquant_bytes(n, Q4_K_BYTES, &[0, 2]))
+    }
+
+    fn q5_k(&mut self, n: usize) -> Vec<BlockQ5K> {
+        kquant::parse_q5_k(&self.kquant_bytes(n, Q5_K_BYTES, &[0, 2]))
+    }
+
+    fn q6_k(&mut self, n: usize) -> Vec<BlockQ6K> {
+        kquant::parse_q6_k(&self.kquant_bytes(n, Q6_K_BYTES, &[208]))
     }
 }
 
@@ -587,5 +630,269 @@ fn paged_attention_matches_contiguous_reference() {
                 }
             }
         }
+    }
+}
+
+/// Weight row `r` · one activation row, with a kernel set's kernel.
+type RowDot = dyn Fn(&Kernels, usize, &[BlockQ8Act]) -> f32;
+/// The first weight-row group · every activation row, with a kernel set's kernel.
+type GroupDot = dyn Fn(&Kernels, &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]>;
+
+/// One k-quant format's kernels and dequantised values on random blocks, by name.
+struct KquantCase {
+    name: &'static str,
+    dequantized: Vec<f32>,
+    dot: Box<RowDot>,
+    group: Box<GroupDot>,
+    matrix: Matrix,
+}
+
+/// The three k-quant formats on `rows` random rows of `supers` super-blocks each.
+fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
+    fn case<B: Copy + 'static>(
+        name: &'static str,
+        blocks: Vec<B>,
+        rows: usize,
+        dequantize: fn(&[B], &mut [f32]),
+        dot: fn(&Kernels) -> DotKernel<B>,
+        group: fn(&Kernels) -> GroupKernel<B>,
+        data: fn(Vec<B>) -> WeightData,
+    ) -> KquantCase {
+        let nb = blocks.len() / rows;
+        let mut dequantized = vec![0f32; blocks.len() * QK_K];
+        dequantize(&blocks, &mut dequantized);
+        let (b1, b2) = (blocks.clone(), blocks.clone());
+        KquantCase {
+            name,
+            dequantized,
+            dot: Box::new(move |k, r, x| dot(k)(&b1[r * nb..(r + 1) * nb], x)),
+            group: Box::new(move |k, x| {
+                let w = &b2[..GROUP_ROWS * nb];
+                let mut out = vec![[0f32; GROUP_ROWS]; x.len() / (nb * ACT_BLOCKS)];
+                group(k)(w, x, &mut out);
+                out
+            }),
+            matrix: Matrix {
+                rows,
+                cols: nb * QK_K,
+                data: data(blocks),
+            },
+        }
+    }
+    let n = rows * supers;
+    vec![
+        case(
+            "q4_k",
+            rng.q4_k(n),
+            rows,
+            kquant::dequantize_q4_k,
+            |k| k.dot_q4_k,
+            |k| k.gemm_q4_k_group,
+            WeightData::Q4K,
+        ),
+        case(
+            "q5_k",
+            rng.q5_k(n),
+            rows,
+            kquant::dequantize_q5_k,
+            |k| k.dot_q5_k,
+            |k| k.gemm_q5_k_group,
+            WeightData::Q5K,
+        ),
+        case(
+            "q6_k",
+            rng.q6_k(n),
+            rows,
+            kquant::dequantize_q6_k,
+            |k| k.dot_q6_k,
+            |k| k.gemm_q6_k_group,
+            WeightData::Q6K,
+        ),
+    ]
+}
+
+#[test]
+fn kquant_blocks_round_trip_through_their_bytes() {
+    let mut rng = Rng(31);
+    let q4 = rng.kquant_bytes(5, Q4_K_BYTES, &[0, 2]);
+    let q5 = rng.kquant_bytes(5, Q5_K_BYTES, &[0, 2]);
+    let q6 = rng.kquant_bytes(5, Q6_K_BYTES, &[208]);
+    assert_eq!(kquant::q4_k_bytes(&kquant::parse_q4_k(&q4)), q4);
+    assert_eq!(kquant::q5_k_bytes(&kquant::parse_q5_k(&q5)), q5);
+    assert_eq!(kquant::q6_k_bytes(&kquant::parse_q6_k(&q6)), q6);
+    // The struct layouts are the GGUF ones, size for size.
+    assert_eq!(std::mem::size_of::<BlockQ4K>(), Q4_K_BYTES);
+    assert_eq!(std::mem::size_of::<BlockQ5K>(), Q5_K_BYTES);
+    assert_eq!(std::mem::size_of::<BlockQ6K>(), Q6_K_BYTES);
+}
+
+#[test]
+fn kquant_scale_packing_is_ggmls() {
+    // Sub-blocks 0..4 keep their 6-bit scale and minimum in bytes 0..4 and 4..8; 4..8 put
+    // their low four bits in bytes 8..12 and their top two in the spare bits of 0..8.
+    let mut scales = [0u8; 12];
+    scales[1] = 0b11_000101; // sub-block 1 scale 5, top bits of sub-block 5's scale 3
+    scales[5] = 0b01_001001; // sub-block 1 min 9, top bits of sub-block 5's min 1
+    scales[9] = 0b1010_0110; // sub-block 5: low bits of scale 6, of min 10
+    assert_eq!(kquant::scale_min_k4(1, &scales), (5, 9));
+    assert_eq!(kquant::scale_min_k4(5, &scales), (0b11_0110, 0b01_1010));
+}
+
+#[test]
+fn kquant_dot_products_match_scalar_and_the_dequantised_weights() {
+    let (scalar, simd) = kernel_sets();
+    let mut rng = Rng(37);
+    for supers in [1, 2, 3, 6] {
+        let cols = supers * QK_K;
+        let x = rng.vec(cols, 2.0);
+        let xq = quantize(&scalar, &x);
+        for case in kquant_cases(&mut rng, 3, supers) {
+            for r in 0..3 {
+                let s = (case.dot)(&scalar, r, &xq);
+                // Against the exact product with the same weights, only activation rounding
+                // (at most half a step per element) remains.
+                let w = &case.dequantized[r * cols..(r + 1) * cols];
+                let exact = quant::dot_f32_scalar(w, &x);
+                let bound: f32 = w
+                    .chunks(QK)
+                    .zip(&xq)
+                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
+                    .sum();
+                assert!(
+                    (s - exact).abs() <= bound * 1.01 + 1e-4,
+                    "{} {supers} super-blocks: {s} vs exact {exact} (bound {bound})",
+                    case.name
+                );
+                for fast in &simd {
+                    let f = (case.dot)(fast, r, &xq);
+                    assert!(
+                        close(s, f, 1e-5),
+                        "{} {supers} super-blocks: scalar {s} vs {} {f}",
+                        case.name,
+                        fast.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kquant_grouped_kernels_match_scalar_for_every_batch_size() {
+    let (scalar, simd) = kernel_sets();
+    let mut rng = Rng(41);
+    // Up to 20 super-blocks: past one kernel pass a group is expanded in spans.
+    for supers in [1, 2, 5, 20] {
+        let cols = supers * QK_K;
+        let x = rng.vec(19 * cols, 2.0);
+        let xq = quantize(&scalar, &x);
+        for case in kquant_cases(&mut rng, GROUP_ROWS, supers) {
+            let want = (case.group)(&scalar, &xq);
+            for (j, row) in want.iter().enumerate() {
+                for (r, &v) in row.iter().enumerate() {
+                    let dot = (case.dot)(&scalar, r, &xq[j * cols / QK..(j + 1) * cols / QK]);
+                    assert_eq!(v, dot, "{} scalar group row {r} act {j}", case.name);
+                }
+            }
+            for fast in &simd {
+                let all = (case.group)(fast, &xq);
+                for n in 1..=19 {
+                    let got = (case.group)(fast, &xq[..n * cols / QK]);
+                    for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                        // A row's result does not depend on the batch it is in.
+                        assert_eq!(g, &all[j], "{} {} n={n} act {j}", case.name, fast.name);
+                        // Each lane repeats the scalar arithmetic in order, unfused.
+                        assert_eq!(
+                            g.map(f32::to_bits),
+                            w.map(f32::to_bits),
+                            "{} {} {supers} super-blocks n={n} act {j}",
+                            case.name,
+                            fast.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kquant_matmuls_match_the_dequantised_weights_on_every_backend() {
+    let mut rng = Rng(43);
+    // 21 rows: two whole groups and a remainder the one-row kernel takes.
+    let (rows, cols) = (21, 2 * QK_K);
+    let backends: Vec<CpuBackend> = Kernels::supported()
+        .into_iter()
+        .map(|k| CpuBackend::with_kernels(2, k).unwrap())
+        .collect();
+    let cases = kquant_cases(&mut rng, rows, cols / QK_K);
+    for n in [1, 4, 9] {
+        let x = rng.vec(n * cols, 1.0);
+        for case in &cases {
+            let w = &case.matrix;
+            assert_eq!(w.to_f32(), case.dequantized);
+            let want = reference_matmul(w, &x, n);
+            for be in &backends {
+                let mut out = vec![0f32; n * rows];
+                be.matmul(w, &x, n, &mut out);
+                for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                    // Activation rounding: at most half a step of each block's int8 scale.
+                    let (j, r) = (i / rows, i % rows);
+                    let w = &case.dequantized[r * cols..(r + 1) * cols];
+                    let bound: f32 = w
+                        .chunks(QK)
+                        .zip(x[j * cols..(j + 1) * cols].chunks(QK))
+                        .map(|(w, x)| {
+                            let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                            w.iter().map(|v| v.abs()).sum::<f32>() * step * 0.5
+                        })
+                        .sum();
+                    assert!(
+                        (a - b).abs() <= bound * 1.01 + 1e-4,
+                        "{} n={n} [{i}]: {a} vs {b} (bound {bound}, {})",
+                        case.name,
+                        be.name()
+                    );
+                }
+                for j in 0..n {
+                    let mut alone = vec![0f32; rows];
+                    be.matmul(w, &x[j * cols..(j + 1) * cols], 1, &mut alone);
+                    assert_eq!(alone[..], out[j * rows..(j + 1) * rows], "{}", case.name);
+                }
+            }
+        }
+        // Q/K/V of a Q4_K_M file mix formats in one shared-input pass.
+        let mixed = [&cases[0].matrix, &cases[2].matrix, &cases[1].matrix];
+        for be in &backends {
+            let mut outs: Vec<Vec<f32>> = mixed.iter().map(|_| vec![0f32; n * rows]).collect();
+            let mut parts: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+            be.matmul_shared_input(&mixed, &x, n, &mut parts);
+            for (w, got) in mixed.iter().zip(&outs) {
+                let mut alone = vec![0f32; n * rows];
+                be.matmul(w, &x, n, &mut alone);
+                assert_eq!(got, &alone, "{} n={n} ({})", w.type_name(), be.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn kquant_column_slices_keep_super_blocks_only_when_aligned() {
+    let mut rng = Rng(47);
+    let cases = kquant_cases(&mut rng, 4, 3);
+    for case in &cases {
+        let w = &case.matrix;
+        let full = w.to_f32();
+        for range in [256..512, 0..768, 128..384, 32..256] {
+            let part = w.select_cols(range.clone());
+            let aligned = range.start % QK_K == 0 && range.end % QK_K == 0;
+            assert_eq!(part.is_quantized(), aligned, "{} {range:?}", case.name);
+            let want: Vec<f32> = (0..w.rows)
+                .flat_map(|r| full[r * w.cols + range.start..r * w.cols + range.end].to_vec())
+                .collect();
+            assert_eq!(part.to_f32(), want, "{} {range:?}", case.name);
+        }
+        let rows = w.select_rows(1..3);
+        assert_eq!(rows.to_f32(), full[w.cols..3 * w.cols], "{}", case.name);
     }
 }

@@ -116,6 +116,9 @@ impl WeightKey {
             WeightData::Q4_0(v) => v.as_ptr() as usize,
             WeightData::Q4_1(v) => v.as_ptr() as usize,
             WeightData::Q8_0(v) => v.as_ptr() as usize,
+            WeightData::Q4K(v) => v.as_ptr() as usize,
+            WeightData::Q5K(v) => v.as_ptr() as usize,
+            WeightData::Q6K(v) => v.as_ptr() as usize,
         };
         WeightKey {
             address,

@@ -9,6 +9,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows};
 
 /// Whether this CPU can run the kernels in this module.
@@ -590,6 +591,369 @@ fn q8_0_block<const A: usize>(e: &ExpandedQ8_0, x: [&BlockQ8Act; A], acc: &mut [
 
 group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
 
+/// One 32-value sub-block column of a `Q4_K`/`Q5_K` group: vector `k` holds values
+/// `4k..4k + 4` of each row (unsigned bytes) in its 32-bit lane, with the rows' d·sc and
+/// dmin·m.
+#[derive(Clone, Copy)]
+struct ExpandedKMin {
+    q: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
+/// One 32-value column of a `Q6_K` group: the unsigned values q + 32 laid out as in
+/// [`ExpandedKMin`], the rows' d, and the scales of its two 16-value sub-blocks as i32 lanes.
+#[derive(Clone, Copy)]
+struct ExpandedQ6K {
+    q: [__m256i; 8],
+    d: __m256,
+    sc: [__m256i; 2],
+}
+
+/// 32 bytes at each of `rows[0..8]` as eight vectors; vector `k` holds bytes `4k..4k + 4`
+/// of row `r` in 32-bit lane `r`.
+///
+/// # Safety
+/// Every pointer must have 32 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn words32(rows: [*const u8; GROUP_ROWS]) -> [__m256i; 8] {
+    // SAFETY: guaranteed by the caller.
+    let (a, b) = unsafe {
+        (
+            transpose_rows(rows),
+            transpose_rows([
+                rows[0].add(16),
+                rows[1].add(16),
+                rows[2].add(16),
+                rows[3].add(16),
+                rows[4].add(16),
+                rows[5].add(16),
+                rows[6].add(16),
+                rows[7].add(16),
+            ]),
+        )
+    };
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// Lane `r` = `v[r]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes_ps(v: [f32; GROUP_ROWS]) -> __m256 {
+    // SAFETY: `v` is 8 readable f32.
+    unsafe { _mm256_loadu_ps(v.as_ptr()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes_epi32(v: [i32; GROUP_ROWS]) -> __m256i {
+    // SAFETY: `v` is 8 readable i32.
+    unsafe { _mm256_loadu_si256(v.as_ptr() as *const __m256i) }
+}
+
+/// The d·sc_j and dmin·m_j of sub-block `j` of eight `Q4_K`/`Q5_K` blocks, as the scalar
+/// kernels compute them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kmin_scales(rows: [(f16, f16, &[u8; 12]); GROUP_ROWS]) -> ([__m256; 8], [__m256; 8]) {
+    let mut d = [[0f32; GROUP_ROWS]; 8];
+    let mut m = [[0f32; GROUP_ROWS]; 8];
+    for (r, (rd, rm, scales)) in rows.into_iter().enumerate() {
+        for (j, (sd, sm)) in kquant::scales_mins(rd, rm, scales).into_iter().enumerate() {
+            d[j][r] = sd;
+            m[j][r] = sm;
+        }
+    }
+    let (mut dv, mut mv) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
+    for (((dv, mv), d), m) in dv.iter_mut().zip(&mut mv).zip(&d).zip(&m) {
+        *dv = lanes_ps(*d);
+        *mv = lanes_ps(*m);
+    }
+    (dv, mv)
+}
+
+/// Sub-block columns as the expansions write them, uninitialised until then.
+type KColumns<E> = [std::mem::MaybeUninit<E>; ACT_BLOCKS];
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
+    let low = _mm256_set1_epi8(0x0f);
+    let (d, m) = kmin_scales(blocks.map(|b| (b.d, b.dmin, &b.scales)));
+    for i in 0..4 {
+        // SAFETY: each `qs` is 128 bytes; 32 are read from byte 32·i.
+        let w = unsafe { words32(column_ptrs(blocks, |b| b.qs.as_ptr().add(32 * i))) };
+        let (mut first, mut second) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+        for ((first, second), w) in first.iter_mut().zip(&mut second).zip(&w) {
+            *first = _mm256_and_si256(*w, low);
+            *second = _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low);
+        }
+        for (j, q) in [(2 * i, first), (2 * i + 1, second)] {
+            out[j].write(ExpandedKMin {
+                q,
+                d: d[j],
+                m: m[j],
+            });
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
+    let low = _mm256_set1_epi8(0x0f);
+    let sixteen = _mm256_set1_epi8(16);
+    let (d, m) = kmin_scales(blocks.map(|b| (b.d, b.dmin, &b.scales)));
+    // SAFETY: each `qh` is 32 bytes.
+    let high = unsafe { words32(column_ptrs(blocks, |b| b.qh.as_ptr())) };
+    for i in 0..4 {
+        // SAFETY: each `qs` is 128 bytes; 32 are read from byte 32·i.
+        let w = unsafe { words32(column_ptrs(blocks, |b| b.qs.as_ptr().add(32 * i))) };
+        for half in 0..2 {
+            let j = 2 * i + half;
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            let mut q = [_mm256_setzero_si256(); 8];
+            for ((q, w), high) in q.iter_mut().zip(&w).zip(&high) {
+                let nibble = if half == 0 {
+                    _mm256_and_si256(*w, low)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low)
+                };
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(*high, bit), bit);
+                *q = _mm256_or_si256(nibble, _mm256_and_si256(set, sixteen));
+            }
+            out[j].write(ExpandedKMin {
+                q,
+                d: d[j],
+                m: m[j],
+            });
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>) {
+    let low = _mm256_set1_epi8(0x0f);
+    let three = _mm256_set1_epi8(3);
+    let d = f16x8(blocks.map(|b| b.d));
+    for half in 0..2 {
+        // SAFETY: `ql` is 128 bytes and `qh` 64; 32 are read from each start.
+        let (ql_a, ql_b, qh) = unsafe {
+            (
+                words32(column_ptrs(blocks, |b| b.ql.as_ptr().add(64 * half))),
+                words32(column_ptrs(blocks, |b| b.ql.as_ptr().add(64 * half + 32))),
+                words32(column_ptrs(blocks, |b| b.qh.as_ptr().add(32 * half))),
+            )
+        };
+        for p in 0..4 {
+            let c = 4 * half + p;
+            let ql = if p % 2 == 0 { &ql_a } else { &ql_b };
+            let shift = _mm_cvtsi32_si128(2 * p as i32);
+            let mut q = [_mm256_setzero_si256(); 8];
+            for ((q, ql), qh) in q.iter_mut().zip(ql).zip(&qh) {
+                let nibble = if p < 2 {
+                    _mm256_and_si256(*ql, low)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(*ql), low)
+                };
+                let high = _mm256_and_si256(_mm256_srl_epi16(*qh, shift), three);
+                *q = _mm256_or_si256(nibble, _mm256_slli_epi16::<4>(high));
+            }
+            let mut lo = [0i32; GROUP_ROWS];
+            let mut hi = [0i32; GROUP_ROWS];
+            for (r, b) in blocks.iter().enumerate() {
+                lo[r] = b.scales[2 * c] as i32;
+                hi[r] = b.scales[2 * c + 1] as i32;
+            }
+            out[c].write(ExpandedQ6K {
+                q,
+                d,
+                sc: [lanes_epi32(lo), lanes_epi32(hi)],
+            });
+        }
+    }
+}
+
+/// Super-blocks of a k-quant group expanded at a time: 16 sub-block columns (5 KiB for
+/// `Q4_K`) stay in L1 beside the activations every pass meets them with.
+const K_SPAN: usize = 2;
+
+/// The k-quant grouped kernels for one instruction set, from its `kq4_sum` (Σ q·x of a
+/// 4-bit column), `kq5_sum` (of a 5-bit column) and `kq6_sums` (the two 16-value halves of
+/// a 6-bit column). Each lane's arithmetic is the scalar kernel's, in the same order and
+/// without fused multiply-adds, so the results equal the scalar reference bit for bit.
+macro_rules! kquant_kernels {
+    ($features:literal, $widest:literal, [$($rest:literal),*]) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn kq4_block<const A: usize>(
+            e: &ExpandedKMin,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let sum = _mm256_cvtepi32_ps(kq4_sum(&e.q, &x.qs));
+                let scaled = _mm256_mul_ps(_mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), sum);
+                let offset = _mm256_mul_ps(e.m, _mm256_set1_ps(x.s));
+                *acc = _mm256_add_ps(*acc, _mm256_sub_ps(scaled, offset));
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn kq5_block<const A: usize>(
+            e: &ExpandedKMin,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let sum = _mm256_cvtepi32_ps(kq5_sum(&e.q, &x.qs));
+                let scaled = _mm256_mul_ps(_mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), sum);
+                let offset = _mm256_mul_ps(e.m, _mm256_set1_ps(x.s));
+                *acc = _mm256_add_ps(*acc, _mm256_sub_ps(scaled, offset));
+            }
+        }
+
+        /// The values are stored as q + 32; 32·Σx of each half is taken back out in
+        /// integers before the halves' scales weight them.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn kq6_block<const A: usize>(
+            e: &ExpandedQ6K,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let (lo, hi) = kq6_sums(&e.q, &x.qs);
+                let x_lo: i32 = x.qs[..16].iter().map(|&v| v as i32).sum();
+                let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * x_lo));
+                let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * (x.sum - x_lo)));
+                let sum = _mm256_add_epi32(
+                    _mm256_mullo_epi32(lo, e.sc[0]),
+                    _mm256_mullo_epi32(hi, e.sc[1]),
+                );
+                let scaled = _mm256_mul_ps(
+                    _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)),
+                    _mm256_cvtepi32_ps(sum),
+                );
+                *acc = _mm256_add_ps(*acc, scaled);
+            }
+        }
+
+        kquant_kernel!($features, $widest, [$($rest),*],
+            /// As [`crate::backend::kquant::gemm_q4_k_group_scalar`], bit for bit.
+            gemm_q4_k_group, BlockQ4K, ExpandedKMin, expand_q4_k, kq4_block, kq4_pass);
+        kquant_kernel!($features, $widest, [$($rest),*],
+            /// As [`crate::backend::kquant::gemm_q5_k_group_scalar`], bit for bit.
+            gemm_q5_k_group, BlockQ5K, ExpandedKMin, expand_q5_k, kq5_block, kq5_pass);
+        kquant_kernel!($features, $widest, [$($rest),*],
+            /// As [`crate::backend::kquant::gemm_q6_k_group_scalar`], bit for bit.
+            gemm_q6_k_group, BlockQ6K, ExpandedQ6K, expand_q6_k, kq6_block, kq6_pass);
+    };
+}
+
+/// One k-quant format's grouped kernel: [`K_SPAN`] super-block columns of the group are
+/// expanded at a time into sub-block columns (`$expand`), then every activation row meets
+/// them, `$widest` rows a pass (`$pass`, applying `$block` per column).
+macro_rules! kquant_kernel {
+    ($features:literal, $widest:literal, [$($rest:literal),*],
+     $(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expanded_ty:ty, $expand:ident,
+     $block:ident, $pass:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+            let nbk = w.len() / GROUP_ROWS;
+            out.fill([0.0; GROUP_ROWS]);
+            if nbk == 0 {
+                return;
+            }
+            let nb = nbk * ACT_BLOCKS;
+            // Uninitialised: zeroing the scratch costs about as much as expanding it.
+            let mut scratch =
+                [[const { std::mem::MaybeUninit::<$expanded_ty>::uninit() }; ACT_BLOCKS]; K_SPAN];
+            for s0 in (0..nbk).step_by(K_SPAN) {
+                let s1 = (s0 + K_SPAN).min(nbk);
+                for s in s0..s1 {
+                    $expand(&column(w, nbk, s), &mut scratch[s - s0]);
+                    prefetch_share(w, s, nbk);
+                }
+                // SAFETY: the expansions just above wrote every column of rows 0..s1 - s0.
+                let span = unsafe {
+                    std::slice::from_raw_parts(
+                        scratch.as_ptr() as *const $expanded_ty,
+                        (s1 - s0) * ACT_BLOCKS,
+                    )
+                };
+                over_activation_rows!($pass, span, x, nb, s0 * ACT_BLOCKS..s1 * ACT_BLOCKS,
+                    &mut *out, $widest, [$($rest),*]);
+            }
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $pass<const A: usize>(
+            span: &[$expanded_ty],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            let mut acc = load_rows::<A>(out);
+            for (b, e) in span.iter().enumerate() {
+                $block(e, x.map(|x| &x[b]), &mut acc);
+            }
+            store_rows(acc, out);
+        }
+    };
+}
+
+/// Σ q·x of a 4-bit column: eight byte-pair sums of at most 2 × 15 × 127 add up in 16 bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kq4_sum(q: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+    q4_1_sum(q, x)
+}
+
+/// Byte-pair sums of 5-bit values reach 2 × 31 × 127, so four add up in 16 bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kq5_sum(q: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let quarter = |k: usize| {
+        let mut s = _mm256_maddubs_epi16(q[k], broadcast_word(x, k));
+        for i in 1..4 {
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[k + i], broadcast_word(x, k + i)));
+        }
+        _mm256_madd_epi16(s, ones)
+    };
+    _mm256_add_epi32(quarter(0), quarter(4))
+}
+
+/// Byte-pair sums of 6-bit values reach 2 × 63 × 127, so two add up in 16 bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kq6_sums(q: &[__m256i; 8], x: &[i8; QK]) -> (__m256i, __m256i) {
+    let ones = _mm256_set1_epi16(1);
+    let pair = |k: usize| {
+        let s = _mm256_add_epi16(
+            _mm256_maddubs_epi16(q[k], broadcast_word(x, k)),
+            _mm256_maddubs_epi16(q[k + 1], broadcast_word(x, k + 1)),
+        );
+        _mm256_madd_epi16(s, ones)
+    };
+    (
+        _mm256_add_epi32(pair(0), pair(2)),
+        _mm256_add_epi32(pair(4), pair(6)),
+    )
+}
+
+kquant_kernels!("avx2,fma,f16c", 4, [3, 2, 1]);
+
 /// The grouped kernels with AVX-512 VNNI on 256-bit vectors: `vpdpbusd` multiplies and
 /// accumulates four byte pairs per lane in one instruction, and the 32 vector registers
 /// hold eight activation rows' accumulators next to a group's expanded weights. The i32
@@ -655,6 +1019,38 @@ pub mod vnni {
         8,
         [7, 6, 5, 4, 3, 2, 1],
         q4_1_sum: q4_1_sum
+    );
+
+    /// `vpdpbusd` sums unsigned bytes up to 255 in 32 bits, so 4-bit and 5-bit columns
+    /// take the same chains.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn kq4_sum(q: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+        q4_1_sum(q, x)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn kq5_sum(q: &[__m256i; 8], x: &[i8; QK]) -> __m256i {
+        q4_1_sum(q, x)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    fn kq6_sums(q: &[__m256i; 8], x: &[i8; QK]) -> (__m256i, __m256i) {
+        let mut lo = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[0], broadcast_word(x, 0));
+        let mut hi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[4], broadcast_word(x, 4));
+        for k in 1..4 {
+            lo = _mm256_dpbusd_epi32(lo, q[k], broadcast_word(x, k));
+            hi = _mm256_dpbusd_epi32(hi, q[k + 4], broadcast_word(x, k + 4));
+        }
+        (lo, hi)
+    }
+
+    kquant_kernels!(
+        "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
+        8,
+        [7, 6, 5, 4, 3, 2, 1]
     );
 }
 

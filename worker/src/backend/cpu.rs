@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{
     self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
 };
@@ -26,6 +27,13 @@ pub struct Kernels {
     pub gemm_q4_1_group: GroupKernel<BlockQ4_1>,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
     pub gemm_q8_0_group: GroupKernel<BlockQ8_0>,
+    /// The k-quant kernels take [`ACT_BLOCKS`] activation blocks per weight super-block.
+    pub dot_q4_k: DotKernel<BlockQ4K>,
+    pub gemm_q4_k_group: GroupKernel<BlockQ4K>,
+    pub dot_q5_k: DotKernel<BlockQ5K>,
+    pub gemm_q5_k_group: GroupKernel<BlockQ5K>,
+    pub dot_q6_k: DotKernel<BlockQ6K>,
+    pub gemm_q6_k_group: GroupKernel<BlockQ6K>,
     /// `(w, x, cols, out, out_stride)`: every weight row of `w` · every activation row of
     /// `x` into `out[j · out_stride + r]`; each product's arithmetic is fixed, whatever the
     /// row counts, so a row's result does not depend on its batch.
@@ -48,6 +56,12 @@ impl Kernels {
             gemm_q4_1_group: quant::gemm_q4_1_group_scalar,
             dot_q8_0: quant::dot_q8_0_scalar,
             gemm_q8_0_group: quant::gemm_q8_0_group_scalar,
+            dot_q4_k: kquant::dot_q4_k_scalar,
+            gemm_q4_k_group: kquant::gemm_q4_k_group_scalar,
+            dot_q5_k: kquant::dot_q5_k_scalar,
+            gemm_q5_k_group: kquant::gemm_q5_k_group_scalar,
+            dot_q6_k: kquant::dot_q6_k_scalar,
+            gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
             dot_f32_rows: quant::dot_f32_rows_scalar,
             axpy: quant::axpy_scalar,
             exp_sum: quant::exp_sum_scalar,
@@ -93,6 +107,13 @@ fn avx2_kernels() -> Kernels {
         gemm_q4_1_group: |w, x, out| unsafe { avx2::gemm_q4_1_group(w, x, out) },
         dot_q8_0: |w, x| unsafe { avx2::dot_q8_0(w, x) },
         gemm_q8_0_group: |w, x, out| unsafe { avx2::gemm_q8_0_group(w, x, out) },
+        // The one-row k-quant kernels only take the rows after a matrix's last whole group.
+        dot_q4_k: kquant::dot_q4_k_scalar,
+        gemm_q4_k_group: |w, x, out| unsafe { avx2::gemm_q4_k_group(w, x, out) },
+        dot_q5_k: kquant::dot_q5_k_scalar,
+        gemm_q5_k_group: |w, x, out| unsafe { avx2::gemm_q5_k_group(w, x, out) },
+        dot_q6_k: kquant::dot_q6_k_scalar,
+        gemm_q6_k_group: |w, x, out| unsafe { avx2::gemm_q6_k_group(w, x, out) },
         dot_f32_rows: |w, x, cols, out, stride| unsafe {
             avx2::dot_f32_rows(w, x, cols, out, stride)
         },
@@ -116,6 +137,9 @@ fn avx512_vnni_kernels() -> Kernels {
         name: "avx512-vnni",
         gemm_q4_1_group: |w, x, out| unsafe { vnni::gemm_q4_1_group(w, x, out) },
         gemm_q8_0_group: |w, x, out| unsafe { vnni::gemm_q8_0_group(w, x, out) },
+        gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
+        gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
+        gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
         ..avx2_kernels()
     }
 }
@@ -285,7 +309,11 @@ impl CpuBackend {
                     }
                 }
             }),
-            WeightData::Q4_1(_) | WeightData::Q8_0(_) => {
+            WeightData::Q4_1(_)
+            | WeightData::Q8_0(_)
+            | WeightData::Q4K(_)
+            | WeightData::Q5K(_)
+            | WeightData::Q6K(_) => {
                 let job = GroupedJob::of(w, out).expect("grouped block format");
                 self.grouped(&[job], n, acts)
             }
@@ -368,6 +396,9 @@ impl<'a> GroupedJob<'a> {
         let weights = match &w.data {
             WeightData::Q4_1(b) => GroupedWeights::Q4_1(b),
             WeightData::Q8_0(b) => GroupedWeights::Q8_0(b),
+            WeightData::Q4K(b) => GroupedWeights::Q4K(b),
+            WeightData::Q5K(b) => GroupedWeights::Q5K(b),
+            WeightData::Q6K(b) => GroupedWeights::Q6K(b),
             _ => return None,
         };
         Some(GroupedJob {
@@ -381,10 +412,13 @@ impl<'a> GroupedJob<'a> {
 enum GroupedWeights<'a> {
     Q4_1(&'a [BlockQ4_1]),
     Q8_0(&'a [BlockQ8_0]),
+    Q4K(&'a [BlockQ4K]),
+    Q5K(&'a [BlockQ5K]),
+    Q6K(&'a [BlockQ6K]),
 }
 
 impl GroupedWeights<'_> {
-    /// Group `g` (rows `g·8..g·8 + 8`) against every activation row.
+    /// Group `g` (rows `g·8..g·8 + 8`) against every activation row of `nb` blocks.
     fn group(
         &self,
         k: &Kernels,
@@ -394,17 +428,26 @@ impl GroupedWeights<'_> {
         sums: &mut [[f32; GROUP_ROWS]],
     ) {
         let blocks = g * GROUP_ROWS * nb..(g + 1) * GROUP_ROWS * nb;
+        let nbk = nb / ACT_BLOCKS;
+        let supers = g * GROUP_ROWS * nbk..(g + 1) * GROUP_ROWS * nbk;
         match self {
             GroupedWeights::Q4_1(w) => (k.gemm_q4_1_group)(&w[blocks], acts, sums),
             GroupedWeights::Q8_0(w) => (k.gemm_q8_0_group)(&w[blocks], acts, sums),
+            GroupedWeights::Q4K(w) => (k.gemm_q4_k_group)(&w[supers], acts, sums),
+            GroupedWeights::Q5K(w) => (k.gemm_q5_k_group)(&w[supers], acts, sums),
+            GroupedWeights::Q6K(w) => (k.gemm_q6_k_group)(&w[supers], acts, sums),
         }
     }
 
     /// Row `r` · one activation row.
     fn dot(&self, k: &Kernels, r: usize, nb: usize, act: &[BlockQ8Act]) -> f32 {
+        let nbk = nb / ACT_BLOCKS;
         match self {
             GroupedWeights::Q4_1(w) => (k.dot_q4_1)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q8_0(w) => (k.dot_q8_0)(&w[r * nb..(r + 1) * nb], act),
+            GroupedWeights::Q4K(w) => (k.dot_q4_k)(&w[r * nbk..(r + 1) * nbk], act),
+            GroupedWeights::Q5K(w) => (k.dot_q5_k)(&w[r * nbk..(r + 1) * nbk], act),
+            GroupedWeights::Q6K(w) => (k.dot_q6_k)(&w[r * nbk..(r + 1) * nbk], act),
         }
     }
 }

@@ -8,12 +8,14 @@
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 pub mod cpu;
+pub mod kquant;
 pub mod quant;
 
 use std::ops::Range;
 
 use half::f16;
 
+use kquant::{BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 
 /// How a weight matrix is stored.
@@ -24,6 +26,10 @@ pub enum WeightData {
     Q4_0(Vec<BlockQ4_0>),
     Q4_1(Vec<BlockQ4_1>),
     Q8_0(Vec<BlockQ8_0>),
+    /// Super-blocks of 256 values; rows are a whole number of them.
+    Q4K(Vec<BlockQ4K>),
+    Q5K(Vec<BlockQ5K>),
+    Q6K(Vec<BlockQ6K>),
 }
 
 /// A row-major `rows × cols` weight matrix; `y = x · Wᵀ` maps `cols` inputs to `rows` outputs.
@@ -47,7 +53,12 @@ impl Matrix {
     pub fn is_quantized(&self) -> bool {
         matches!(
             self.data,
-            WeightData::Q4_0(_) | WeightData::Q4_1(_) | WeightData::Q8_0(_)
+            WeightData::Q4_0(_)
+                | WeightData::Q4_1(_)
+                | WeightData::Q8_0(_)
+                | WeightData::Q4K(_)
+                | WeightData::Q5K(_)
+                | WeightData::Q6K(_)
         )
     }
 
@@ -58,6 +69,9 @@ impl Matrix {
             WeightData::Q4_0(_) => "q4_0",
             WeightData::Q4_1(_) => "q4_1",
             WeightData::Q8_0(_) => "q8_0",
+            WeightData::Q4K(_) => "q4_k",
+            WeightData::Q5K(_) => "q5_k",
+            WeightData::Q6K(_) => "q6_k",
         }
     }
 
@@ -69,13 +83,16 @@ impl Matrix {
             WeightData::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
             WeightData::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
             WeightData::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
+            WeightData::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
+            WeightData::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
+            WeightData::Q6K(v) => v.len() * std::mem::size_of::<BlockQ6K>(),
         }
     }
 
     /// Writes row `r` as f32 into `out` (`cols` long).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         let c = self.cols;
-        let nb = c / QK;
+        let (nb, nbk) = (c / QK, c / QK_K);
         match &self.data {
             WeightData::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
             WeightData::F16(v) => {
@@ -86,6 +103,9 @@ impl Matrix {
             WeightData::Q4_0(v) => quant::dequantize_q4_0(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q4_1(v) => quant::dequantize_q4_1(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q8_0(v) => quant::dequantize_q8_0(&v[r * nb..(r + 1) * nb], out),
+            WeightData::Q4K(v) => kquant::dequantize_q4_k(&v[r * nbk..(r + 1) * nbk], out),
+            WeightData::Q5K(v) => kquant::dequantize_q5_k(&v[r * nbk..(r + 1) * nbk], out),
+            WeightData::Q6K(v) => kquant::dequantize_q6_k(&v[r * nbk..(r + 1) * nbk], out),
         }
     }
 
@@ -132,13 +152,17 @@ impl Matrix {
 
     /// Rows `range` (the column-parallel shard of a tensor-parallel split).
     pub fn select_rows(&self, range: std::ops::Range<usize>) -> Matrix {
-        let (c, nb) = (self.cols, self.cols / QK);
+        let (c, nb, nbk) = (self.cols, self.cols / QK, self.cols / QK_K);
+        let (r0, r1) = (range.start, range.end);
         let data = match &self.data {
             WeightData::F32(v) => WeightData::F32(v[range.start * c..range.end * c].to_vec()),
             WeightData::F16(v) => WeightData::F16(v[range.start * c..range.end * c].to_vec()),
             WeightData::Q4_0(v) => WeightData::Q4_0(v[range.start * nb..range.end * nb].to_vec()),
             WeightData::Q4_1(v) => WeightData::Q4_1(v[range.start * nb..range.end * nb].to_vec()),
             WeightData::Q8_0(v) => WeightData::Q8_0(v[range.start * nb..range.end * nb].to_vec()),
+            WeightData::Q4K(v) => WeightData::Q4K(v[r0 * nbk..r1 * nbk].to_vec()),
+            WeightData::Q5K(v) => WeightData::Q5K(v[r0 * nbk..r1 * nbk].to_vec()),
+            WeightData::Q6K(v) => WeightData::Q6K(v[r0 * nbk..r1 * nbk].to_vec()),
         };
         Matrix {
             rows: range.len(),
@@ -148,11 +172,14 @@ impl Matrix {
     }
 
     /// Columns `range` (the row-parallel shard). Block formats keep their blocks when the
-    /// range is block aligned and fall back to f32 otherwise.
+    /// range is block aligned (super-block aligned for the k-quants) and fall back to f32
+    /// otherwise.
     pub fn select_cols(&self, range: std::ops::Range<usize>) -> Matrix {
         let aligned = range.start.is_multiple_of(QK) && range.end.is_multiple_of(QK);
         let (c, nb) = (self.cols, self.cols / QK);
         let (b0, b1) = (range.start / QK, range.end / QK);
+        let aligned_k = range.start.is_multiple_of(QK_K) && range.end.is_multiple_of(QK_K);
+        let (nbk, k0, k1) = (c / QK_K, range.start / QK_K, range.end / QK_K);
         fn pick<T: Copy>(v: &[T], rows: usize, stride: usize, a: usize, b: usize) -> Vec<T> {
             (0..rows)
                 .flat_map(|r| v[r * stride + a..r * stride + b].iter().copied())
@@ -163,6 +190,9 @@ impl Matrix {
             WeightData::Q4_0(v) if aligned => WeightData::Q4_0(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q4_1(v) if aligned => WeightData::Q4_1(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q8_0(v) if aligned => WeightData::Q8_0(pick(v, self.rows, nb, b0, b1)),
+            WeightData::Q4K(v) if aligned_k => WeightData::Q4K(pick(v, self.rows, nbk, k0, k1)),
+            WeightData::Q5K(v) if aligned_k => WeightData::Q5K(pick(v, self.rows, nbk, k0, k1)),
+            WeightData::Q6K(v) if aligned_k => WeightData::Q6K(pick(v, self.rows, nbk, k0, k1)),
             _ => WeightData::F32(pick(&self.to_f32(), self.rows, c, range.start, range.end)),
         };
         Matrix {

@@ -67,6 +67,8 @@ impl Default for BlockQ8Act {
 pub const Q4_0_BYTES: usize = 18;
 pub const Q4_1_BYTES: usize = 20;
 pub const Q8_0_BYTES: usize = 34;
+pub const Q5_0_BYTES: usize = 22;
+pub const Q5_1_BYTES: usize = 24;
 
 fn f16_at(b: &[u8], at: usize) -> f16 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]]))
@@ -116,6 +118,51 @@ pub fn parse_q8_0(bytes: &[u8]) -> Vec<BlockQ8_0> {
             }
         })
         .collect()
+}
+
+/// GGUF `Q5_0` blocks (d, 32 fifth bits, 16 bytes of nibbles; value = (q − 16) · d) as the
+/// `Q8_0` blocks of the same values: q − 16 fits an i8 and the scale is kept, so the values
+/// are the same bits, for 34 bytes a block instead of 22. llama.cpp stores the matrices of
+/// k-quant files whose rows are not a multiple of 256 (all but `ffn_down` in SmolLM2's
+/// `Q4_K_M`) as `Q5_0`, and the `Q8_0` kernels then serve them.
+pub fn parse_q5_0_as_q8_0(bytes: &[u8]) -> Vec<BlockQ8_0> {
+    bytes
+        .chunks_exact(Q5_0_BYTES)
+        .map(|b| {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let mut qs = [0i8; QK];
+            for (j, &byte) in b[6..22].iter().enumerate() {
+                let high0 = ((qh >> j) & 1) << 4;
+                let high1 = ((qh >> (j + 16)) & 1) << 4;
+                qs[j] = ((byte & 0x0f) as u32 | high0) as i8 - 16;
+                qs[j + QK / 2] = ((byte >> 4) as u32 | high1) as i8 - 16;
+            }
+            BlockQ8_0 {
+                d: f16_at(b, 0),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// GGUF `Q5_1` blocks (d, m, 32 fifth bits, 16 bytes of nibbles; value = q · d + m)
+/// dequantised to f32 as ggml computes them. No block format here holds five bits with an
+/// offset, so these matrices (most of a SmolLM2 `Q5_K_M` file) load as float weights.
+pub fn dequantize_q5_1_bytes(bytes: &[u8]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(bytes.len() / Q5_1_BYTES * QK);
+    for b in bytes.chunks_exact(Q5_1_BYTES) {
+        let (d, m) = (f16_at(b, 0).to_f32(), f16_at(b, 2).to_f32());
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let mut values = [0f32; QK];
+        for (j, &byte) in b[8..24].iter().enumerate() {
+            let high0 = ((qh >> j) & 1) << 4;
+            let high1 = ((qh >> (j + 16)) & 1) << 4;
+            values[j] = ((byte & 0x0f) as u32 | high0) as f32 * d + m;
+            values[j + QK / 2] = ((byte >> 4) as u32 | high1) as f32 * d + m;
+        }
+        out.extend_from_slice(&values);
+    }
+    out
 }
 
 /// Serialises blocks back to their GGUF bytes (used when writing test models).

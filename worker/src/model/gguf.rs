@@ -120,7 +120,12 @@ pub enum TensorType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
     Bf16,
 }
 
@@ -131,7 +136,12 @@ impl TensorType {
             1 => TensorType::F16,
             2 => TensorType::Q4_0,
             3 => TensorType::Q4_1,
+            6 => TensorType::Q5_0,
+            7 => TensorType::Q5_1,
             8 => TensorType::Q8_0,
+            12 => TensorType::Q4K,
+            13 => TensorType::Q5K,
+            14 => TensorType::Q6K,
             30 => TensorType::Bf16,
             _ => return None,
         })
@@ -143,7 +153,12 @@ impl TensorType {
             TensorType::F16 => 1,
             TensorType::Q4_0 => 2,
             TensorType::Q4_1 => 3,
+            TensorType::Q5_0 => 6,
+            TensorType::Q5_1 => 7,
             TensorType::Q8_0 => 8,
+            TensorType::Q4K => 12,
+            TensorType::Q5K => 13,
+            TensorType::Q6K => 14,
             TensorType::Bf16 => 30,
         }
     }
@@ -155,7 +170,12 @@ impl TensorType {
             TensorType::F16 | TensorType::Bf16 => (1, 2),
             TensorType::Q4_0 => (32, 18),
             TensorType::Q4_1 => (32, 20),
+            TensorType::Q5_0 => (32, 22),
+            TensorType::Q5_1 => (32, 24),
             TensorType::Q8_0 => (32, 34),
+            TensorType::Q4K => (256, 144),
+            TensorType::Q5K => (256, 176),
+            TensorType::Q6K => (256, 210),
         }
     }
 }
@@ -606,5 +626,40 @@ mod tests {
         assert!(
             error(&file(1, 0, &body)).contains("tensor w: data lies beyond the end of the file")
         );
+    }
+
+    /// A k-quant tensor `dims` whose file holds `data` bytes of tensor data.
+    fn kquant_file(dims: &[u64], ty: TensorType, data: usize) -> Vec<u8> {
+        let mut body = Vec::new();
+        tensor_info(&mut body, "blk.0.ffn_down.weight", dims, ty, 0);
+        let mut bytes = file(1, 0, &body);
+        bytes.resize(bytes.len().div_ceil(32) * 32 + data, 0);
+        bytes
+    }
+
+    #[test]
+    fn k_quant_tensors_must_be_whole_super_blocks() {
+        for (ty, block_bytes) in [
+            (TensorType::Q4K, 144),
+            (TensorType::Q5K, 176),
+            (TensorType::Q6K, 210),
+        ] {
+            assert_eq!(TensorType::from_id(ty.id()), Some(ty));
+            // Two rows of 512 values: four super-blocks.
+            let whole = kquant_file(&[512, 2], ty, 4 * block_bytes);
+            let dir = parse_directory(&whole).unwrap();
+            assert_eq!(dir.tensors["blk.0.ffn_down.weight"].len, 4 * block_bytes);
+            // SmolLM2's 576-wide rows are 2.25 super-blocks.
+            let err = error(&kquant_file(&[576, 2], ty, 5 * block_bytes));
+            assert!(
+                err.contains("tensor blk.0.ffn_down.weight: row length 576 is not a multiple"),
+                "{err}"
+            );
+            let err = error(&kquant_file(&[512, 2], ty, 4 * block_bytes - 1));
+            assert!(
+                err.contains("tensor blk.0.ffn_down.weight: data lies beyond the end"),
+                "{err}"
+            );
+        }
     }
 }

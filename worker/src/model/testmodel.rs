@@ -359,7 +359,14 @@ fn write_gguf(
             TensorType::Q8_0 => quant::q8_0_bytes(&quant::quantize_q8_0(&values)),
             TensorType::Q4_0 => quant::q4_0_bytes(&quant::quantize_q4_0(&values)),
             TensorType::Q4_1 => quant::q4_1_bytes(&quant::quantize_q4_1(&values)),
-            TensorType::Bf16 => unreachable!("not offered"),
+            TensorType::Bf16
+            | TensorType::Q5_0
+            | TensorType::Q5_1
+            | TensorType::Q4K
+            | TensorType::Q5K
+            | TensorType::Q6K => {
+                unreachable!("not offered")
+            }
         };
         let dims = if is_norm {
             vec![m.cols as u64]

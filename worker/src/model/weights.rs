@@ -282,7 +282,12 @@ impl TensorSource for GgufFile {
             }
             TensorType::Q4_0 => WeightData::Q4_0(quant::parse_q4_0(bytes)),
             TensorType::Q4_1 => WeightData::Q4_1(quant::parse_q4_1(bytes)),
+            TensorType::Q5_0 => WeightData::Q8_0(quant::parse_q5_0_as_q8_0(bytes)),
+            TensorType::Q5_1 => WeightData::F32(quant::dequantize_q5_1_bytes(bytes)),
             TensorType::Q8_0 => WeightData::Q8_0(quant::parse_q8_0(bytes)),
+            TensorType::Q4K => WeightData::Q4K(crate::backend::kquant::parse_q4_k(bytes)),
+            TensorType::Q5K => WeightData::Q5K(crate::backend::kquant::parse_q5_k(bytes)),
+            TensorType::Q6K => WeightData::Q6K(crate::backend::kquant::parse_q6_k(bytes)),
         };
         Ok(Some(Matrix { rows, cols, data }))
     }

@@ -8,6 +8,107 @@ use npufleet_worker::model::{
     KvCache, LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision,
 };
 
+/// One step of the numpy reference's greedy decoding: the token it chose and its top logits.
+pub struct RefStep {
+    pub token: u32,
+    pub top_ids: Vec<u32>,
+    pub top_logits: Vec<f32>,
+}
+
+/// Greedy decoding of `tokens` tokens after each prompt by the independent numpy forward pass
+/// (`tests/reference/llama_numpy.py`, which dequantises with the `gguf` package) on `model`.
+/// `tag` names this call's files, so tests running at once do not share them.
+pub fn numpy_reference(
+    model: &Path,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+    tag: &str,
+) -> Vec<Vec<RefStep>> {
+    let python = setup_path("python-env.sh");
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let prompts_file = tmp.join(format!("llama-numpy-prompts-{tag}.json"));
+    std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
+    let script = repo_root().join("worker/tests/reference/llama_numpy.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(model)
+        .arg(&prompts_file)
+        .arg(tokens.to_string())
+        .arg(tmp.join("llama-numpy-cache"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "numpy reference failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = String::from_utf8(out.stdout).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path.trim()).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    json["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| RefStep {
+                    token: s["token"].as_u64().unwrap() as u32,
+                    top_ids: ids(&s["top_ids"]),
+                    top_logits: s["top_logits"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap() as f32)
+                        .collect(),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Logits after the prompt and after each of `forced` but the last (teacher forcing), so
+/// one early difference cannot cascade into every later comparison.
+pub fn forced_logits(
+    model: &Model,
+    prompt: &[u32],
+    forced: &[u32],
+    precision: WeightPrecision,
+) -> Vec<Vec<f32>> {
+    let blocks = (prompt.len() + forced.len()).div_ceil(BLOCK);
+    let mut kv = model.new_kv_cache(blocks, BLOCK);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut step = |tokens: &[u32], start_pos| {
+        model
+            .forward(
+                &mut kv,
+                &[SequenceChunk {
+                    tokens,
+                    start_pos,
+                    block_table: &table,
+                    want_logits: true,
+                    precision,
+                }],
+            )
+            .unwrap()
+            .remove(0)
+    };
+    let mut out = vec![step(prompt, 0)];
+    for (i, &t) in forced[..forced.len() - 1].iter().enumerate() {
+        out.push(step(&[t], prompt.len() + i));
+    }
+    out
+}
+
 pub fn repo_root() -> PathBuf {
     // Read at run time: build outputs are shared between checkouts, so a path compiled in
     // could name another checkout.
@@ -19,9 +120,15 @@ pub fn repo_root() -> PathBuf {
 
 /// Runs a `tests/setup` script and returns the path it prints.
 pub fn setup_path(script: &str) -> PathBuf {
+    setup_path_with(script, &[])
+}
+
+/// As [`setup_path`], with arguments.
+pub fn setup_path_with(script: &str, args: &[&str]) -> PathBuf {
     let root = repo_root();
     let out = Command::new("bash")
         .arg(root.join("tests/setup").join(script))
+        .args(args)
         .current_dir(&root)
         .output()
         .unwrap_or_else(|e| panic!("running {script}: {e}"));
