@@ -3,7 +3,6 @@
 
 mod model_support;
 
-use std::process::Command;
 use std::sync::OnceLock;
 
 use model_support::*;
@@ -140,99 +139,6 @@ const GEN: usize = 32;
 /// order differs.
 const LOGIT_TOLERANCE: f32 = 2e-2;
 
-struct RefStep {
-    token: u32,
-    top_ids: Vec<u32>,
-    top_logits: Vec<f32>,
-}
-
-fn numpy_reference(prompts: &[Vec<u32>]) -> Vec<Vec<RefStep>> {
-    let python = setup_path("python-env.sh");
-    let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let prompts_file = tmp.join("llama-numpy-prompts.json");
-    std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
-    let script = std::path::Path::new(
-        &std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
-    )
-    .join("tests/reference/llama_numpy.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(smollm2_path())
-        .arg(&prompts_file)
-        .arg(GEN.to_string())
-        .arg(tmp.join("llama-numpy-cache"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "numpy reference failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = String::from_utf8(out.stdout).unwrap();
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path.trim()).unwrap()).unwrap();
-    json["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r["steps"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| RefStep {
-                    token: s["token"].as_u64().unwrap() as u32,
-                    top_ids: s["top_ids"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.as_u64().unwrap() as u32)
-                        .collect(),
-                    top_logits: s["top_logits"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.as_f64().unwrap() as f32)
-                        .collect(),
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// Logits after the prompt and after each reference token (teacher forcing), so one early
-/// difference cannot cascade into every later comparison.
-fn forced_logits(
-    model: &Model,
-    prompt: &[u32],
-    forced: &[u32],
-    precision: WeightPrecision,
-) -> Vec<Vec<f32>> {
-    let blocks = (prompt.len() + forced.len()).div_ceil(BLOCK);
-    let mut kv = model.new_kv_cache(blocks, BLOCK);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let step = |kv: &mut _, tokens: &[u32], start_pos| {
-        model
-            .forward(
-                kv,
-                &[SequenceChunk {
-                    tokens,
-                    start_pos,
-                    block_table: &table,
-                    want_logits: true,
-                    precision,
-                }],
-            )
-            .unwrap()
-            .remove(0)
-    };
-    let mut out = vec![step(&mut kv, prompt, 0)];
-    for (i, &t) in forced[..forced.len() - 1].iter().enumerate() {
-        out.push(step(&mut kv, &[t], prompt.len() + i));
-    }
-    out
-}
-
 #[test]
 fn f32_path_matches_numpy_reference_and_int8_agrees_on_top1() {
     let model = model();
@@ -240,7 +146,7 @@ fn f32_path_matches_numpy_reference_and_int8_agrees_on_top1() {
         .iter()
         .map(|p| model.tokenizer().encode(p))
         .collect();
-    let reference = numpy_reference(&prompts);
+    let reference = numpy_reference(&smollm2_path(), &prompts, GEN);
     let (mut positions, mut f32_same, mut int8_same, mut max_diff) = (0, 0, 0, 0f32);
     for (prompt, steps) in prompts.iter().zip(&reference) {
         let forced: Vec<u32> = steps.iter().map(|s| s.token).collect();

@@ -36,7 +36,7 @@ fn agrees_with_numpy(file_type: &str, types: &[TensorType]) {
         .iter()
         .map(|p| model.tokenizer().encode(p))
         .collect();
-    let reference = numpy_reference(&path, &prompts, GEN, file_type);
+    let reference = numpy_reference(&path, &prompts, GEN);
     let (mut positions, mut int8_same) = (0, 0);
     for (prompt, steps) in prompts.iter().zip(&reference) {
         let want: Vec<u32> = steps.iter().map(|s| s.token).collect();

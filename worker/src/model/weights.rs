@@ -405,7 +405,7 @@ pub fn rotary_adjacent_to_half(m: &Matrix, n_heads: usize, head_dim: usize) -> M
 }
 
 /// Row `i` of the result is row `src_rows[i]` of `m`. Rows are whole blocks in every block
-/// format, so f16 and block-quantised rows are moved as stored; other storages go through f32.
+/// format, so every storage's rows are moved as stored.
 fn permute_rows(m: &Matrix, src_rows: &[usize]) -> Matrix {
     fn pick<T: Clone>(v: &[T], rows: usize, src_rows: &[usize]) -> Vec<T> {
         let per = v.len() / rows.max(1);
@@ -419,7 +419,10 @@ fn permute_rows(m: &Matrix, src_rows: &[usize]) -> Matrix {
         WeightData::Q4_0(v) => WeightData::Q4_0(pick(v, m.rows, src_rows)),
         WeightData::Q4_1(v) => WeightData::Q4_1(pick(v, m.rows, src_rows)),
         WeightData::Q8_0(v) => WeightData::Q8_0(pick(v, m.rows, src_rows)),
-        _ => WeightData::F32(pick(&m.to_f32(), m.rows, src_rows)),
+        WeightData::Q4K(v) => WeightData::Q4K(pick(v, m.rows, src_rows)),
+        WeightData::Q5K(v) => WeightData::Q5K(pick(v, m.rows, src_rows)),
+        WeightData::Q6K(v) => WeightData::Q6K(pick(v, m.rows, src_rows)),
+        WeightData::F32(v) => WeightData::F32(pick(v, m.rows, src_rows)),
     };
     Matrix {
         rows: src_rows.len(),
