@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use model_support::*;
 use npufleet_worker::collective::tp_bench::generate_in_process;
 use npufleet_worker::model::tokenizer::render_chat_template;
-use npufleet_worker::model::{ChatMessage, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
+use npufleet_worker::model::{Model, PrecisionPolicy, WeightPrecision};
 
 const GEN: usize = 8;
 
@@ -72,38 +72,6 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
     .iter()
     .map(|p| model.tokenizer().encode(p))
     .collect()
-}
-
-/// Logits after the prompt and after each forced token.
-fn forced_logits(
-    model: &Model,
-    prompt: &[u32],
-    forced: &[u32],
-    precision: WeightPrecision,
-) -> Vec<Vec<f32>> {
-    let blocks = (prompt.len() + forced.len()).div_ceil(BLOCK);
-    let mut kv = model.new_kv_cache(blocks, BLOCK);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let mut step = |tokens: &[u32], start_pos| {
-        model
-            .forward(
-                &mut kv,
-                &[SequenceChunk {
-                    tokens,
-                    start_pos,
-                    block_table: &table,
-                    want_logits: true,
-                    precision,
-                }],
-            )
-            .unwrap()
-            .remove(0)
-    };
-    let mut out = vec![step(prompt, 0)];
-    for (i, &t) in forced[..forced.len() - 1].iter().enumerate() {
-        out.push(step(&[t], prompt.len() + i));
-    }
-    out
 }
 
 /// Greedy ids equal the reference's and the reference's top logits agree within the
@@ -267,15 +235,6 @@ fn qwen2_pre_tokenizer_keeps_digits_apart() {
     for text in ["hello world 12 34!\n\n  the cat's mat", "ünïcode 思考 12"] {
         assert_eq!(tok.decode(&tok.encode(text)), text);
     }
-}
-
-fn messages(list: &[(&str, &str)]) -> Vec<ChatMessage> {
-    list.iter()
-        .map(|(role, content)| ChatMessage {
-            role: role.to_string(),
-            content: content.to_string(),
-        })
-        .collect()
 }
 
 fn read_template(name: &str) -> String {

@@ -9,7 +9,7 @@ mod serve_support;
 
 use std::path::{Path, PathBuf};
 
-use model_support::{greedy, load, reference_script, write_qwen2_model};
+use model_support::{greedy, load, messages, reference_script, write_qwen2_model};
 use npufleet_worker::model::{ChatMessage, PrecisionPolicy, WeightPrecision};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker};
@@ -27,15 +27,6 @@ fn qwen2_model(dir: &Path, template: &str) -> PathBuf {
             template.to_str().unwrap(),
         ],
     )
-}
-
-fn messages(list: &[(&str, &str)]) -> Vec<ChatMessage> {
-    list.iter()
-        .map(|(role, content)| ChatMessage {
-            role: role.to_string(),
-            content: content.to_string(),
-        })
-        .collect()
 }
 
 /// The prompt's token count, the greedy answer and its finish reason, computed in this

@@ -7,7 +7,7 @@
 
 use half::f16;
 
-use super::quant::{BlockQ8Act, GROUP_ROWS, QK};
+use super::quant::{BlockQ8Act, GROUP_ROWS, QK, gemm_group_scalar};
 
 /// Values per super-block.
 pub const QK_K: usize = 256;
@@ -295,31 +295,13 @@ pub fn dot_q6_k_scalar(w: &[BlockQ6K], x: &[BlockQ8Act]) -> f32 {
 /// [`GROUP_ROWS`] rows of super-blocks, `x` holds `out.len()` activation rows of
 /// [`ACT_BLOCKS`] blocks per super-block.
 pub fn gemm_q4_k_group_scalar(w: &[BlockQ4K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-    gemm_group_scalar(w, x, out, dot_q4_k_scalar)
+    gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q4_k_scalar)
 }
 
 pub fn gemm_q5_k_group_scalar(w: &[BlockQ5K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-    gemm_group_scalar(w, x, out, dot_q5_k_scalar)
+    gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q5_k_scalar)
 }
 
 pub fn gemm_q6_k_group_scalar(w: &[BlockQ6K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-    gemm_group_scalar(w, x, out, dot_q6_k_scalar)
-}
-
-fn gemm_group_scalar<B>(
-    w: &[B],
-    x: &[BlockQ8Act],
-    out: &mut [[f32; GROUP_ROWS]],
-    dot: fn(&[B], &[BlockQ8Act]) -> f32,
-) {
-    let nb = w.len() / GROUP_ROWS;
-    if nb == 0 {
-        out.fill([0.0; GROUP_ROWS]);
-        return;
-    }
-    for (o, x) in out.iter_mut().zip(x.chunks_exact(nb * ACT_BLOCKS)) {
-        for (o, w) in o.iter_mut().zip(w.chunks_exact(nb)) {
-            *o = dot(w, x);
-        }
-    }
+    gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q6_k_scalar)
 }

@@ -350,17 +350,20 @@ pub fn dot_q8_0_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
 /// [`GROUP_ROWS`]-row group `w` (row-major blocks) · activation row `j` of `x`, for
 /// `out.len()` activation rows of `w.len() / GROUP_ROWS` blocks each.
 pub fn gemm_q4_1_group_scalar(w: &[BlockQ4_1], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-    gemm_group_scalar(w, x, out, dot_q4_1_scalar)
+    gemm_group_scalar(w, x, out, 1, dot_q4_1_scalar)
 }
 
 pub fn gemm_q8_0_group_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-    gemm_group_scalar(w, x, out, dot_q8_0_scalar)
+    gemm_group_scalar(w, x, out, 1, dot_q8_0_scalar)
 }
 
-fn gemm_group_scalar<B>(
+/// Every row of the group · every activation row, one `dot` each; a weight block spans
+/// `acts_per_block` activation blocks.
+pub(super) fn gemm_group_scalar<B>(
     w: &[B],
     x: &[BlockQ8Act],
     out: &mut [[f32; GROUP_ROWS]],
+    acts_per_block: usize,
     dot: fn(&[B], &[BlockQ8Act]) -> f32,
 ) {
     let nb = w.len() / GROUP_ROWS;
@@ -368,7 +371,7 @@ fn gemm_group_scalar<B>(
         out.fill([0.0; GROUP_ROWS]);
         return;
     }
-    for (o, x) in out.iter_mut().zip(x.chunks_exact(nb)) {
+    for (o, x) in out.iter_mut().zip(x.chunks_exact(nb * acts_per_block)) {
         for (o, w) in o.iter_mut().zip(w.chunks_exact(nb)) {
             *o = dot(w, x);
         }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use npufleet_worker::model::{
-    KvCache, LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision,
+    ChatMessage, KvCache, LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision,
 };
 
 /// Logits after the prompt and after each of `forced` but the last (teacher forcing), so
@@ -39,6 +39,16 @@ pub fn forced_logits(
         out.push(step(&[t], prompt.len() + i));
     }
     out
+}
+
+/// Chat messages from `(role, content)` pairs.
+pub fn messages(list: &[(&str, &str)]) -> Vec<ChatMessage> {
+    list.iter()
+        .map(|(role, content)| ChatMessage {
+            role: role.to_string(),
+            content: content.to_string(),
+        })
+        .collect()
 }
 
 pub fn repo_root() -> PathBuf {
