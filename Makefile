@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-router scale-test fuzz chaos
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-7b-shape bench-router scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -49,10 +49,27 @@ test: setup lint unit-and-e2e python-clients
 crds:
 	$(CARGO) run -p npufleet-crds --bin npufleet-crdgen
 
-# Engine benchmark side by side with llama.cpp on the same GGUF (slow; not part of test).
+# Engine benchmark side by side with llama.cpp on the same GGUF (slow; not part of test), on
+# SmolLM2 as shipped (Q4_1) and re-quantised to Q4_K_M.
 bench:
 	$(CARGO) build --release -p npufleet-worker
-	$(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$$(tests/setup/model.sh)" --threads 2 --reference llama-cpp
+	export NPUFLEET_BENCH_PYTHON="$$(tests/setup/python-env.sh tests/setup/requirements-bench.txt)"; \
+	for model in "$$(tests/setup/model.sh)" "$$(tests/setup/kquant-models.sh Q4_K_M)"; do \
+	  $(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$$model" --threads 2 --reference llama-cpp; \
+	done
+
+# The same on a random-weight file of DeepSeek-R1-Distill-Qwen-7B's shape in Q4_K_M (4.7 GB,
+# written once by worker/bench/qwen2_7b_shape.py): load time, peak memory and decode speed at
+# the size people deploy. One short run of each figure; tens of minutes on 2 cores.
+QWEN2_7B_SHAPE := $(NPUFLEET_CACHE)/models/qwen2-7b-shape-$(shell sha256sum worker/bench/qwen2_7b_shape.py | cut -c1-12)/qwen2-7b-shape.Q4_K_M.gguf
+bench-7b-shape:
+	$(CARGO) build --release -p npufleet-worker
+	[ -s "$(QWEN2_7B_SHAPE)" ] || { mkdir -p "$$(dirname "$(QWEN2_7B_SHAPE)")" && \
+	  "$$(tests/setup/python-env.sh)" worker/bench/qwen2_7b_shape.py "$(QWEN2_7B_SHAPE).part" && \
+	  mv "$(QWEN2_7B_SHAPE).part" "$(QWEN2_7B_SHAPE)"; }
+	NPUFLEET_BENCH_PYTHON="$$(tests/setup/python-env.sh tests/setup/requirements-bench.txt)" \
+	  $(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$(QWEN2_7B_SHAPE)" --threads 2 \
+	  --reference llama-cpp --repeats 1 --prompt-tokens 64 --short-prompt-tokens 8 --decode-tokens 16 --batch-sizes 8
 
 # Routing policies on three SmolLM2 replicas behind the router: throughput, time to first
 # token and prefix-cache hits on shared- and distinct-prefix traces, the wake from zero and the
