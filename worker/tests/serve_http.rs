@@ -4,20 +4,12 @@
 mod serve_support;
 
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker};
+use serve_support::{MODEL_NAME, Worker, sse_data};
 
 async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
     let response = client.post(url).json(&body).send().await.unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap())
-}
-
-/// Splits an SSE body into its `data:` payloads.
-fn sse_data(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|event| event.trim().strip_prefix("data:"))
-        .map(|data| data.trim().to_string())
-        .collect()
 }
 
 #[tokio::test]

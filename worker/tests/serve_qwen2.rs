@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use model_support::{greedy, load, messages, reference_script, write_qwen2_model};
 use npufleet_worker::model::{ChatMessage, PrecisionPolicy, WeightPrecision};
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker};
+use serve_support::{MODEL_NAME, Worker, sse_data};
 
 const MAX_TOKENS: usize = 12;
 
@@ -84,12 +84,8 @@ async fn chat_stream(worker: &Worker, messages: &[ChatMessage]) -> Vec<Value> {
         .text()
         .await
         .unwrap();
-    let events: Vec<&str> = body
-        .split("\n\n")
-        .filter_map(|event| event.trim().strip_prefix("data:"))
-        .map(str::trim)
-        .collect();
-    assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+    let events = sse_data(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
     events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())

@@ -199,3 +199,11 @@ impl Drop for Worker {
         }
     }
 }
+
+/// Splits an SSE body into its `data:` payloads.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|event| event.trim().strip_prefix("data:"))
+        .map(|data| data.trim().to_string())
+        .collect()
+}
