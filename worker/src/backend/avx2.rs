@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
+use super::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows};
 
 /// Whether this CPU can run the kernels in this module.
@@ -637,38 +637,48 @@ unsafe fn words32(rows: [*const u8; GROUP_ROWS]) -> [__m256i; 8] {
     [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
 }
 
-/// Lane `r` = `v[r]`.
+/// The d·sc_j and dmin·m_j of the eight sub-blocks of eight `Q4_K`/`Q5_K` blocks, read
+/// from each block's first 16 bytes (`d`, `dmin` and the 12 packed scale bytes, the same
+/// in both formats): the 6-bit fields of [`super::kquant::scale_min_k4`] are unpacked with one
+/// row per 32-bit lane, and each product is the scalar kernel's single f32 multiply.
+///
+/// # Safety
+/// Every pointer must be the start of a `Q4_K` or `Q5_K` block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn lanes_ps(v: [f32; GROUP_ROWS]) -> __m256 {
-    // SAFETY: `v` is 8 readable f32.
-    unsafe { _mm256_loadu_ps(v.as_ptr()) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes_epi32(v: [i32; GROUP_ROWS]) -> __m256i {
-    // SAFETY: `v` is 8 readable i32.
-    unsafe { _mm256_loadu_si256(v.as_ptr() as *const __m256i) }
-}
-
-/// The d·sc_j and dmin·m_j of sub-block `j` of eight `Q4_K`/`Q5_K` blocks, as the scalar
-/// kernels compute them.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn kmin_scales(rows: [(f16, f16, &[u8; 12]); GROUP_ROWS]) -> ([__m256; 8], [__m256; 8]) {
-    let mut d = [[0f32; GROUP_ROWS]; 8];
-    let mut m = [[0f32; GROUP_ROWS]; 8];
-    for (r, (rd, rm, scales)) in rows.into_iter().enumerate() {
-        for (j, (sd, sm)) in kquant::scales_mins(rd, rm, scales).into_iter().enumerate() {
-            d[j][r] = sd;
-            m[j][r] = sm;
-        }
-    }
+unsafe fn kmin_scales(heads: [*const u8; GROUP_ROWS]) -> ([__m256; 8], [__m256; 8]) {
+    // SAFETY: guaranteed by the caller; both block types are larger than 16 bytes.
+    let [dm, low, mid, high] = unsafe { transpose_rows(heads) };
+    let halves = |v: __m256i| {
+        _mm256_cvtph_ps(_mm_packus_epi32(
+            _mm256_castsi256_si128(v),
+            _mm256_extracti128_si256::<1>(v),
+        ))
+    };
+    let d = halves(_mm256_and_si256(dm, _mm256_set1_epi32(0xffff)));
+    let dmin = halves(_mm256_srli_epi32::<16>(dm));
+    let bits = |v: __m256i, shift: i32, mask: i32| {
+        _mm256_and_si256(
+            _mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)),
+            _mm256_set1_epi32(mask),
+        )
+    };
     let (mut dv, mut mv) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
-    for (((dv, mv), d), m) in dv.iter_mut().zip(&mut mv).zip(&d).zip(&m) {
-        *dv = lanes_ps(*d);
-        *mv = lanes_ps(*m);
+    for k in 0..4 {
+        let at = 8 * k as i32;
+        let (sc, m) = (bits(low, at, 63), bits(mid, at, 63));
+        dv[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        mv[k] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+        let sc = _mm256_or_si256(
+            bits(high, at, 15),
+            _mm256_slli_epi32::<4>(bits(low, at + 6, 3)),
+        );
+        let m = _mm256_or_si256(
+            bits(high, at + 4, 15),
+            _mm256_slli_epi32::<4>(bits(mid, at + 6, 3)),
+        );
+        dv[k + 4] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        mv[k + 4] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
     }
     (dv, mv)
 }
@@ -680,7 +690,8 @@ type KColumns<E> = [std::mem::MaybeUninit<E>; ACT_BLOCKS];
 #[target_feature(enable = "avx2,fma,f16c")]
 fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
     let low = _mm256_set1_epi8(0x0f);
-    let (d, m) = kmin_scales(blocks.map(|b| (b.d, b.dmin, &b.scales)));
+    // SAFETY: the pointers are the blocks' own.
+    let (d, m) = unsafe { kmin_scales(column_ptrs(blocks, |b| (b as *const BlockQ4K).cast())) };
     for i in 0..4 {
         // SAFETY: each `qs` is 128 bytes; 32 are read from byte 32·i.
         let w = unsafe { words32(column_ptrs(blocks, |b| b.qs.as_ptr().add(32 * i))) };
@@ -704,7 +715,8 @@ fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin
 fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
     let low = _mm256_set1_epi8(0x0f);
     let sixteen = _mm256_set1_epi8(16);
-    let (d, m) = kmin_scales(blocks.map(|b| (b.d, b.dmin, &b.scales)));
+    // SAFETY: the pointers are the blocks' own.
+    let (d, m) = unsafe { kmin_scales(column_ptrs(blocks, |b| (b as *const BlockQ5K).cast())) };
     // SAFETY: each `qh` is 32 bytes.
     let high = unsafe { words32(column_ptrs(blocks, |b| b.qh.as_ptr())) };
     for i in 0..4 {
@@ -738,6 +750,8 @@ fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>
     let low = _mm256_set1_epi8(0x0f);
     let three = _mm256_set1_epi8(3);
     let d = f16x8(blocks.map(|b| b.d));
+    // SAFETY: each `scales` is 16 bytes.
+    let scales = unsafe { transpose_rows(column_ptrs(blocks, |b| b.scales.as_ptr().cast())) };
     for half in 0..2 {
         // SAFETY: `ql` is 128 bytes and `qh` 64; 32 are read from each start.
         let (ql_a, ql_b, qh) = unsafe {
@@ -761,19 +775,21 @@ fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>
                 let high = _mm256_and_si256(_mm256_srl_epi16(*qh, shift), three);
                 *q = _mm256_or_si256(nibble, _mm256_slli_epi16::<4>(high));
             }
-            let mut lo = [0i32; GROUP_ROWS];
-            let mut hi = [0i32; GROUP_ROWS];
-            for (r, b) in blocks.iter().enumerate() {
-                lo[r] = b.scales[2 * c] as i32;
-                hi[r] = b.scales[2 * c + 1] as i32;
-            }
             out[c].write(ExpandedQ6K {
                 q,
                 d,
-                sc: [lanes_epi32(lo), lanes_epi32(hi)],
+                sc: [signed_byte(&scales, 2 * c), signed_byte(&scales, 2 * c + 1)],
             });
         }
     }
+}
+
+/// Byte `i` of each row of [`transpose_rows`]' output, sign-extended to its 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_byte(words: &[__m256i; 4], i: usize) -> __m256i {
+    let up = _mm256_sll_epi32(words[i / 4], _mm_cvtsi32_si128(24 - 8 * (i % 4) as i32));
+    _mm256_srai_epi32::<24>(up)
 }
 
 /// Super-blocks of a k-quant group expanded at a time: 16 sub-block columns (5 KiB for
@@ -827,7 +843,7 @@ macro_rules! kquant_kernels {
         ) {
             for (acc, x) in acc.iter_mut().zip(x) {
                 let (lo, hi) = kq6_sums(&e.q, &x.qs);
-                let x_lo: i32 = x.qs[..16].iter().map(|&v| v as i32).sum();
+                let x_lo = low_half_sum(&x.qs);
                 let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * x_lo));
                 let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * (x.sum - x_lo)));
                 let sum = _mm256_add_epi32(
@@ -910,6 +926,17 @@ macro_rules! kquant_kernel {
             store_rows(acc, out);
         }
     };
+}
+
+/// Σ of the first 16 activation values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn low_half_sum(x: &[i8; QK]) -> i32 {
+    // SAFETY: `x` has 32 readable bytes; 16 are read.
+    let v = unsafe { _mm_loadu_si128(x.as_ptr() as *const __m128i) };
+    let pairs = _mm_madd_epi16(_mm_maddubs_epi16(_mm_set1_epi8(1), v), _mm_set1_epi16(1));
+    let s = _mm_add_epi32(pairs, _mm_unpackhi_epi64(pairs, pairs));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
 }
 
 /// Σ q·x of a 4-bit column: eight byte-pair sums of at most 2 × 15 × 127 add up in 16 bits.
