@@ -8,8 +8,12 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+
+use crate::backend::Blocks;
+use crate::backend::blocks::FileLayout;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -195,7 +199,8 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: BTreeMap<String, TensorInfo>,
-    mmap: memmap2::Mmap,
+    /// Shared with the weights read in place from it, which keep it mapped.
+    mmap: Arc<memmap2::Mmap>,
 }
 
 /// Everything in front of the tensor data: the version, the metadata and where each tensor
@@ -311,7 +316,7 @@ impl GgufFile {
             version,
             metadata,
             tensors,
-            mmap,
+            mmap: Arc::new(mmap),
         })
     }
 
@@ -321,6 +326,17 @@ impl GgufFile {
 
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.start..info.start + info.len]
+    }
+
+    /// A tensor's values read in place from the mapping where that is sound, else decoded
+    /// from its bytes by `decode`.
+    pub fn tensor_blocks<T: FileLayout>(
+        &self,
+        info: &TensorInfo,
+        decode: impl FnOnce(&[u8]) -> Vec<T>,
+    ) -> Blocks<T> {
+        Blocks::mapped(&self.mmap, info.start..info.start + info.len)
+            .unwrap_or_else(|| decode(self.tensor_bytes(info)).into())
     }
 }
 
