@@ -166,3 +166,47 @@ fn reordered_qwen2_rotary_rows_are_copies() {
         assert_eq!(held.is_mapped(), !reordered, "{name}");
     }
 }
+
+#[test]
+fn safetensors_f32_and_f16_are_read_in_place_and_bf16_is_converted() {
+    use npufleet_worker::model::weights::SafetensorsDir;
+    use safetensors::{Dtype, tensor::TensorView};
+
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let values: Vec<f32> = (0..32).map(|v| v as f32 / 4.0).collect();
+    let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let f16_bytes: Vec<u8> = values
+        .iter()
+        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+        .collect();
+    let bf16_bytes: Vec<u8> = values[..8]
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let tensors = [
+        (
+            "model.embed_tokens.weight",
+            TensorView::new(Dtype::F32, vec![4, 8], &f32_bytes).unwrap(),
+        ),
+        (
+            "lm_head.weight",
+            TensorView::new(Dtype::F16, vec![4, 8], &f16_bytes).unwrap(),
+        ),
+        (
+            "model.norm.weight",
+            TensorView::new(Dtype::BF16, vec![8], &bf16_bytes).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, &dir.path().join("model.safetensors")).unwrap();
+    let src = SafetensorsDir::open(dir.path()).unwrap();
+    let matrix = |name: &str| src.matrix(name).unwrap().unwrap();
+    for (name, mapped) in [
+        ("token_embd.weight", true),
+        ("output.weight", true),
+        ("output_norm.weight", false),
+    ] {
+        let m = matrix(name);
+        assert_eq!(m.is_mapped(), mapped, "{name}");
+        assert_eq!(m.to_f32(), values[..m.rows * m.cols], "{name}");
+    }
+}

@@ -300,7 +300,9 @@ impl GgufFile {
         let file =
             std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
         // SAFETY: the file is mapped read-only; the engine never writes model files, and a
-        // model replaced while mapped is outside what a serving worker supports.
+        // model replaced while mapped is outside what a serving worker supports. Weights read
+        // in place keep the mapping for the model's lifetime, so the file must stay as it is
+        // (replacing it by a rename is fine; truncating it in place is not).
         let mmap = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("mapping {}", path.display()))?;
         Self::parse(mmap).with_context(|| format!("reading GGUF file {}", path.display()))
