@@ -412,12 +412,12 @@ fn matmul_every_storage_and_batch_size() {
         Matrix {
             rows,
             cols,
-            data: WeightData::Q4_0(quant::quantize_q4_0(&base.to_f32())),
+            data: WeightData::Q4_0(quant::quantize_q4_0(&base.to_f32()).into()),
         },
         Matrix {
             rows,
             cols,
-            data: WeightData::Q4_1(quant::quantize_q4_1(&base.to_f32())),
+            data: WeightData::Q4_1(quant::quantize_q4_1(&base.to_f32()).into()),
         },
     ];
     let backends: Vec<CpuBackend> = Kernels::supported()
@@ -486,7 +486,7 @@ fn matmuls_sharing_an_input_equal_separate_matmuls() {
     let q4_1 = |m: &Matrix| Matrix {
         rows: m.rows,
         cols,
-        data: WeightData::Q4_1(quant::quantize_q4_1(&m.to_f32())),
+        data: WeightData::Q4_1(quant::quantize_q4_1(&m.to_f32()).into()),
     };
     // One pass over mixed block formats and a row count off the group size; float and
     // Q4_0 matrices take the one-at-a-time path.
@@ -497,7 +497,7 @@ fn matmuls_sharing_an_input_equal_separate_matmuls() {
             Matrix {
                 rows: 13,
                 cols,
-                data: WeightData::Q4_0(quant::quantize_q4_0(&c.to_f32())),
+                data: WeightData::Q4_0(quant::quantize_q4_0(&c.to_f32()).into()),
             },
             q4_1(&a),
         ],
@@ -688,7 +688,7 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
             kquant::dequantize_q4_k,
             |k| k.dot_q4_k,
             |k| k.gemm_q4_k_group,
-            WeightData::Q4K,
+            |b| WeightData::Q4K(b.into()),
         ),
         case(
             "q5_k",
@@ -697,7 +697,7 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
             kquant::dequantize_q5_k,
             |k| k.dot_q5_k,
             |k| k.gemm_q5_k_group,
-            WeightData::Q5K,
+            |b| WeightData::Q5K(b.into()),
         ),
         case(
             "q6_k",
@@ -706,7 +706,7 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
             kquant::dequantize_q6_k,
             |k| k.dot_q6_k,
             |k| k.gemm_q6_k_group,
-            WeightData::Q6K,
+            |b| WeightData::Q6K(b.into()),
         ),
     ]
 }

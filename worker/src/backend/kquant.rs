@@ -21,7 +21,7 @@ pub const Q6_K_BYTES: usize = 210;
 /// GGUF `Q4_K`: value `i` of sub-block `j` = d·sc_j·q − dmin·m_j, q in 0..16, with the
 /// 6-bit (sc_j, m_j) packed in `scales` ([`scale_min_k4`]). Each 32 bytes of `qs` hold
 /// two sub-blocks: the low nibbles the first, the high nibbles the second.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ4K {
     pub d: f16,
@@ -32,7 +32,7 @@ pub struct BlockQ4K {
 
 /// GGUF `Q5_K`: as [`BlockQ4K`] with q in 0..32; bit `j` of `qh[i]` is the fifth bit of
 /// value `i` of sub-block `j`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ5K {
     pub d: f16,
@@ -44,7 +44,7 @@ pub struct BlockQ5K {
 
 /// GGUF `Q6_K`: value `v` = d·scales[v / 16]·(q − 32), q in 0..64: four low bits in `ql`,
 /// two high bits in `qh` (layout in [`q6_k_values`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ6K {
     pub ql: [u8; 128],

@@ -7,6 +7,7 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+pub mod blocks;
 pub mod cpu;
 pub mod kquant;
 pub mod quant;
@@ -15,21 +16,22 @@ use std::ops::Range;
 
 use half::f16;
 
+pub use blocks::Blocks;
 use kquant::{BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 
 /// How a weight matrix is stored.
 #[derive(Clone, Debug, PartialEq)]
 pub enum WeightData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    Q4_0(Vec<BlockQ4_0>),
-    Q4_1(Vec<BlockQ4_1>),
-    Q8_0(Vec<BlockQ8_0>),
+    F32(Blocks<f32>),
+    F16(Blocks<f16>),
+    Q4_0(Blocks<BlockQ4_0>),
+    Q4_1(Blocks<BlockQ4_1>),
+    Q8_0(Blocks<BlockQ8_0>),
     /// Super-blocks of 256 values; rows are a whole number of them.
-    Q4K(Vec<BlockQ4K>),
-    Q5K(Vec<BlockQ5K>),
-    Q6K(Vec<BlockQ6K>),
+    Q4K(Blocks<BlockQ4K>),
+    Q5K(Blocks<BlockQ5K>),
+    Q6K(Blocks<BlockQ6K>),
 }
 
 /// A row-major `rows × cols` weight matrix; `y = x · Wᵀ` maps `cols` inputs to `rows` outputs.
@@ -46,7 +48,21 @@ impl Matrix {
         Matrix {
             rows,
             cols,
-            data: WeightData::F32(data),
+            data: WeightData::F32(data.into()),
+        }
+    }
+
+    /// Whether the weights are read in place from a model file's mapping.
+    pub fn is_mapped(&self) -> bool {
+        match &self.data {
+            WeightData::F32(v) => v.is_mapped(),
+            WeightData::F16(v) => v.is_mapped(),
+            WeightData::Q4_0(v) => v.is_mapped(),
+            WeightData::Q4_1(v) => v.is_mapped(),
+            WeightData::Q8_0(v) => v.is_mapped(),
+            WeightData::Q4K(v) => v.is_mapped(),
+            WeightData::Q5K(v) => v.is_mapped(),
+            WeightData::Q6K(v) => v.is_mapped(),
         }
     }
 
@@ -111,7 +127,7 @@ impl Matrix {
 
     pub fn to_f32(&self) -> Vec<f32> {
         if let WeightData::F32(v) = &self.data {
-            return v.clone();
+            return v.to_vec();
         }
         let mut out = vec![0f32; self.rows * self.cols];
         for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
@@ -120,8 +136,11 @@ impl Matrix {
         out
     }
 
-    /// The same matrix as f32.
+    /// The same matrix as f32; f32 weights are shared rather than copied when mapped.
     pub fn to_f32_matrix(&self) -> Matrix {
+        if let WeightData::F32(_) = &self.data {
+            return self.clone();
+        }
         Matrix::f32(self.rows, self.cols, self.to_f32())
     }
 
@@ -129,7 +148,12 @@ impl Matrix {
     pub fn to_f16_matrix(&self) -> Matrix {
         let data = match &self.data {
             WeightData::F16(v) => v.clone(),
-            _ => self.to_f32().into_iter().map(f16::from_f32).collect(),
+            _ => self
+                .to_f32()
+                .into_iter()
+                .map(f16::from_f32)
+                .collect::<Vec<_>>()
+                .into(),
         };
         Matrix {
             rows: self.rows,
@@ -146,23 +170,23 @@ impl Matrix {
         Some(Matrix {
             rows: self.rows,
             cols: self.cols,
-            data: WeightData::Q8_0(quant::quantize_q8_0(&self.to_f32())),
+            data: WeightData::Q8_0(quant::quantize_q8_0(&self.to_f32()).into()),
         })
     }
 
-    /// Rows `range` (the column-parallel shard of a tensor-parallel split).
+    /// Rows `range` (the column-parallel shard of a tensor-parallel split); rows are
+    /// contiguous, so mapped weights stay mapped.
     pub fn select_rows(&self, range: std::ops::Range<usize>) -> Matrix {
-        let (c, nb, nbk) = (self.cols, self.cols / QK, self.cols / QK_K);
-        let (r0, r1) = (range.start, range.end);
+        let per_row = |block: usize| range.start * self.cols / block..range.end * self.cols / block;
         let data = match &self.data {
-            WeightData::F32(v) => WeightData::F32(v[range.start * c..range.end * c].to_vec()),
-            WeightData::F16(v) => WeightData::F16(v[range.start * c..range.end * c].to_vec()),
-            WeightData::Q4_0(v) => WeightData::Q4_0(v[range.start * nb..range.end * nb].to_vec()),
-            WeightData::Q4_1(v) => WeightData::Q4_1(v[range.start * nb..range.end * nb].to_vec()),
-            WeightData::Q8_0(v) => WeightData::Q8_0(v[range.start * nb..range.end * nb].to_vec()),
-            WeightData::Q4K(v) => WeightData::Q4K(v[r0 * nbk..r1 * nbk].to_vec()),
-            WeightData::Q5K(v) => WeightData::Q5K(v[r0 * nbk..r1 * nbk].to_vec()),
-            WeightData::Q6K(v) => WeightData::Q6K(v[r0 * nbk..r1 * nbk].to_vec()),
+            WeightData::F32(v) => WeightData::F32(v.slice(per_row(1))),
+            WeightData::F16(v) => WeightData::F16(v.slice(per_row(1))),
+            WeightData::Q4_0(v) => WeightData::Q4_0(v.slice(per_row(QK))),
+            WeightData::Q4_1(v) => WeightData::Q4_1(v.slice(per_row(QK))),
+            WeightData::Q8_0(v) => WeightData::Q8_0(v.slice(per_row(QK))),
+            WeightData::Q4K(v) => WeightData::Q4K(v.slice(per_row(QK_K))),
+            WeightData::Q5K(v) => WeightData::Q5K(v.slice(per_row(QK_K))),
+            WeightData::Q6K(v) => WeightData::Q6K(v.slice(per_row(QK_K))),
         };
         Matrix {
             rows: range.len(),
@@ -180,10 +204,11 @@ impl Matrix {
         let (b0, b1) = (range.start / QK, range.end / QK);
         let aligned_k = range.start.is_multiple_of(QK_K) && range.end.is_multiple_of(QK_K);
         let (nbk, k0, k1) = (c / QK_K, range.start / QK_K, range.end / QK_K);
-        fn pick<T: Copy>(v: &[T], rows: usize, stride: usize, a: usize, b: usize) -> Vec<T> {
+        fn pick<T: Copy>(v: &[T], rows: usize, stride: usize, a: usize, b: usize) -> Blocks<T> {
             (0..rows)
                 .flat_map(|r| v[r * stride + a..r * stride + b].iter().copied())
-                .collect()
+                .collect::<Vec<_>>()
+                .into()
         }
         let data = match &self.data {
             WeightData::F16(v) => WeightData::F16(pick(v, self.rows, c, range.start, range.end)),

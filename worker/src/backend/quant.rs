@@ -14,7 +14,7 @@ pub const QK: usize = 32;
 pub const GROUP_ROWS: usize = 8;
 
 /// GGUF `Q4_0`: value = (q − 8) · d, q in 0..16. Low nibbles hold elements 0..16, high 16..32.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ4_0 {
     pub d: f16,
@@ -22,7 +22,7 @@ pub struct BlockQ4_0 {
 }
 
 /// GGUF `Q4_1`: value = q · d + m, q in 0..16. Nibble order as in [`BlockQ4_0`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ4_1 {
     pub d: f16,
@@ -32,7 +32,7 @@ pub struct BlockQ4_1 {
 
 /// GGUF `Q8_0`: value = q · d, q in −127..=127. Also the int8 per-group symmetric format
 /// the backend quantises f32/f16 weights into.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct BlockQ8_0 {
     pub d: f16,

@@ -8,8 +8,12 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+
+use crate::backend::Blocks;
+use crate::backend::blocks::FileLayout;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -195,7 +199,8 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: BTreeMap<String, TensorInfo>,
-    mmap: memmap2::Mmap,
+    /// Shared with the weights read in place from it, which keep it mapped.
+    mmap: Arc<memmap2::Mmap>,
 }
 
 /// Everything in front of the tensor data: the version, the metadata and where each tensor
@@ -295,7 +300,9 @@ impl GgufFile {
         let file =
             std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
         // SAFETY: the file is mapped read-only; the engine never writes model files, and a
-        // model replaced while mapped is outside what a serving worker supports.
+        // model replaced while mapped is outside what a serving worker supports. Weights read
+        // in place keep the mapping for the model's lifetime, so the file must stay as it is
+        // (replacing it by a rename is fine; truncating it in place is not).
         let mmap = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("mapping {}", path.display()))?;
         Self::parse(mmap).with_context(|| format!("reading GGUF file {}", path.display()))
@@ -311,7 +318,7 @@ impl GgufFile {
             version,
             metadata,
             tensors,
-            mmap,
+            mmap: Arc::new(mmap),
         })
     }
 
@@ -321,6 +328,17 @@ impl GgufFile {
 
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.start..info.start + info.len]
+    }
+
+    /// A tensor's values read in place from the mapping where that is sound, else decoded
+    /// from its bytes by `decode`.
+    pub fn tensor_blocks<T: FileLayout>(
+        &self,
+        info: &TensorInfo,
+        decode: impl FnOnce(&[u8]) -> Vec<T>,
+    ) -> Blocks<T> {
+        Blocks::mapped(&self.mmap, info.start..info.start + info.len)
+            .unwrap_or_else(|| decode(self.tensor_bytes(info)).into())
     }
 }
 

@@ -323,6 +323,11 @@ impl Model {
         &self.tokenizer
     }
 
+    /// The weights as loaded: which storage each layer holds and where it lives.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
     pub fn policy(&self) -> PrecisionPolicy {
         self.policy
     }

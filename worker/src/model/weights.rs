@@ -13,13 +13,15 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use half::{bf16, f16};
 
 use super::gguf::{GgufFile, TensorType};
 use super::{ModelConfig, PrecisionPolicy, WeightPrecision};
-use crate::backend::{Matrix, WeightData, quant};
+use crate::backend::blocks::FileLayout;
+use crate::backend::{Blocks, Matrix, WeightData, kquant, quant};
 
 /// Which slice of the tensor-parallel split this process holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,26 +67,22 @@ impl Linear {
     /// `keep_precise`: under the int8 policy, float weights of this layer stay float (the
     /// attention Q/K/V projections and the output head, whose errors the logits amplify).
     fn new(m: Matrix, policy: PrecisionPolicy, keep_precise: bool) -> Linear {
-        let quantized = |m: &Matrix| {
-            if m.is_quantized() {
-                Some(m.clone())
-            } else if keep_precise {
-                None
-            } else {
-                m.to_q8_0()
-            }
-        };
+        // Block-quantised weights move in as they are (read in place when the file allowed
+        // it); only float weights are converted.
+        let int8 = |m: &Matrix| (!keep_precise).then(|| m.to_q8_0()).flatten();
         let (quant, full) = match policy {
             PrecisionPolicy::Fp32 => (None, Some(m.to_f32_matrix())),
             PrecisionPolicy::Fp16 => (None, Some(m.to_f16_matrix())),
-            PrecisionPolicy::Int8 => match quantized(&m) {
+            PrecisionPolicy::Int8 | PrecisionPolicy::Auto { .. } if m.is_quantized() => {
+                (Some(m), None)
+            }
+            PrecisionPolicy::Int8 => match int8(&m) {
                 Some(q) => (Some(q), None),
                 None => (None, Some(m.to_f32_matrix())),
             },
             // Block-quantised weights are widened per tile when a chunk runs in f32, so no
             // full-precision copy is held; float weights stay in their own storage.
-            PrecisionPolicy::Auto { .. } if m.is_quantized() => (Some(m), None),
-            PrecisionPolicy::Auto { .. } => (quantized(&m), Some(m)),
+            PrecisionPolicy::Auto { .. } => (int8(&m), Some(m)),
         };
         Linear { full, quant }
     }
@@ -275,19 +273,17 @@ impl TensorSource for GgufFile {
         let rows = info.dims[1..].iter().product::<u64>() as usize;
         let bytes = self.tensor_bytes(info);
         let data = match info.ty {
-            TensorType::F32 => WeightData::F32(le_f32(bytes)),
-            TensorType::F16 => WeightData::F16(le_u16(bytes).map(f16::from_bits).collect()),
-            TensorType::Bf16 => {
-                WeightData::F32(le_u16(bytes).map(|b| bf16::from_bits(b).to_f32()).collect())
-            }
-            TensorType::Q4_0 => WeightData::Q4_0(quant::parse_q4_0(bytes)),
-            TensorType::Q4_1 => WeightData::Q4_1(quant::parse_q4_1(bytes)),
-            TensorType::Q5_0 => WeightData::Q8_0(quant::parse_q5_0_as_q8_0(bytes)),
-            TensorType::Q5_1 => WeightData::F32(quant::dequantize_q5_1_bytes(bytes)),
-            TensorType::Q8_0 => WeightData::Q8_0(quant::parse_q8_0(bytes)),
-            TensorType::Q4K => WeightData::Q4K(crate::backend::kquant::parse_q4_k(bytes)),
-            TensorType::Q5K => WeightData::Q5K(crate::backend::kquant::parse_q5_k(bytes)),
-            TensorType::Q6K => WeightData::Q6K(crate::backend::kquant::parse_q6_k(bytes)),
+            TensorType::F32 => WeightData::F32(self.tensor_blocks(info, le_f32)),
+            TensorType::F16 => WeightData::F16(self.tensor_blocks(info, le_f16)),
+            TensorType::Bf16 => WeightData::F32(bf16_to_f32(bytes).into()),
+            TensorType::Q4_0 => WeightData::Q4_0(self.tensor_blocks(info, quant::parse_q4_0)),
+            TensorType::Q4_1 => WeightData::Q4_1(self.tensor_blocks(info, quant::parse_q4_1)),
+            TensorType::Q5_0 => WeightData::Q8_0(quant::parse_q5_0_as_q8_0(bytes).into()),
+            TensorType::Q5_1 => WeightData::F32(quant::dequantize_q5_1_bytes(bytes).into()),
+            TensorType::Q8_0 => WeightData::Q8_0(self.tensor_blocks(info, quant::parse_q8_0)),
+            TensorType::Q4K => WeightData::Q4K(self.tensor_blocks(info, kquant::parse_q4_k)),
+            TensorType::Q5K => WeightData::Q5K(self.tensor_blocks(info, kquant::parse_q5_k)),
+            TensorType::Q6K => WeightData::Q6K(self.tensor_blocks(info, kquant::parse_q6_k)),
         };
         Ok(Some(Matrix { rows, cols, data }))
     }
@@ -306,9 +302,28 @@ fn le_u16(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
 }
 
+fn le_f16(bytes: &[u8]) -> Vec<f16> {
+    le_u16(bytes).map(f16::from_bits).collect()
+}
+
+fn bf16_to_f32(bytes: &[u8]) -> Vec<f32> {
+    le_u16(bytes).map(|b| bf16::from_bits(b).to_f32()).collect()
+}
+
+/// `bytes`, a slice of `map`, read in place where that is sound, else decoded by `decode`.
+fn mapped_or<T: FileLayout>(
+    map: &Arc<memmap2::Mmap>,
+    bytes: &[u8],
+    decode: impl FnOnce(&[u8]) -> Vec<T>,
+) -> Blocks<T> {
+    (bytes.as_ptr().addr().checked_sub(map.as_ptr().addr()))
+        .and_then(|start| Blocks::mapped(map, start..start + bytes.len()))
+        .unwrap_or_else(|| decode(bytes).into())
+}
+
 /// A Hugging Face model directory: `*.safetensors` shards read through memory maps.
 pub struct SafetensorsDir {
-    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    maps: Vec<(PathBuf, Arc<memmap2::Mmap>)>,
     /// HF tensor name → index into `maps`.
     index: HashMap<String, usize>,
 }
@@ -338,7 +353,7 @@ impl SafetensorsDir {
             for name in meta.tensors().keys() {
                 index.insert(name.clone(), maps.len());
             }
-            maps.push((path, mmap));
+            maps.push((path, Arc::new(mmap)));
         }
         Ok(SafetensorsDir { maps, index })
     }
@@ -407,12 +422,13 @@ pub fn rotary_adjacent_to_half(m: &Matrix, n_heads: usize, head_dim: usize) -> M
 /// Row `i` of the result is row `src_rows[i]` of `m`. Rows are whole blocks in every block
 /// format, so every storage's rows are moved as stored.
 fn permute_rows(m: &Matrix, src_rows: &[usize]) -> Matrix {
-    fn pick<T: Clone>(v: &[T], rows: usize, src_rows: &[usize]) -> Vec<T> {
+    fn pick<T: Clone>(v: &[T], rows: usize, src_rows: &[usize]) -> Blocks<T> {
         let per = v.len() / rows.max(1);
         src_rows
             .iter()
             .flat_map(|&r| v[r * per..(r + 1) * per].iter().cloned())
-            .collect()
+            .collect::<Vec<_>>()
+            .into()
     }
     let data = match &m.data {
         WeightData::F16(v) => WeightData::F16(pick(v, m.rows, src_rows)),
@@ -453,11 +469,9 @@ impl TensorSource for SafetensorsDir {
         };
         let bytes = view.data();
         let data = match view.dtype() {
-            safetensors::Dtype::F32 => WeightData::F32(le_f32(bytes)),
-            safetensors::Dtype::F16 => WeightData::F16(le_u16(bytes).map(f16::from_bits).collect()),
-            safetensors::Dtype::BF16 => {
-                WeightData::F32(le_u16(bytes).map(|b| bf16::from_bits(b).to_f32()).collect())
-            }
+            safetensors::Dtype::F32 => WeightData::F32(mapped_or(mmap, bytes, le_f32)),
+            safetensors::Dtype::F16 => WeightData::F16(mapped_or(mmap, bytes, le_f16)),
+            safetensors::Dtype::BF16 => WeightData::F32(bf16_to_f32(bytes).into()),
             other => bail!("{hf}: unsupported dtype {other:?}"),
         };
         Ok(Some(Matrix { rows, cols, data }))
