@@ -1,12 +1,14 @@
 //! The operator's one informer cache: a reflector per kind it reads (InferenceServices, their
-//! worker pods, the metadata of their rank-table ConfigMaps, Volcano PodGroups), shared by the
+//! worker pods, the metadata of their Services, PodDisruptionBudgets and rank-table
+//! ConfigMaps, Volcano PodGroups), shared by the
 //! controller, which is triggered from the same watches, and by the autoscaler. A reconcile
 //! reads these stores and never LISTs. Every watch covers the operator's [`WatchScope`].
 
 use std::sync::Mutex;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
 use kube::core::{DynamicResourceScope, NamespaceResourceScope};
 use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
@@ -70,16 +72,20 @@ impl std::str::FromStr for WatchScope {
 /// Readers of every store. Cloning a [`Store`] shares it.
 #[derive(Clone)]
 pub struct Stores {
-    pub services: Store<InferenceService>,
+    pub inference_services: Store<InferenceService>,
     pub pods: Store<Pod>,
+    pub services: Store<PartialObjectMeta<Service>>,
+    pub disruption_budgets: Store<PartialObjectMeta<PodDisruptionBudget>>,
     pub rank_tables: Store<PartialObjectMeta<ConfigMap>>,
     /// Empty until the PodGroup API is found to be served.
     pub pod_groups: Store<DynamicObject>,
 }
 
 struct Writers {
-    services: Writer<InferenceService>,
+    inference_services: Writer<InferenceService>,
     pods: Writer<Pod>,
+    services: Writer<PartialObjectMeta<Service>>,
+    disruption_budgets: Writer<PartialObjectMeta<PodDisruptionBudget>>,
     rank_tables: Writer<PartialObjectMeta<ConfigMap>>,
     pod_groups: Writer<DynamicObject>,
 }
@@ -93,12 +99,20 @@ pub struct Cache {
 /// The change streams of the shared stores that trigger reconciles, and the futures that keep
 /// the stores filled (they must be polled for anything to arrive).
 pub struct Started {
-    pub services: ReflectHandle<InferenceService>,
+    pub inference_services: ReflectHandle<InferenceService>,
     pub pods: ReflectHandle<Pod>,
+    pub services: ReflectHandle<PartialObjectMeta<Service>>,
+    pub disruption_budgets: ReflectHandle<PartialObjectMeta<PodDisruptionBudget>>,
     pub rank_tables: ReflectHandle<PartialObjectMeta<ConfigMap>>,
     pub watches: futures::future::BoxFuture<'static, ()>,
     /// Fills the PodGroup store; run once the PodGroup API is served.
     pub pod_group_watch: futures::future::BoxFuture<'static, ()>,
+}
+
+/// Nothing the operator decides reads `managedFields`, and on pods and InferenceServices,
+/// which several writers update, they are the larger part of each cached object.
+fn without_managed_fields<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
 }
 
 fn drive<S, E>(stream: S) -> impl std::future::Future<Output = ()> + Send + 'static
@@ -122,21 +136,29 @@ impl Default for Cache {
 
 impl Cache {
     pub fn new() -> Self {
-        let (services, services_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (inference_services, inference_services_writer) =
+            reflector::store_shared(SUBSCRIBER_BUFFER);
         let (pods, pods_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (services, services_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (disruption_budgets, disruption_budgets_writer) =
+            reflector::store_shared(SUBSCRIBER_BUFFER);
         let (rank_tables, rank_tables_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
         let pod_groups_writer = Writer::new(pod_group::api_resource());
         let pod_groups = pod_groups_writer.as_reader();
         Self {
             stores: Stores {
-                services,
+                inference_services,
                 pods,
+                services,
+                disruption_budgets,
                 rank_tables,
                 pod_groups,
             },
             writers: Mutex::new(Some(Writers {
-                services: services_writer,
+                inference_services: inference_services_writer,
                 pods: pods_writer,
+                services: services_writer,
+                disruption_budgets: disruption_budgets_writer,
                 rank_tables: rank_tables_writer,
                 pod_groups: pod_groups_writer,
             })),
@@ -148,34 +170,62 @@ impl Cache {
         let writers = self.writers.lock().ok()?.take()?;
         let managed =
             watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
-        let services_handle = writers.services.subscribe()?;
+        let inference_services_handle = writers.inference_services.subscribe()?;
         let pods_handle = writers.pods.subscribe()?;
+        let services_handle = writers.services.subscribe()?;
+        let disruption_budgets_handle = writers.disruption_budgets.subscribe()?;
         let rank_tables_handle = writers.rank_tables.subscribe()?;
-        let services = watcher(
+        let inference_services = watcher(
             scope.api::<InferenceService>(client),
             watcher::Config::default(),
         )
+        .modify(without_managed_fields)
         .default_backoff()
-        .reflect_shared(writers.services);
+        .reflect_shared(writers.inference_services);
         let pods = watcher(scope.api::<Pod>(client), managed.clone())
+            .modify(without_managed_fields)
             .default_backoff()
             .reflect_shared(writers.pods);
+        let services = watcher(
+            scope.api::<PartialObjectMeta<Service>>(client),
+            managed.clone(),
+        )
+        .modify(without_managed_fields)
+        .default_backoff()
+        .reflect_shared(writers.services);
+        let disruption_budgets = watcher(
+            scope.api::<PartialObjectMeta<PodDisruptionBudget>>(client),
+            managed.clone(),
+        )
+        .modify(without_managed_fields)
+        .default_backoff()
+        .reflect_shared(writers.disruption_budgets);
         let rank_tables = watcher(
             scope.api::<PartialObjectMeta<ConfigMap>>(client),
             managed.clone(),
         )
+        .modify(without_managed_fields)
         .default_backoff()
         .reflect_shared(writers.rank_tables);
         let pod_group_api = scope.api_with::<DynamicObject>(client, &pod_group::api_resource());
         let pod_groups = watcher(pod_group_api, managed)
+            .modify(without_managed_fields)
             .default_backoff()
             .reflect(writers.pod_groups);
         let watches = async move {
-            futures::join!(drive(services), drive(pods), drive(rank_tables));
+            futures::join!(
+                drive(inference_services),
+                drive(pods),
+                drive(services),
+                drive(disruption_budgets),
+                drive(rank_tables)
+            );
         };
         Some(Started {
-            services: services_handle,
+            inference_services: inference_services_handle,
             pods: pods_handle,
+            services: services_handle,
+            disruption_budgets: disruption_budgets_handle,
             rank_tables: rank_tables_handle,
             watches: Box::pin(watches),
             pod_group_watch: Box::pin(drive(pod_groups)),

@@ -3,18 +3,17 @@
 //! manager. Children carry controller owner references, so garbage collection removes them with
 //! their InferenceService and no finalizer is needed.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Service};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use npufleet_crds::InferenceService;
 use serde::Serialize;
@@ -123,11 +122,7 @@ pub async fn run(ctx: Arc<Context>) {
         tracing::error!("the operator's cache was already started");
         return;
     };
-    let managed =
-        watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
     let stores = ctx.cache.stores.clone();
-    let services = ctx.scope.api::<Service>(&client);
-    let disruption_budgets = ctx.scope.api::<PodDisruptionBudget>(&client);
     let mut pod_group_watch = Some(started.pod_group_watch);
     let discovery = {
         let ctx = ctx.clone();
@@ -157,19 +152,25 @@ pub async fn run(ctx: Arc<Context>) {
         // again.
         stores.pods.wait_until_ready().await.ok();
         stores.rank_tables.wait_until_ready().await.ok();
-        Controller::for_shared_stream(started.services, stores.services.clone())
-            .owns_shared_stream(started.pods)
-            .owns_shared_stream(started.rank_tables)
-            .owns(services, managed.clone())
-            .owns(disruption_budgets, managed)
-            .shutdown_on_signal()
-            .run(reconcile, error_policy, ctx)
-            .for_each(|result| async move {
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "reconcile did not complete");
-                }
-            })
-            .await;
+        // Nor would it know what it applied before without the Services and budgets.
+        stores.services.wait_until_ready().await.ok();
+        stores.disruption_budgets.wait_until_ready().await.ok();
+        Controller::for_shared_stream(
+            started.inference_services,
+            stores.inference_services.clone(),
+        )
+        .owns_shared_stream(started.pods)
+        .owns_shared_stream(started.services)
+        .owns_shared_stream(started.disruption_budgets)
+        .owns_shared_stream(started.rank_tables)
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "reconcile did not complete");
+            }
+        })
+        .await;
     };
     tokio::select! {
         () = controller => {}
@@ -309,7 +310,48 @@ fn observe(isvc: &InferenceService, ctx: &Context, namespace: &str) -> Observed 
         pod_groups,
         volcano_served,
         inference_pools_served: ctx.inference_pools_served.load(Ordering::Relaxed),
+        applied: applied_digests(isvc, ctx, namespace, volcano_served),
     }
+}
+
+/// The [`labels::APPLIED_DIGEST`] of every object the cache holds for `isvc`, by kind and name.
+fn applied_digests(
+    isvc: &InferenceService,
+    ctx: &Context,
+    namespace: &str,
+    volcano_served: bool,
+) -> BTreeMap<(String, String), String> {
+    fn digests<K>(
+        store: &kube::runtime::reflector::Store<K>,
+        kind: &str,
+        namespace: &str,
+        isvc: &InferenceService,
+    ) -> Vec<((String, String), String)>
+    where
+        K: Resource + Clone + DeserializeOwned + Send + Sync + 'static,
+        K::DynamicType: std::hash::Hash + Eq + Clone,
+    {
+        cache::owned_by(store, namespace, isvc)
+            .iter()
+            .filter_map(|o| {
+                let digest = o.meta().annotations.as_ref()?.get(labels::APPLIED_DIGEST)?;
+                Some(((kind.to_string(), o.name_any()), digest.clone()))
+            })
+            .collect()
+    }
+    let stores = &ctx.cache.stores;
+    let mut applied = digests(&stores.services, "Service", namespace, isvc);
+    applied.extend(digests(
+        &stores.disruption_budgets,
+        "PodDisruptionBudget",
+        namespace,
+        isvc,
+    ));
+    applied.extend(digests(&stores.rank_tables, "ConfigMap", namespace, isvc));
+    if volcano_served {
+        applied.extend(digests(&stores.pod_groups, "PodGroup", namespace, isvc));
+    }
+    applied.into_iter().collect()
 }
 
 /// Longest event note the Events API accepts.
@@ -339,6 +381,20 @@ async fn publish(ctx: &Context, isvc: &InferenceService, namespace: &str, note: 
     if let Err(e) = ctx.recorder.publish(&event, &isvc.object_ref(&())).await {
         tracing::warn!(error = %e, reason = note.reason, "could not record an event");
     }
+}
+
+/// Whether the status the operator writes is what `isvc` already shows: the fields other
+/// writers own (`lastFailure`, the autoscaler's `autoscaling`) aside.
+fn status_is_current(
+    isvc: &InferenceService,
+    status: &npufleet_crds::InferenceServiceStatus,
+) -> bool {
+    isvc.status.as_ref().is_some_and(|live| {
+        let mut live = live.clone();
+        live.last_failure = None;
+        live.autoscaling = None;
+        &live == status
+    })
 }
 
 fn related_api_version(kind: &str) -> &'static str {
@@ -371,7 +427,9 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     for service in &plan.services {
         writer.apply(service).await;
     }
-    writer.apply(&plan.disruption_budget).await;
+    if let Some(budget) = &plan.disruption_budget {
+        writer.apply(budget).await;
+    }
     for table in &plan.rank_tables {
         writer.apply(table).await;
     }
@@ -432,14 +490,24 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
         "status": status,
     });
     let services = Api::<InferenceService>::namespaced(client, &namespace);
-    let mut status_written = services
-        .patch_status(
-            &isvc.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&status_patch),
-        )
-        .await;
-    if let (Ok(_), Some(failure)) = (&status_written, &plan.observation.failure) {
+    let mut status_written = Ok(());
+    if !status_is_current(&isvc, &status) {
+        status_written = services
+            .patch_status(
+                &isvc.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&status_patch),
+            )
+            .await
+            .map(drop);
+    }
+    let last_failure = isvc.status.as_ref().and_then(|s| s.last_failure.as_ref());
+    let new_failure = plan
+        .observation
+        .failure
+        .as_ref()
+        .filter(|f| Some(*f) != last_failure);
+    if let (Ok(()), Some(failure)) = (&status_written, new_failure) {
         let failure_patch = serde_json::json!({
             "apiVersion": InferenceService::api_version(&()),
             "kind": InferenceService::kind(&()),
@@ -451,7 +519,8 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
                 &PatchParams::apply(labels::LAST_FAILURE_MANAGER).force(),
                 &Patch::Apply(&failure_patch),
             )
-            .await;
+            .await
+            .map(drop);
     }
 
     let refusals = failures.iter().map(|f| Note {

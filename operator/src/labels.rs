@@ -17,6 +17,10 @@ pub const INFERENCE_SERVICE: &str = "npufleet.io/inference-service";
 pub const GROUP: &str = "npufleet.io/group";
 pub const RANK: &str = "npufleet.io/rank";
 pub const TEMPLATE_HASH: &str = "npufleet.io/template-hash";
+/// On every object the operator applies: the digest of the object as last applied, so a
+/// reconcile that would apply the same again can leave it alone (the informer cache holds
+/// the annotation; comparing it costs no request).
+pub const APPLIED_DIGEST: &str = "npufleet.io/applied-digest";
 
 pub const WORKER_NAME: &str = "npufleet-worker";
 

@@ -32,6 +32,8 @@ pub struct Observed {
     pub volcano_served: bool,
     /// Whether `inference.networking.k8s.io/v1` InferencePools are served.
     pub inference_pools_served: bool,
+    /// The [`labels::APPLIED_DIGEST`] of each applied object found, by kind and name.
+    pub applied: BTreeMap<(String, String), String>,
 }
 
 /// An object an Event is about besides the InferenceService (the Events API's `related`).
@@ -64,11 +66,13 @@ pub struct Note {
 /// The desired objects and the changes that get there.
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// Applied every time (server-side apply makes unchanged ones no-ops).
+    /// Objects to apply: those missing, or whose desired form differs from the one last
+    /// applied (by [`labels::APPLIED_DIGEST`]).
     pub services: Vec<Service>,
-    pub disruption_budget: PodDisruptionBudget,
+    pub disruption_budget: Option<PodDisruptionBudget>,
     pub rank_tables: Vec<ConfigMap>,
     pub pod_groups: Vec<DynamicObject>,
+    /// Applied every time: no cache watches InferencePools.
     pub inference_pool: Option<DynamicObject>,
     /// Pods that do not exist yet.
     pub create_pods: Vec<Pod>,
@@ -467,11 +471,21 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     let delete_inference_pool =
         made_pool.filter(|_| inference_pool.is_none() && observed.inference_pools_served);
 
+    let changed = Changed(&observed.applied);
     Plan {
-        services: vec![services::headless(isvc), services::client(isvc)],
-        disruption_budget: services::disruption_budget(isvc),
-        rank_tables,
-        pod_groups,
+        services: [services::headless(isvc), services::client(isvc)]
+            .into_iter()
+            .filter_map(|s| changed.stamp(s))
+            .collect(),
+        disruption_budget: changed.stamp(services::disruption_budget(isvc)),
+        rank_tables: rank_tables
+            .into_iter()
+            .filter_map(|t| changed.stamp(t))
+            .collect(),
+        pod_groups: pod_groups
+            .into_iter()
+            .filter_map(|g| changed.stamp(g))
+            .collect(),
         inference_pool,
         create_pods,
         delete_pods,
@@ -493,6 +507,29 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         status: status::build(isvc, settings, &seen, now),
         observation: seen,
         recheck_after,
+    }
+}
+
+/// Picks out the desired objects that need applying.
+struct Changed<'a>(&'a BTreeMap<(String, String), String>);
+
+impl Changed<'_> {
+    /// `object` with its [`labels::APPLIED_DIGEST`], or `None` when the cluster's copy
+    /// already carries that digest.
+    fn stamp<K>(&self, mut object: K) -> Option<K>
+    where
+        K: kube::Resource + serde::Serialize,
+    {
+        let value = serde_json::to_value(&object).unwrap_or_default();
+        let kind = value["kind"].as_str().unwrap_or_default().to_string();
+        let digest = resources::digest(&value);
+        if self.0.get(&(kind, object.name_any())) == Some(&digest) {
+            return None;
+        }
+        object
+            .annotations_mut()
+            .insert(labels::APPLIED_DIGEST.to_string(), digest);
+        Some(object)
     }
 }
 

@@ -233,7 +233,7 @@ impl Autoscaler {
             settings,
             metrics,
             namespace: namespace.map(str::to_owned),
-            services: stores.services.clone(),
+            services: stores.inference_services.clone(),
             pods: stores.pods.clone(),
             policies: HashMap::new(),
             hpas: HashMap::new(),

@@ -1174,3 +1174,67 @@ fn a_pod_evicted_from_a_lost_node_is_removed_at_once_and_others_wait_for_their_k
             .any(|n| n.reason == "NodeLost" && n.warning)
     );
 }
+
+/// What a cache would show after the plan's objects were applied: each one's kind, name and
+/// digest annotation.
+fn applied_by(plan: &super::Plan) -> std::collections::BTreeMap<(String, String), String> {
+    let digest = |kind: &str, meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        let name = meta.name.clone().unwrap();
+        let value = meta.annotations.as_ref().unwrap()[labels::APPLIED_DIGEST].clone();
+        ((kind.to_string(), name), value)
+    };
+    let mut applied: Vec<_> = plan
+        .services
+        .iter()
+        .map(|s| digest("Service", &s.metadata))
+        .collect();
+    applied.extend(
+        plan.disruption_budget
+            .iter()
+            .map(|b| digest("PodDisruptionBudget", &b.metadata)),
+    );
+    applied.extend(
+        plan.rank_tables
+            .iter()
+            .map(|t| digest("ConfigMap", &t.metadata)),
+    );
+    applied.extend(
+        plan.pod_groups
+            .iter()
+            .map(|g| digest("PodGroup", &g.metadata)),
+    );
+    applied.into_iter().collect()
+}
+
+#[test]
+fn objects_applied_unchanged_before_are_not_applied_again() {
+    let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 2, 4, 2);
+    isvc.spec.scheduling.scheduler_name = Some("volcano".into());
+    let mut observed = Observed {
+        volcano_served: true,
+        ..Observed::default()
+    };
+    let first = plan(&isvc, &observed, &Settings::default(), &now());
+    assert_eq!(first.services.len(), 2);
+    assert!(first.disruption_budget.is_some());
+    assert_eq!(first.rank_tables.len(), 2);
+    assert_eq!(first.pod_groups.len(), 2);
+
+    observed.applied = applied_by(&first);
+    let again = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(again.services.is_empty(), "{:?}", again.services);
+    assert!(again.disruption_budget.is_none());
+    assert!(again.rank_tables.is_empty());
+    assert!(again.pod_groups.is_empty());
+
+    // A changed budget is applied again, and only it.
+    isvc.spec.disruption_budget.max_unavailable = 2;
+    let changed = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(changed.disruption_budget.is_some());
+    assert!(changed.services.is_empty());
+
+    // An object gone from the cluster (deleted by hand) is applied again.
+    observed.applied.retain(|(kind, _), _| kind != "ConfigMap");
+    let restored = plan(&isvc, &observed, &Settings::default(), &now());
+    assert_eq!(restored.rank_tables.len(), 2);
+}

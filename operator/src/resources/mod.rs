@@ -43,11 +43,10 @@ pub fn rank_table_config_map(
 }
 
 /// A digest of everything in the spec that shapes a worker pod (not `replicas` nor
-/// `autoscaling`), so pods built from an older spec can be found and replaced. FNV-1a: stable
-/// across Rust releases, unlike the standard library's hasher.
+/// `autoscaling`), so pods built from an older spec can be found and replaced.
 pub fn template_hash(isvc: &InferenceService, settings: &Settings) -> String {
     let spec = &isvc.spec;
-    let shape = serde_json::json!({
+    digest(&serde_json::json!({
         "model": spec.model,
         "accelerator": spec.accelerator,
         "parallelism": spec.parallelism,
@@ -55,9 +54,14 @@ pub fn template_hash(isvc: &InferenceService, settings: &Settings) -> String {
         "scheduling": spec.scheduling,
         "template": spec.template,
         "workerImage": settings.worker_image,
-    });
+    }))
+}
+
+/// A short digest of `value`'s JSON. FNV-1a: stable across Rust releases, unlike the
+/// standard library's hasher, so a new operator build recognises what an older one wrote.
+pub fn digest(value: &serde_json::Value) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in shape.to_string().bytes() {
+    for byte in value.to_string().bytes() {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
