@@ -21,7 +21,7 @@ use crate::api::{
 };
 use crate::model::{LoadOptions, Model};
 use crate::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
-use crate::server::PrecisionArgs;
+use crate::server::{KvCacheDtypeArgs, PrecisionArgs};
 
 const DEFAULT_REFERENCE_SCRIPT: &str =
     concat!(env!("CARGO_MANIFEST_DIR"), "/bench/llama_cpp_bench.py");
@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// The same precision policy and thresholds `serve` runs by default.
     #[command(flatten)]
     pub precision: PrecisionArgs,
+    /// The KV cache's element type `serve` stores by default.
+    #[command(flatten)]
+    pub kv_cache: KvCacheDtypeArgs,
     /// Also measure this engine on the same file and print the ratios.
     #[arg(long, value_enum)]
     pub reference: Option<Reference>,
@@ -127,21 +130,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .max(args.short_prompt_tokens + args.decode_tokens * 2 + block_size)
         .max(args.prompt_tokens + block_size);
     let kv_blocks = kv_tokens.div_ceil(block_size) + max_batch;
-    let kv_bytes = model.new_kv_cache(1, block_size).bytes() * kv_blocks;
-    let engine = scheduler::start(
-        model,
-        EngineConfig {
-            model_name: "bench".into(),
-            max_batch_size: max_batch,
-            queue_limit: max_batch,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            block_size,
-            kv_cache: KvCacheSize::Blocks(kv_blocks),
-            warmup_iterations: 10,
-            ignore_eos: true,
-            ..EngineConfig::default()
-        },
-    )?;
+    let kv_dtype = args.kv_cache.dtype();
+    let config = EngineConfig {
+        model_name: "bench".into(),
+        max_batch_size: max_batch,
+        queue_limit: max_batch,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size,
+        kv_cache: KvCacheSize::Blocks(kv_blocks),
+        kv_dtype,
+        warmup_iterations: 10,
+        ignore_eos: true,
+        ..EngineConfig::default()
+    };
+    let kv_bytes = scheduler::kv_block_bytes(&model, &config) * kv_blocks;
+    let engine = scheduler::start(model, config)?;
     wait_ready(&engine)?;
 
     eprintln!("npufleet: prefill ...");
@@ -215,11 +218,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         load_time.as_secs_f64()
     );
     println!(
-        "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB (f32, {kv_blocks} blocks of {block_size} positions, sized for {max_batch} sequences)",
+        "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB ({}, {kv_blocks} blocks of {block_size} positions, sized for {max_batch} sequences)",
         load.steps_total,
         load.preemptions_total,
         load.last_batch_size,
-        mib(kv_bytes as u64)
+        mib(kv_bytes as u64),
+        kv_dtype.name()
     );
     print_table(&args, &worker, reference.as_ref(), bandwidth, file_bytes);
     Ok(())

@@ -5,8 +5,9 @@ use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels}
 use npufleet_worker::backend::kquant::{
     self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
+use npufleet_worker::backend::kv_f16::{self, StridedRowsF16};
 use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
-use npufleet_worker::backend::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
+use npufleet_worker::backend::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
 /// A fixed generator so failures reproduce.
 struct Rng(u64);
@@ -354,6 +355,93 @@ fn float_kernels_match_scalar() {
     }
 }
 
+/// Keys and values rounded to f16, and the same values widened back to f32.
+fn f16_and_widened(values: Vec<f32>) -> (Vec<half::f16>, Vec<f32>) {
+    let halves: Vec<half::f16> = values.into_iter().map(half::f16::from_f32).collect();
+    let widened = halves.iter().map(|h| h.to_f32()).collect();
+    (halves, widened)
+}
+
+#[test]
+fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
+    let mut rng = Rng(17);
+    let (scalar, fast) = kernel_sets();
+    // Below, at and past the 8-lane and 64-value blocks, with a scalar tail.
+    for n in [5usize, 16, 40, 64, 141] {
+        let stride = n + 3;
+        let (halves, widened) = f16_and_widened(rng.vec(10 * stride + n, 1.0));
+        let keys = quant::StridedRows {
+            data: &widened,
+            stride,
+            count: 11,
+        };
+        let keys16 = StridedRowsF16 {
+            data: &halves,
+            stride,
+            count: 11,
+        };
+        let weights: Vec<f32> = (0..11).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
+        let b = rng.vec(n, 1.0);
+        let mut reference_axpy = b.clone();
+        kv_f16::axpy_strided_f16_scalar(&weights, &halves, stride, &mut reference_axpy);
+        for k in std::iter::once(&scalar).chain(&fast) {
+            for heads in 1..=5 {
+                let qs = rng.vec(heads * n, 1.0);
+                let (mut s32, mut s16) = (vec![7f32; heads * 13], vec![7f32; heads * 13]);
+                (k.dot_strided)(&qs, heads, keys, 0.125, &mut s32, 13);
+                (k.dot_strided_f16)(&qs, heads, keys16, 0.125, &mut s16, 13);
+                assert_eq!(s32, s16, "{} dot_strided_f16 n={n} heads={heads}", k.name);
+                let mut reference = vec![7f32; heads * 13];
+                kv_f16::dot_strided_f16_scalar(&qs, heads, keys16, 0.125, &mut reference, 13);
+                assert_eq!(reference, s16, "{} vs scalar n={n} heads={heads}", k.name);
+            }
+            let (mut y32, mut y16) = (b.clone(), b.clone());
+            (k.axpy_strided)(&weights, &widened, stride, &mut y32);
+            (k.axpy_strided_f16)(&weights, &halves, stride, &mut y16);
+            assert_eq!(y32, y16, "{} axpy_strided_f16 n={n}", k.name);
+            for (p, q) in reference_axpy.iter().zip(&y16) {
+                assert!(close(*p, *q, 1e-5), "{} axpy_strided_f16 n={n}", k.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_reads_an_f16_cache_as_its_widened_values() {
+    let mut rng = Rng(19);
+    let (n_heads, n_kv, hd, bs) = (6, 2, 64, 4);
+    let blocks = 9;
+    let len = blocks * bs * n_kv * hd;
+    let (k16, k32) = f16_and_widened(rng.vec(len, 1.0));
+    let (v16, v32) = f16_and_widened(rng.vec(len, 1.0));
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    // A prefill chunk and a decode token, each over its own pages of the same cache.
+    let chunks = |k, v| {
+        [(0usize, 0..21usize), (30, 21..22)].map(|(start_pos, rows)| AttentionChunk {
+            rows,
+            start_pos,
+            kv: PagedKv {
+                k,
+                v,
+                block_table: &table,
+                block_size: bs,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+            },
+        })
+    };
+    let wide = chunks(KvData::F32(&k32), KvData::F32(&v32));
+    let narrow = chunks(KvData::F16(&k16), KvData::F16(&v16));
+    let q = rng.vec(22 * n_heads * hd, 1.0);
+    for kernels in Kernels::supported() {
+        let be = CpuBackend::with_kernels(2, kernels).unwrap();
+        let (mut want, mut got) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        be.attention(&q, &wide, n_heads, &mut want);
+        be.attention(&q, &narrow, n_heads, &mut got);
+        assert_eq!(want, got, "f16 cache ({})", be.name());
+    }
+}
+
 #[test]
 fn block_formats_round_trip() {
     let mut rng = Rng(5);
@@ -563,8 +651,8 @@ fn paged_attention_matches_contiguous_reference() {
             rows: at..at + p.t,
             start_pos: p.start,
             kv: PagedKv {
-                k: &p.k,
-                v: &p.v,
+                k: KvData::F32(&p.k),
+                v: KvData::F32(&p.v),
                 block_table: &p.table,
                 block_size: bs,
                 n_kv_heads: n_kv,

@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use model_support::*;
 use npufleet_worker::api::ChatMessage;
+use npufleet_worker::backend::KvDtype;
 use npufleet_worker::model::gguf::{GgufFile, TensorType, Value};
 use npufleet_worker::model::{
     ForwardError, Model, PrecisionPolicy, SequenceChunk, StreamDecoder, WeightPrecision,
@@ -193,6 +194,56 @@ fn f32_path_matches_numpy_reference_and_int8_agrees_on_top1() {
     assert!(int8_rate >= 0.95, "int8 top-1 agreement {int8_rate:.3}");
 }
 
+/// The f16 KV cache `serve` stores by default, against numpy's f32 forward pass: with f32
+/// weights it must agree on the teacher-forced top-1 and the free-running greedy tokens at
+/// least as well as the int8 weights do with an f32 cache.
+#[test]
+fn f16_kv_cache_agrees_with_numpy_at_least_as_well_as_int8() {
+    let model = model();
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| model.tokenizer().encode(p))
+        .collect();
+    let reference = numpy_reference(&smollm2_path(), &prompts, GEN);
+    let (mut positions, mut f16_same, mut int8_same, mut max_diff) = (0, 0, 0, 0f32);
+    let (mut f16_greedy, mut int8_greedy) = (0, 0);
+    for (prompt, steps) in prompts.iter().zip(&reference) {
+        let forced: Vec<u32> = steps.iter().map(|s| s.token).collect();
+        let f16 = forced_logits_kv(model, prompt, &forced, WeightPrecision::Full, KvDtype::F16);
+        let int8 = forced_logits(model, prompt, &forced, WeightPrecision::Int8);
+        for ((s, h), q) in steps.iter().zip(&f16).zip(&int8) {
+            positions += 1;
+            for (&id, &want) in s.top_ids.iter().zip(&s.top_logits) {
+                max_diff = max_diff.max((h[id as usize] - want).abs());
+            }
+            f16_same += usize::from(argmax(h) == s.token);
+            int8_same += usize::from(argmax(q) == s.token);
+        }
+        // Tokens generated before the first one numpy would not have picked.
+        let agreed = |tokens: Vec<u32>| {
+            tokens
+                .iter()
+                .zip(&forced)
+                .take_while(|(a, b)| a == b)
+                .count()
+        };
+        f16_greedy += agreed(greedy_kv(model, prompt, GEN, WeightPrecision::Full, KvDtype::F16).0);
+        int8_greedy += agreed(greedy(model, prompt, GEN, WeightPrecision::Int8).0);
+    }
+    eprintln!(
+        "numpy agreement over {positions} positions: f16 KV top-1 {f16_same}, max |Δlogit| {max_diff:.2e}, greedy {f16_greedy}; int8 weights top-1 {int8_same}, greedy {int8_greedy}"
+    );
+    assert!(positions >= 5 * GEN);
+    assert!(
+        f16_same >= int8_same,
+        "f16 KV top-1 {f16_same} vs int8 {int8_same}"
+    );
+    assert!(
+        f16_greedy >= int8_greedy,
+        "f16 KV greedy {f16_greedy} vs int8 {int8_greedy}"
+    );
+}
+
 /// Runs `chunks` as one batch and each on its own, in one chunk; the logits must be the same
 /// bits.
 #[test]
@@ -204,7 +255,7 @@ fn mixed_batch_equals_separate_runs() {
     let c = tok.encode("One, two, three, four, five, six, seven");
     // Sequence A prefilled up to its last token already (compared with a one-shot prefill);
     // B fresh; C (int8) prefilled in two chunks.
-    let mut kv = model.new_kv_cache(12, BLOCK);
+    let mut kv = model.new_kv_cache(12, BLOCK, KvDtype::F32);
     let (ta, tb, tc): (Vec<u32>, Vec<u32>, Vec<u32>) = (vec![5, 1], vec![7], vec![2, 9]);
     let chunk = |tokens, start_pos, table, precision| SequenceChunk {
         tokens,
@@ -236,7 +287,7 @@ fn mixed_batch_equals_separate_runs() {
             ],
         )
         .unwrap();
-    let mut kv2 = model.new_kv_cache(12, BLOCK);
+    let mut kv2 = model.new_kv_cache(12, BLOCK, KvDtype::F32);
     let alone = [
         model
             .forward(&mut kv2, &[chunk(&a, 0, &ta, full)])
@@ -268,7 +319,7 @@ fn mixed_batch_equals_separate_runs() {
 fn chunked_logits(prompt: &[u32], ends: &[usize], precision: WeightPrecision) -> Vec<f32> {
     let model = model();
     let blocks = prompt.len().div_ceil(BLOCK);
-    let mut kv = model.new_kv_cache(blocks, BLOCK);
+    let mut kv = model.new_kv_cache(blocks, BLOCK, KvDtype::F32);
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
     let mut start = 0;
     let mut logits = Vec::new();
@@ -335,7 +386,7 @@ fn cached_prefix_gives_bitwise_identical_logits() {
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
     let model = model();
-    let mut kv = model.new_kv_cache(2, BLOCK);
+    let mut kv = model.new_kv_cache(2, BLOCK, KvDtype::F32);
     let table = [0u32, 1];
     let run = |kv: &mut _, tokens: &[u32], start_pos: usize, table: &[u32]| {
         model
@@ -374,7 +425,7 @@ fn bad_input_is_an_error_not_a_panic() {
         run(&mut kv, &[1], 0, &[7]),
         ForwardError::InvalidBlock { block: 7, .. }
     ));
-    let mut wrong = npufleet_worker::model::KvCache::new(2, 3, 64, 1, BLOCK);
+    let mut wrong = npufleet_worker::model::KvCache::new(KvDtype::F32, 2, 3, 64, 1, BLOCK);
     assert!(matches!(
         run(&mut wrong, &[1], 0, &[0]),
         ForwardError::KvCacheMismatch(_)

@@ -8,6 +8,7 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use model_support::*;
 use npufleet_worker::api::ChatMessage;
+use npufleet_worker::backend::KvDtype;
 use npufleet_worker::collective::{Collective, CollectiveError};
 use npufleet_worker::model::testmodel::{
     GenTestModelArgs, TestModelFormat, TestWeightType, write_into,
@@ -28,7 +29,7 @@ fn spec(format: TestModelFormat) -> GenTestModelArgs {
 
 fn prompt_logits(model: &Model, tokens: &[u32], precision: WeightPrecision) -> Vec<f32> {
     let blocks = tokens.len().div_ceil(BLOCK);
-    let mut kv = model.new_kv_cache(blocks, BLOCK);
+    let mut kv = model.new_kv_cache(blocks, BLOCK, KvDtype::F32);
     let table: Vec<u32> = (0..blocks as u32).collect();
     model
         .forward(

@@ -3,13 +3,15 @@
 
 use std::ops::Range;
 
+use half::f16;
 use rayon::prelude::*;
 
 use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
+use super::kv_f16::{self, StridedRowsF16};
 use super::quant::{
     self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
 };
-use super::{AttentionChunk, Backend, Matrix, PagedKv, WeightData};
+use super::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
 /// A group of [`GROUP_ROWS`] weight rows (row-major blocks) against every activation row:
 /// `out[j][r]` = weight row `r` · activation row `j`.
@@ -43,6 +45,9 @@ pub struct Kernels {
     pub silu_mul: fn(&mut [f32], &[f32]),
     pub dot_strided: fn(&[f32], usize, StridedRows<'_>, f32, &mut [f32], usize),
     pub axpy_strided: fn(&[f32], &[f32], usize, &mut [f32]),
+    /// [`Kernels::dot_strided`] and [`Kernels::axpy_strided`] over an f16 KV cache.
+    pub dot_strided_f16: fn(&[f32], usize, StridedRowsF16<'_>, f32, &mut [f32], usize),
+    pub axpy_strided_f16: fn(&[f32], &[f16], usize, &mut [f32]),
 }
 
 impl Kernels {
@@ -68,6 +73,8 @@ impl Kernels {
             silu_mul: quant::silu_mul_scalar,
             dot_strided: quant::dot_strided_scalar,
             axpy_strided: quant::axpy_strided_scalar,
+            dot_strided_f16: kv_f16::dot_strided_f16_scalar,
+            axpy_strided_f16: kv_f16::axpy_strided_f16_scalar,
         }
     }
 
@@ -124,6 +131,12 @@ fn avx2_kernels() -> Kernels {
             avx2::dot_strided(q, heads, rows, scale, out, out_stride)
         },
         axpy_strided: |w, rows, stride, out| unsafe { avx2::axpy_strided(w, rows, stride, out) },
+        dot_strided_f16: |q, heads, rows, scale, out, out_stride| unsafe {
+            avx2::dot_strided_f16(q, heads, rows, scale, out, out_stride)
+        },
+        axpy_strided_f16: |w, rows, stride, out| unsafe {
+            avx2::axpy_strided_f16(w, rows, stride, out)
+        },
     }
 }
 
@@ -584,12 +597,25 @@ fn attend_group(
     };
     scores.resize(heads * len, 0.0);
     for (range, first) in pages() {
-        let keys = StridedRows {
-            data: &kv.k[first..],
-            stride,
-            count: range.len(),
-        };
-        (k.dot_strided)(q, heads, keys, scale, &mut scores[range.start..], len);
+        let out = &mut scores[range.start..];
+        match kv.k {
+            KvData::F32(keys) => {
+                let keys = StridedRows {
+                    data: &keys[first..],
+                    stride,
+                    count: range.len(),
+                };
+                (k.dot_strided)(q, heads, keys, scale, out, len)
+            }
+            KvData::F16(keys) => {
+                let keys = StridedRowsF16 {
+                    data: &keys[first..],
+                    stride,
+                    count: range.len(),
+                };
+                (k.dot_strided_f16)(q, heads, keys, scale, out, len)
+            }
+        }
     }
     for (s, o) in scores.chunks_exact_mut(len).zip(out.chunks_exact_mut(hd)) {
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -599,7 +625,10 @@ fn attend_group(
         }
         o.fill(0.0);
         for (range, first) in pages() {
-            (k.axpy_strided)(&s[range], &kv.v[first..], stride, o);
+            match kv.v {
+                KvData::F32(values) => (k.axpy_strided)(&s[range], &values[first..], stride, o),
+                KvData::F16(values) => (k.axpy_strided_f16)(&s[range], &values[first..], stride, o),
+            }
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod avx2;
 pub mod blocks;
 pub mod cpu;
 pub mod kquant;
+pub mod kv_f16;
 pub mod quant;
 
 use std::ops::Range;
@@ -228,12 +229,44 @@ impl Matrix {
     }
 }
 
+/// The element type the KV cache stores keys and values in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// Half the memory of f32 per position; the attention kernels widen as they read.
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per stored value.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+}
+
+/// One layer's keys or values, in the cache's element type.
+#[derive(Clone, Copy)]
+pub enum KvData<'a> {
+    F16(&'a [f16]),
+    F32(&'a [f32]),
+}
+
 /// One sequence's keys and values for one layer, stored in fixed-size blocks.
 /// Position `p` lives in block `block_table[p / block_size]`, slot `p % block_size`; a slot
 /// holds `n_kv_heads × head_dim` values.
 pub struct PagedKv<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: KvData<'a>,
+    pub v: KvData<'a>,
     pub block_table: &'a [u32],
     pub block_size: usize,
     pub n_kv_heads: usize,

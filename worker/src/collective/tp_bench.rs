@@ -240,7 +240,9 @@ pub fn generate(
     .with_context(|| format!("loading {}", model_path.display()))?;
     let prompt = prompt_tokens(&model, prompt);
     let blocks = (prompt.len() + decode_tokens).div_ceil(BLOCK_SIZE);
-    let mut kv = model.new_kv_cache(blocks, BLOCK_SIZE);
+    // The element type serve stores by default.
+    let dtype = crate::server::KvCacheDtype::Auto.resolve();
+    let mut kv = model.new_kv_cache(blocks, BLOCK_SIZE, dtype);
     if let Some(timed) = timed.as_ref().filter(|t| t.rank() != 0) {
         step::follow(timed.as_ref(), |chunks| -> anyhow::Result<()> {
             let batch: Vec<SequenceChunk<'_>> = chunks.iter().map(to_chunk).collect();

@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, KvDtype};
 use crate::collective::{Collective, CollectiveError};
 pub use kv_cache::KvCache;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
@@ -348,8 +348,9 @@ impl Model {
     }
 
     /// A cache for this rank's KV heads.
-    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> KvCache {
+    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize, dtype: KvDtype) -> KvCache {
         KvCache::new(
+            dtype,
             self.config.n_layers,
             self.weights.n_kv_heads,
             self.config.head_dim,

@@ -69,7 +69,7 @@ pub(super) struct EngineCore {
 impl EngineCore {
     pub(super) fn plan(model: &Model, cfg: &EngineConfig) -> anyhow::Result<Limits> {
         check_config(cfg)?;
-        let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
+        let block_bytes = super::kv_block_bytes(model, cfg);
         if let super::KvCacheSize::ShareOfMemoryLimit { limit_bytes, .. } = cfg.kv_cache
             && model.weight_bytes() >= limit_bytes
         {
@@ -143,7 +143,7 @@ impl EngineCore {
         limits: Limits,
         shared: &Arc<Shared>,
     ) -> Self {
-        let kv = model.new_kv_cache(limits.num_blocks, cfg.block_size);
+        let kv = model.new_kv_cache(limits.num_blocks, cfg.block_size, cfg.kv_dtype);
         let blocks = BlockManager::new(limits.num_blocks, cfg.block_size);
         Self {
             model,

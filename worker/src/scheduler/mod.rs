@@ -27,6 +27,7 @@ use crate::api::{
     ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
     Prompt, SubmitError,
 };
+use crate::backend::KvDtype;
 use crate::model::{Model, PrecisionPolicy, StreamDecoder, WeightPrecision};
 
 use self::blocks::SequenceBlocks;
@@ -72,6 +73,8 @@ pub struct EngineConfig {
     /// Positions per KV-cache block.
     pub block_size: usize,
     pub kv_cache: KvCacheSize,
+    /// What the KV cache stores; the cache's byte budget buys twice the blocks in f16.
+    pub kv_dtype: KvDtype,
     /// Dummy forward passes before the engine reports ready.
     pub warmup_iterations: u32,
     /// Prompt prefixes (for example rendered system prompts) computed during warm-up and
@@ -91,6 +94,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 512,
             block_size: 16,
             kv_cache: KvCacheSize::Bytes(1 << 30),
+            kv_dtype: KvDtype::F16,
             warmup_iterations: 100,
             prefix_templates: Vec::new(),
             ignore_eos: false,
@@ -101,11 +105,19 @@ impl Default for EngineConfig {
 /// How many KV-cache blocks `cfg` gives `model`. Every rank of a tensor-parallel group holds
 /// the same number of KV heads, so the followers size their caches to match the leader's.
 pub fn kv_cache_blocks(model: &Model, cfg: &EngineConfig) -> usize {
-    let block_bytes = model.new_kv_cache(1, cfg.block_size).bytes().max(1);
+    let block_bytes = kv_block_bytes(model, cfg);
     match cfg.kv_cache {
         KvCacheSize::Blocks(blocks) => blocks,
         size => size.bytes(block_bytes, model.weight_bytes()) / block_bytes,
     }
+}
+
+/// Bytes of one KV-cache block of `cfg`'s size and element type, across all layers.
+pub fn kv_block_bytes(model: &Model, cfg: &EngineConfig) -> usize {
+    model
+        .new_kv_cache(1, cfg.block_size, cfg.kv_dtype)
+        .bytes()
+        .max(1)
 }
 
 /// Starts the engine thread. The engine warms up in the background; [`Engine::state`]

@@ -38,6 +38,7 @@ use tonic_health::ServingStatus;
 
 use crate::api::{Engine, EngineState};
 use crate::ascend::{AcceleratorKind, Selected};
+use crate::backend::KvDtype;
 use crate::model::PrecisionPolicy;
 use crate::scheduler::{EngineConfig, KvCacheSize};
 use crate::server::shared::Shared;
@@ -59,6 +60,41 @@ pub struct PrecisionArgs {
 impl PrecisionArgs {
     pub fn policy(&self) -> PrecisionPolicy {
         PrecisionPolicy::new(self.precision, self.auto_int8_max_prompt_tokens)
+    }
+}
+
+/// What the KV cache stores, as `--kv-cache-dtype` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheDtype {
+    /// f16, as llama.cpp and vLLM store it by default: every backend's attention reads the
+    /// cache with the host kernels, which widen f16 as they load it.
+    Auto,
+    F16,
+    F32,
+}
+
+impl KvCacheDtype {
+    pub fn resolve(self) -> KvDtype {
+        match self {
+            KvCacheDtype::Auto | KvCacheDtype::F16 => KvDtype::F16,
+            KvCacheDtype::F32 => KvDtype::F32,
+        }
+    }
+}
+
+/// The KV cache's element type; `serve` and `bench` share it, so the benchmark measures
+/// the default `serve` runs.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct KvCacheDtypeArgs {
+    /// What the KV cache stores: f16 takes half the memory of f32, so the same
+    /// `--kv-cache-bytes` holds twice the positions.
+    #[arg(long, env = env::KV_CACHE_DTYPE, value_enum, default_value_t = KvCacheDtype::Auto)]
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+impl KvCacheDtypeArgs {
+    pub fn dtype(&self) -> KvDtype {
+        self.kv_cache_dtype.resolve()
     }
 }
 
@@ -115,6 +151,8 @@ pub struct EngineArgs {
     /// KV-cache size in blocks; overrides `--kv-cache-bytes`.
     #[arg(long, env = "NPUFLEET_KV_CACHE_BLOCKS")]
     pub kv_cache_blocks: Option<usize>,
+    #[command(flatten)]
+    pub kv_cache_dtype: KvCacheDtypeArgs,
     /// Generate past the model's end-of-sequence tokens, so every request runs to its
     /// `max_tokens`: for benchmarks and load tests, not for serving users.
     #[arg(long, env = env::IGNORE_EOS)]
@@ -315,6 +353,7 @@ fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Rol
         max_num_batched_tokens: engine_args.max_num_batched_tokens,
         block_size: engine_args.block_size,
         kv_cache: engine_args.kv_cache_size(),
+        kv_dtype: engine_args.kv_cache_dtype.dtype(),
         warmup_iterations: engine_args.warmup_iterations,
         prefix_templates,
         ignore_eos: engine_args.ignore_eos,

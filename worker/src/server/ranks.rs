@@ -106,7 +106,11 @@ pub fn start(
     let mut followers = Followers::none();
     for model in models {
         let rank = model.shard().rank;
-        let mut kv = model.new_kv_cache(kv_cache_blocks(&model, engine), engine.block_size);
+        let mut kv = model.new_kv_cache(
+            kv_cache_blocks(&model, engine),
+            engine.block_size,
+            engine.kv_dtype,
+        );
         let thread = std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || -> anyhow::Result<()> {

@@ -4,20 +4,33 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use npufleet_worker::backend::KvDtype;
 use npufleet_worker::model::{
     ChatMessage, KvCache, LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision,
 };
 
 /// Logits after the prompt and after each of `forced` but the last (teacher forcing), so
-/// one early difference cannot cascade into every later comparison.
+/// one early difference cannot cascade into every later comparison. The cache is f32, as
+/// the numpy reference computes.
 pub fn forced_logits(
     model: &Model,
     prompt: &[u32],
     forced: &[u32],
     precision: WeightPrecision,
 ) -> Vec<Vec<f32>> {
+    forced_logits_kv(model, prompt, forced, precision, KvDtype::F32)
+}
+
+/// [`forced_logits`] with a KV cache of `kv_dtype`.
+pub fn forced_logits_kv(
+    model: &Model,
+    prompt: &[u32],
+    forced: &[u32],
+    precision: WeightPrecision,
+    kv_dtype: KvDtype,
+) -> Vec<Vec<f32>> {
     let blocks = (prompt.len() + forced.len()).div_ceil(BLOCK);
-    let mut kv = model.new_kv_cache(blocks, BLOCK);
+    let mut kv = model.new_kv_cache(blocks, BLOCK, kv_dtype);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut step = |tokens: &[u32], start_pos| {
         model
@@ -102,16 +115,28 @@ pub fn load(path: &Path, policy: PrecisionPolicy) -> Model {
 pub const BLOCK: usize = 16;
 
 /// Greedy decoding of `n` tokens after `prompt` (prefilled in one chunk), returning the
-/// tokens and the logits each was chosen from.
+/// tokens and the logits each was chosen from. The cache is f32, as the numpy reference
+/// computes.
 pub fn greedy(
     model: &Model,
     prompt: &[u32],
     n: usize,
     precision: WeightPrecision,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
+    greedy_kv(model, prompt, n, precision, KvDtype::F32)
+}
+
+/// [`greedy`] with a KV cache of `kv_dtype`.
+pub fn greedy_kv(
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+    precision: WeightPrecision,
+    kv_dtype: KvDtype,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let total = prompt.len() + n;
     let blocks = total.div_ceil(BLOCK);
-    let mut kv: KvCache = model.new_kv_cache(blocks, BLOCK);
+    let mut kv: KvCache = model.new_kv_cache(blocks, BLOCK, kv_dtype);
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
     let mut logits = model
         .forward(
