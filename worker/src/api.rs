@@ -2,11 +2,10 @@
 //!
 //! The server layer only ever sees this module: it submits a [`GenerateRequest`], reads a
 //! stream of [`GenerationEvent`]s, and polls [`LoadSnapshot`] for metrics and the operator's
-//! load signal. Dropping the event receiver cancels the request inside the engine.
+//! load signal. Dropping the stream cancels the request inside the engine. The engine core
+//! produces token ids; the stream turns them into text (and applies stop strings) per request.
 
 use std::time::Duration;
-
-use tokio::sync::mpsc;
 
 /// What to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,7 +112,7 @@ pub enum GenerationEvent {
     Failed { message: String },
 }
 
-pub type GenerationStream = mpsc::UnboundedReceiver<GenerationEvent>;
+pub use crate::engine::GenerationStream;
 
 /// Why a request was not accepted. Each maps to one protocol status.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -178,7 +177,7 @@ pub struct ModelInfo {
     pub precision: String,
 }
 
-/// The engine as the server sees it. Implemented by the scheduler.
+/// The engine as the server sees it. Implemented by [`crate::engine::EngineHandle`].
 pub trait Engine: Send + Sync + 'static {
     fn model_info(&self) -> &ModelInfo;
     /// Accepts or rejects at once; never blocks on a full queue.

@@ -1,7 +1,7 @@
 //! `npufleet-worker bench`: the engine's prefill, decode and batched-decode throughput on
 //! this machine, side by side with llama.cpp on the same file, prompts and thread count.
 //!
-//! Every figure goes through the real engine (scheduler, sampling, streaming), not just the
+//! Every figure goes through the real engine (engine core, sampling, streaming), not just the
 //! forward pass. Decode figures count only steps where every sequence decodes: for N
 //! concurrent requests the window runs from the last request's first token to the first
 //! request's last token.
@@ -19,8 +19,8 @@ use crate::api::{
     Engine, EngineState, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
     RequestTimings, SamplingParams,
 };
+use crate::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use crate::model::{LoadOptions, Model};
-use crate::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
 use crate::server::{KvCacheDtypeArgs, PrecisionArgs};
 
 const DEFAULT_REFERENCE_SCRIPT: &str =
@@ -143,8 +143,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         ignore_eos: true,
         ..EngineConfig::default()
     };
-    let kv_bytes = scheduler::kv_block_bytes(&model, &config) * kv_blocks;
-    let engine = scheduler::start(model, config)?;
+    let kv_bytes = engine::kv_block_bytes(&model, &config) * kv_blocks;
+    let engine = engine::start(model, config)?;
     wait_ready(&engine)?;
 
     eprintln!("npufleet: prefill ...");

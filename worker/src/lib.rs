@@ -1,9 +1,10 @@
 //! The npufleet inference worker.
 //!
 //! Layers, each only calling the one below it:
-//! `server` (gRPC, HTTP, metrics) → `scheduler` (queue, continuous batching, KV blocks)
-//! → `model` (weights, tokenizer, forward pass) → `backend` (kernels) and `collective`
-//! (tensor-parallel ring). `api` is the contract between `server` and `scheduler`;
+//! `server` (gRPC, HTTP, metrics) → `engine` (the engine core in token ids: queue, continuous
+//! batching, KV blocks, sampling; and each request's stream, which detokenises and applies
+//! stop strings) → `model` (weights, tokenizer, forward pass) → `backend` (kernels) and
+//! `collective` (tensor-parallel ring). `api` is the contract between `server` and `engine`;
 //! `ascend` plugs the NPU runtime in under `backend` and `collective`.
 
 pub mod api;
@@ -11,7 +12,7 @@ pub mod ascend;
 pub mod backend;
 pub mod bench;
 pub mod collective;
+pub mod engine;
 pub mod fuzz;
 pub mod model;
-pub mod scheduler;
 pub mod server;

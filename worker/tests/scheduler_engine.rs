@@ -11,8 +11,8 @@ use npufleet_worker::api::{
     Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
     RequestTimings, SamplingParams, SubmitError, Usage,
 };
+use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
-use npufleet_worker::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
 
 const DEADLINE: Duration = Duration::from_secs(180);
 
@@ -56,7 +56,7 @@ fn start(cfg: EngineConfig) -> Arc<EngineHandle> {
         },
     )
     .expect("loading SmolLM2");
-    let engine = scheduler::start(model, cfg).expect("starting the engine");
+    let engine = engine::start(model, cfg).expect("starting the engine");
     wait_for(&engine, |e| e.state() == EngineState::Ready, "engine ready");
     engine
 }
@@ -474,6 +474,60 @@ fn stop_strings_and_stop_tokens_end_generation() {
 }
 
 #[test]
+fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
+    // Without end-of-sequence ids only the stop string can end the request before 2000
+    // tokens, and it is matched outside the core, which must then drop the sequence.
+    let engine = start(EngineConfig {
+        ignore_eos: true,
+        ..config()
+    });
+    let prompt = "Here is a list of fruits: apple, banana,";
+    let free = collect(
+        engine
+            .submit(request("free", prompt, greedy(24)))
+            .expect("submit"),
+    );
+    let chars: Vec<char> = free.text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let generated_before = engine.load().generation_tokens_total;
+    let stopped = collect(
+        engine
+            .submit(request(
+                "stop",
+                prompt,
+                SamplingParams {
+                    stop: vec![stop.clone()],
+                    ..greedy(2000)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert_eq!(stopped.reason, FinishReason::Stop);
+    assert_eq!(
+        stopped.text,
+        &free.text[..free.text.find(&stop).expect("stop string occurs")]
+    );
+    assert_eq!(stopped.tokens, free.tokens[..stopped.tokens.len()]);
+    assert_eq!(
+        stopped.usage.completion_tokens as usize,
+        stopped.tokens.len()
+    );
+    wait_for(
+        &engine,
+        |e| {
+            let load = e.load();
+            load.running == 0 && load.kv_cache_usage == 0.0
+        },
+        "the stopped sequence to leave the core",
+    );
+    let generated = engine.load().generation_tokens_total - generated_before;
+    assert!(
+        generated < 2000,
+        "the core generated {generated} tokens after the stop string ended the request"
+    );
+}
+
+#[test]
 fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
     // 8 blocks of 4 positions: sequences hold at most 32 tokens.
     let engine = start(EngineConfig {
@@ -565,7 +619,7 @@ fn submits_during_warm_up_are_refused() {
         },
     )
     .expect("loading SmolLM2");
-    let engine = scheduler::start(
+    let engine = engine::start(
         model,
         EngineConfig {
             warmup_iterations: 1_000_000,

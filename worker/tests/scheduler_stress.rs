@@ -9,9 +9,9 @@ use npufleet_worker::api::{
     Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
     SamplingParams,
 };
+use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
-use npufleet_worker::scheduler::{self, EngineConfig, EngineHandle, KvCacheSize};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -37,7 +37,7 @@ fn start(model_dir: &std::path::Path, cfg: EngineConfig) -> Arc<EngineHandle> {
         },
     )
     .expect("loading the test model");
-    let engine = scheduler::start(model, cfg).expect("starting the engine");
+    let engine = engine::start(model, cfg).expect("starting the engine");
     let deadline = Instant::now() + DEADLINE;
     while engine.state() != EngineState::Ready {
         assert!(Instant::now() < deadline, "engine not ready");

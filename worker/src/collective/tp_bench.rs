@@ -204,18 +204,6 @@ fn to_chunk(planned: &PlannedChunk) -> SequenceChunk<'_> {
     }
 }
 
-/// Prompt tokens for `text`, with BOS when the model wants one.
-pub fn prompt_tokens(model: &Model, text: &str) -> Vec<u32> {
-    let mut tokens = Vec::new();
-    if model.config().add_bos
-        && let Some(bos) = model.config().bos_token_id
-    {
-        tokens.push(bos);
-    }
-    tokens.extend(model.tokenizer().encode(text));
-    tokens
-}
-
 /// Loads this rank's shard and generates `decode_tokens` tokens greedily after `prompt`.
 /// Rank 0 (or a lone process when `collective` is `None`) returns the generation; the other
 /// ranks follow rank 0's plans and return `None` once it stops.
@@ -238,7 +226,7 @@ pub fn generate(
         },
     )
     .with_context(|| format!("loading {}", model_path.display()))?;
-    let prompt = prompt_tokens(&model, prompt);
+    let prompt = model.tokenizer().encode_prompt(model.config(), prompt);
     let blocks = (prompt.len() + decode_tokens).div_ceil(BLOCK_SIZE);
     // The element type serve stores by default.
     let dtype = crate::server::KvCacheDtype::Auto.resolve();

@@ -10,11 +10,45 @@ use super::weights::Linear;
 use super::{ForwardError, KvCache, Model, SequenceChunk, WeightPrecision};
 use crate::backend::{AttentionChunk, Backend};
 
+/// The activations of a forward pass, kept by the caller so that consecutive steps reuse the
+/// memory: each buffer grows to the largest step seen and is not freed between steps.
+#[derive(Default)]
+pub struct StepBuffers {
+    x: Vec<f32>,
+    xb: Vec<f32>,
+    out: Vec<f32>,
+    q: Vec<f32>,
+    att: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    last: Vec<f32>,
+    pub(super) logits: Vec<f32>,
+    vocab_size: usize,
+}
+
+impl StepBuffers {
+    /// The last pass's last-token logits of each chunk with `want_logits`, in batch order.
+    pub fn logits(&self) -> std::slice::ChunksExact<'_, f32> {
+        self.logits.chunks_exact(self.vocab_size.max(1))
+    }
+}
+
+/// `buf` as `len` zeros, in the memory it already has when that is enough.
+fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.clear();
+    buf.resize(len, 0.0);
+    buf
+}
+
+/// Runs the pass; the logits are left in `buf` (see [`StepBuffers::logits`]).
 pub(super) fn forward(
     m: &Model,
     kv: &mut KvCache,
     batch: &[SequenceChunk<'_>],
-) -> Result<Vec<Vec<f32>>, ForwardError> {
+    buf: &mut StepBuffers,
+) -> Result<(), ForwardError> {
     let (cfg, w, be) = (&m.config, &m.weights, m.backend.as_ref());
     let (dim, hd, eps) = (cfg.dim, cfg.head_dim, cfg.rms_eps);
     let (nh, nkv) = (w.n_heads, w.n_kv_heads);
@@ -25,33 +59,48 @@ pub(super) fn forward(
         .layers
         .first()
         .map_or(0, |l| l.w_gate.get(WeightPrecision::Full).rows);
-    let mut x = vec![0f32; n * dim];
+    let StepBuffers {
+        x,
+        xb,
+        out,
+        q,
+        att,
+        k,
+        v,
+        gate,
+        up,
+        last,
+        logits,
+        vocab_size,
+    } = buf;
+    *vocab_size = cfg.vocab_size;
+    let x = zeroed(x, n * dim);
     for (row, &tok) in x
         .chunks_exact_mut(dim)
         .zip(batch.iter().flat_map(|c| c.tokens))
     {
         w.token_embd.row_to_f32(tok as usize, row);
     }
-    let (mut xb, mut out) = (vec![0f32; n * dim], vec![0f32; n * dim]);
-    let (mut q, mut att) = (vec![0f32; n * nh * hd], vec![0f32; n * nh * hd]);
-    let (mut k, mut v) = (vec![0f32; n * nkv * hd], vec![0f32; n * nkv * hd]);
-    let (mut gate, mut up) = (vec![0f32; n * ffn], vec![0f32; n * ffn]);
+    let (xb, out) = (zeroed(xb, n * dim), zeroed(out, n * dim));
+    let (q, att) = (zeroed(q, n * nh * hd), zeroed(att, n * nh * hd));
+    let (k, v) = (zeroed(k, n * nkv * hd), zeroed(v, n * nkv * hd));
+    let (gate, up) = (zeroed(gate, n * ffn), zeroed(up, n * ffn));
     for (l, lw) in w.layers.iter().enumerate() {
-        rms_norm(&x, &lw.attn_norm, eps, &mut xb);
+        rms_norm(x, &lw.attn_norm, eps, xb);
         linear_shared_input(
             be,
             [&lw.wq, &lw.wk, &lw.wv],
-            &xb,
+            xb,
             &rows.segments,
-            [&mut q, &mut k, &mut v],
+            [&mut *q, &mut *k, &mut *v],
         );
-        for (out, bias) in [(&mut q, &lw.bq), (&mut k, &lw.bk), (&mut v, &lw.bv)] {
+        for (out, bias) in [(&mut *q, &lw.bq), (&mut *k, &lw.bk), (&mut *v, &lw.bv)] {
             if let Some(bias) = bias {
                 add_bias(out, bias);
             }
         }
-        rotations.apply(&mut q);
-        rotations.apply(&mut k);
+        rotations.apply(q);
+        rotations.apply(k);
         for (c, r) in batch.iter().zip(&rows.chunks) {
             let kv_rows = r.start * nkv * hd..r.end * nkv * hd;
             kv.store(
@@ -71,36 +120,33 @@ pub(super) fn forward(
                 kv: kv.paged(l, c.block_table),
             })
             .collect();
-        be.attention(&q, &chunks, nh, &mut att);
-        linear(be, &lw.wo, &att, &rows.segments, &mut out);
-        m.all_reduce(&mut out)?;
-        add(&mut x, &out);
-        rms_norm(&x, &lw.ffn_norm, eps, &mut xb);
+        be.attention(q, &chunks, nh, att);
+        linear(be, &lw.wo, att, &rows.segments, out);
+        m.all_reduce(out)?;
+        add(x, out);
+        rms_norm(x, &lw.ffn_norm, eps, xb);
         linear_shared_input(
             be,
             [&lw.w_gate, &lw.w_up],
-            &xb,
+            xb,
             &rows.segments,
-            [&mut gate, &mut up],
+            [&mut *gate, &mut *up],
         );
-        be.swiglu(&mut gate, &up, ffn);
-        linear(be, &lw.w_down, &gate, &rows.segments, &mut out);
-        m.all_reduce(&mut out)?;
-        add(&mut x, &out);
+        be.swiglu(gate, up, ffn);
+        linear(be, &lw.w_down, gate, &rows.segments, out);
+        m.all_reduce(out)?;
+        add(x, out);
     }
     let wanted: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].want_logits).collect();
-    let mut last = vec![0f32; wanted.len() * dim];
+    let last = zeroed(last, wanted.len() * dim);
     for (dst, &i) in last.chunks_exact_mut(dim).zip(&wanted) {
         let row = rows.chunks[i].end - 1;
         rms_norm(&x[row * dim..(row + 1) * dim], &w.output_norm, eps, dst);
     }
     let head_segments = segments(wanted.iter().map(|&i| (1, batch[i].precision)));
-    let mut logits = vec![0f32; wanted.len() * cfg.vocab_size];
-    linear(be, &w.output, &last, &head_segments, &mut logits);
-    Ok(logits
-        .chunks_exact(cfg.vocab_size.max(1))
-        .map(<[f32]>::to_vec)
-        .collect())
+    let logits = zeroed(logits, wanted.len() * cfg.vocab_size);
+    linear(be, &w.output, last, &head_segments, logits);
+    Ok(())
 }
 
 /// Where each chunk's rows sit in the stacked activations.

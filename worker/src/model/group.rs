@@ -1,11 +1,11 @@
 //! A tensor-parallel group as one model: the leader (rank 0) broadcasts each step's plan before
-//! running it, and the other ranks replay those plans on their shards. The scheduler above
+//! running it, and the other ranks replay those plans on their shards. The engine above
 //! drives the leader's [`Model`] as if it were alone.
 
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use super::{ForwardError, KvCache, Model, SequenceChunk, WeightPrecision};
+use super::{ForwardError, KvCache, Model, SequenceChunk, StepBuffers, WeightPrecision};
 use crate::collective::step::{self, PlannedChunk, StepPlan};
 use crate::collective::{Collective, CollectiveError};
 
@@ -150,6 +150,7 @@ pub(super) fn follow(model: &Model, kv: &mut KvCache) -> Result<(), ForwardError
                 "only ranks other than 0 of a tensor-parallel group follow a leader".into(),
             ))
         })?;
+    let mut buffers = StepBuffers::default();
     step::follow(collective.as_ref(), |chunks| {
         let batch: Vec<SequenceChunk<'_>> = chunks
             .iter()
@@ -165,6 +166,6 @@ pub(super) fn follow(model: &Model, kv: &mut KvCache) -> Result<(), ForwardError
                 },
             })
             .collect();
-        model.forward_local(kv, &batch).map(drop)
+        model.forward_local(kv, &batch, &mut buffers)
     })
 }

@@ -22,6 +22,7 @@ use anyhow::{Context, Result, bail, ensure};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, KvDtype};
 use crate::collective::{Collective, CollectiveError};
+pub use forward::StepBuffers;
 pub use kv_cache::KvCache;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 use weights::{RotaryRows, Shard, Weights};
@@ -366,13 +367,29 @@ impl Model {
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        let mut buffers = StepBuffers::default();
+        self.forward_into(kv, batch, &mut buffers)?;
+        Ok(buffers.logits().map(<[f32]>::to_vec).collect())
+    }
+
+    /// [`Model::forward`] for a caller that runs step after step: the activations live in
+    /// `buffers`, reused from one step to the next, and the logits are left there
+    /// ([`StepBuffers::logits`]).
+    pub fn forward_into(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SequenceChunk<'_>],
+        buffers: &mut StepBuffers,
+    ) -> Result<(), ForwardError> {
         match &self.leader {
             Some(leader) if !batch.is_empty() => {
                 // A plan the followers would refuse must not reach them.
                 self.validate(kv, batch)?;
-                leader.run(&group::plan_of(batch), || self.run_validated(kv, batch))
+                leader.run(&group::plan_of(batch), || {
+                    self.run_validated(kv, batch, buffers)
+                })
             }
-            _ => self.forward_local(kv, batch),
+            _ => self.forward_local(kv, batch, buffers),
         }
     }
 
@@ -381,22 +398,25 @@ impl Model {
         &self,
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],
-    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        buffers: &mut StepBuffers,
+    ) -> Result<(), ForwardError> {
         self.validate(kv, batch)?;
         if batch.is_empty() {
-            return Ok(Vec::new());
+            buffers.logits.clear();
+            return Ok(());
         }
-        self.run_validated(kv, batch)
+        self.run_validated(kv, batch, buffers)
     }
 
     fn run_validated(
         &self,
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],
-    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        buffers: &mut StepBuffers,
+    ) -> Result<(), ForwardError> {
         let mut result = None;
         self.backend
-            .run(&mut || result = Some(forward::forward(self, kv, batch)));
+            .run(&mut || result = Some(forward::forward(self, kv, batch, buffers)));
         result.expect("the backend runs the forward pass")
     }
 

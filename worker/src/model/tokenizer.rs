@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+use super::ModelConfig;
 use super::gguf::{GgufFile, Value};
 
 /// GGUF `tokenizer.ggml.token_type` values.
@@ -256,8 +257,15 @@ impl Tokenizer {
         })
     }
 
-    /// Token ids; no BOS is added (see `ModelConfig::add_bos`). Special-token texts such as
-    /// `<|im_start|>` in `text` become their single ids.
+    /// A prompt's token ids: the model's BOS first when its configuration asks for one, then
+    /// `text` encoded. Every path that turns prompt text into model input goes through here.
+    pub fn encode_prompt(&self, config: &ModelConfig, text: &str) -> Vec<u32> {
+        let bos = config.bos_token_id.filter(|_| config.add_bos);
+        bos.into_iter().chain(self.encode(text)).collect()
+    }
+
+    /// Token ids; no BOS is added (prompts go through [`Tokenizer::encode_prompt`]).
+    /// Special-token texts such as `<|im_start|>` in `text` become their single ids.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         match self.inner.encode(text, false) {
             Ok(e) => e.get_ids().to_vec(),

@@ -39,8 +39,8 @@ use tonic_health::ServingStatus;
 use crate::api::{Engine, EngineState};
 use crate::ascend::{AcceleratorKind, Selected};
 use crate::backend::KvDtype;
+use crate::engine::{EngineConfig, KvCacheSize};
 use crate::model::PrecisionPolicy;
-use crate::scheduler::{EngineConfig, KvCacheSize};
 use crate::server::shared::Shared;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
@@ -313,8 +313,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     match start_ranks(&args, &model_name)? {
         (ranks::Role::Leader { model, followers }, config) => {
-            let engine =
-                crate::scheduler::start(*model, config).context("cannot start the engine")?;
+            let engine = crate::engine::start(*model, config).context("cannot start the engine")?;
             let served = runtime.block_on(serve(args, engine, model_name));
             // Dropping the runtime drops the last engine handle, and with it the model, which
             // tells this process's followers (and every other rank) that the group is done.

@@ -17,8 +17,8 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::collective::Collective;
 use crate::collective::setup::{RingSettings, join_local_ranks};
+use crate::engine::{EngineConfig, kv_cache_blocks};
 use crate::model::{LoadOptions, Model, PrecisionPolicy};
-use crate::scheduler::{EngineConfig, kv_cache_blocks};
 use npufleet_contract::env;
 
 /// What this process does in its group.

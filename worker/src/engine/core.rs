@@ -1,4 +1,6 @@
-//! The engine thread: warm-up, then one scheduling step after another.
+//! The engine core's thread: warm-up, then one step after another, each a schedule, an
+//! `execute` (forward pass and sampling) and an `update` (the sampled ids appended,
+//! finished sequences released). Token ids in, token ids out.
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
@@ -8,12 +10,10 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 
 use super::blocks::{BlockManager, SequenceBlocks};
-use super::stop::StopOutcome;
+use super::stream::SequenceOutput;
 use super::{EngineConfig, Sequence, Shared, SharedState, check_config};
-use crate::api::{FinishReason, GenerationEvent, LoadSnapshot, RequestTimings, Usage};
-use crate::model::{
-    KvCache, Model, PrecisionPolicy, SequenceChunk, StreamDecoder, Tokenizer, WeightPrecision,
-};
+use crate::api::{FinishReason, LoadSnapshot, RequestTimings, Usage};
+use crate::model::{KvCache, Model, PrecisionPolicy, SequenceChunk, StepBuffers, WeightPrecision};
 
 /// Sizes derived from the model and the configuration before the engine starts.
 #[derive(Debug, Clone)]
@@ -64,6 +64,11 @@ pub(super) struct EngineCore {
     pinned: Vec<SequenceBlocks>,
     /// Counters published to [`SharedState::stats`] after each step.
     counters: LoadSnapshot,
+    /// The forward pass's activations and logits, reused by every step.
+    buffers: StepBuffers,
+    /// The token `execute` sampled for each item of the step's plan (`None` where the item
+    /// ends inside its prompt), reused by every step.
+    sampled: Vec<Option<u32>>,
 }
 
 impl EngineCore {
@@ -103,16 +108,7 @@ impl EngineCore {
             .prefix_templates
             .iter()
             .filter(|template| !template.is_empty())
-            .map(|template| {
-                let mut tokens = Vec::new();
-                if config.add_bos
-                    && let Some(bos) = config.bos_token_id
-                {
-                    tokens.push(bos);
-                }
-                tokens.extend(model.tokenizer().encode(template));
-                tokens
-            })
+            .map(|template| model.tokenizer().encode_prompt(config, template))
             .collect();
         let precisions = precisions_of(model.policy()).len();
         let pinned_blocks: usize = templates
@@ -145,6 +141,7 @@ impl EngineCore {
     ) -> Self {
         let kv = model.new_kv_cache(limits.num_blocks, cfg.block_size, cfg.kv_dtype);
         let blocks = BlockManager::new(limits.num_blocks, cfg.block_size);
+        let max_batch_size = cfg.max_batch_size;
         Self {
             model,
             cfg,
@@ -155,6 +152,8 @@ impl EngineCore {
             running: BTreeMap::new(),
             pinned: Vec::new(),
             counters: LoadSnapshot::default(),
+            buffers: StepBuffers::default(),
+            sampled: Vec::with_capacity(max_batch_size),
         }
     }
 
@@ -175,7 +174,7 @@ impl EngineCore {
         let group_lost = self.model.group_failure().map(|err| err.to_string());
         if let Some(message) = panicked.or(group_lost) {
             tracing::error!(%message, "the engine stopped");
-            let failure = GenerationEvent::Failed {
+            let failure = SequenceOutput::Failed {
                 message: format!("the engine stopped: {message}"),
             };
             let mut state = self.shared.lock();
@@ -188,7 +187,7 @@ impl EngineCore {
                 .drain(..)
                 .chain(std::mem::take(&mut self.running).into_values())
             {
-                let _ = sequence.events.send(failure.clone());
+                let _ = sequence.outputs.send(failure.clone());
             }
         }
     }
@@ -230,7 +229,10 @@ impl EngineCore {
                     precision,
                 })
                 .collect();
-            if let Err(err) = self.model.forward(&mut self.kv, &batch) {
+            if let Err(err) = self
+                .model
+                .forward_into(&mut self.kv, &batch, &mut self.buffers)
+            {
                 tracing::warn!(error = %err, "warm-up forward pass failed");
                 if self.model.group_failure().is_some() {
                     return false;
@@ -276,7 +278,10 @@ impl EngineCore {
                 want_logits: false,
                 precision,
             };
-            if let Err(err) = self.model.forward(&mut self.kv, &[chunk]) {
+            if let Err(err) = self
+                .model
+                .forward_into(&mut self.kv, &[chunk], &mut self.buffers)
+            {
                 tracing::warn!(error = %err, "computing a prefix template failed");
                 self.blocks.free(&mut blocks);
                 return;
@@ -324,7 +329,20 @@ impl EngineCore {
                 continue;
             }
             drop(state);
-            self.step(&plan);
+            match self.execute(&plan) {
+                Ok(()) => self.update(&plan),
+                Err(message) => {
+                    tracing::error!(%message);
+                    for item in &plan {
+                        self.finish_with(
+                            item.order,
+                            SequenceOutput::Failed {
+                                message: message.clone(),
+                            },
+                        );
+                    }
+                }
+            }
             if self.model.group_failure().is_some() {
                 return;
             }
@@ -354,7 +372,7 @@ impl EngineCore {
         let cancelled: Vec<u64> = self
             .running
             .iter()
-            .filter(|(_, sequence)| sequence.events.is_closed())
+            .filter(|(_, sequence)| sequence.outputs.is_closed())
             .map(|(&order, _)| order)
             .collect();
         for order in cancelled {
@@ -365,7 +383,7 @@ impl EngineCore {
         }
         state
             .waiting
-            .retain(|sequence| !sequence.events.is_closed());
+            .retain(|sequence| !sequence.outputs.is_closed());
     }
 
     /// Picks this step's work: decodes first so they keep flowing, then prompt chunks of
@@ -495,8 +513,9 @@ impl EngineCore {
         state.waiting.push_front(sequence);
     }
 
-    /// Runs one forward pass over the plan and advances every sequence in it.
-    fn step(&mut self, plan: &[Scheduled]) {
+    /// Runs one forward pass over the plan and samples the next token of every sequence
+    /// whose prompt it completes, into `self.sampled`.
+    fn execute(&mut self, plan: &[Scheduled]) -> Result<(), String> {
         let batch: Vec<SequenceChunk<'_>> = plan
             .iter()
             .map(|item| {
@@ -510,27 +529,33 @@ impl EngineCore {
                 }
             })
             .collect();
-        let result = self.model.forward(&mut self.kv, &batch);
+        let result = self
+            .model
+            .forward_into(&mut self.kv, &batch, &mut self.buffers);
         drop(batch);
-        let mut logits = match result {
-            Ok(logits) => logits.into_iter(),
-            Err(err) => {
-                let message = format!("the forward pass failed: {err}");
-                tracing::error!(%message);
-                for item in plan {
-                    self.finish_with(
-                        item.order,
-                        GenerationEvent::Failed {
-                            message: message.clone(),
-                        },
-                    );
-                }
-                return;
-            }
-        };
-        let tokenizer = self.model.tokenizer();
-        let mut finished = Vec::new();
+        result.map_err(|err| format!("the forward pass failed: {err}"))?;
+        let mut logits = self.buffers.logits();
+        self.sampled.clear();
         for item in plan {
+            let sequence = self
+                .running
+                .get_mut(&item.order)
+                .expect("planned sequences are running");
+            let token = if item.start + item.len == sequence.tokens.len() {
+                logits.next().map(|row| sequence.sampler.sample(row))
+            } else {
+                None
+            };
+            self.sampled.push(token);
+        }
+        Ok(())
+    }
+
+    /// Advances every sequence of the plan past its computed positions, appends the tokens
+    /// `execute` sampled, and finishes sequences on a stop id or at their length limit.
+    fn update(&mut self, plan: &[Scheduled]) {
+        let mut finished = Vec::new();
+        for (item, &sampled) in plan.iter().zip(&self.sampled) {
             let Some(sequence) = self.running.get_mut(&item.order) else {
                 continue;
             };
@@ -543,91 +568,70 @@ impl EngineCore {
             if sequence.num_computed < sequence.tokens.len() {
                 continue;
             }
-            let Some(row) = logits.next() else {
-                finished.push((item.order, None));
+            let Some(token) = sampled else {
+                finished.push((
+                    item.order,
+                    Some(SequenceOutput::Failed {
+                        message: "the model returned fewer logits than requested".into(),
+                    }),
+                ));
                 continue;
             };
-            let token = sequence.sampler.sample(&row);
             self.counters.generation_tokens_total += 1;
-            if let Some(reason) = accept_token(sequence, token, tokenizer) {
-                finished.push((item.order, Some(reason)));
+            let output = accept_token(sequence, token);
+            let ends = matches!(
+                output,
+                SequenceOutput::Token {
+                    finish: Some(_),
+                    ..
+                }
+            );
+            let _ = sequence.outputs.send(output);
+            if ends {
+                finished.push((item.order, None));
             }
         }
-        for (order, reason) in finished {
-            let event = match reason {
-                Some(reason) => {
-                    let Some(sequence) = self.running.get(&order) else {
-                        continue;
-                    };
-                    GenerationEvent::Finished {
-                        reason,
-                        usage: usage_of(sequence),
-                        timings: timings_of(sequence),
-                    }
-                }
-                None => GenerationEvent::Failed {
-                    message: "the model returned fewer logits than requested".into(),
-                },
-            };
-            self.finish_with(order, event);
+        for (order, output) in finished {
+            match output {
+                Some(output) => self.finish_with(order, output),
+                None => self.release(order),
+            }
         }
     }
 
-    /// Sends the final event and forgets the sequence.
-    fn finish_with(&mut self, order: u64, event: GenerationEvent) {
+    /// Sends the final output and forgets the sequence.
+    fn finish_with(&mut self, order: u64, output: SequenceOutput) {
+        if let Some(sequence) = self.running.get(&order) {
+            let _ = sequence.outputs.send(output);
+        }
+        self.release(order);
+    }
+
+    /// Forgets a sequence and frees its blocks.
+    fn release(&mut self, order: u64) {
         if let Some(mut sequence) = self.running.remove(&order) {
             self.blocks.free(&mut sequence.blocks);
-            let _ = sequence.events.send(event);
         }
     }
 }
 
-/// Appends a sampled token, streams its text, and says whether generation ends here.
-fn accept_token(
-    sequence: &mut Sequence,
-    token: u32,
-    tokenizer: &Tokenizer,
-) -> Option<FinishReason> {
+/// Appends a sampled token and says whether it is the sequence's last: a stop id, or the
+/// length limit reached.
+fn accept_token(sequence: &mut Sequence, token: u32) -> SequenceOutput {
     sequence.first_token.get_or_insert_with(Instant::now);
     sequence.tokens.push(token);
-    let (text, finish) = if sequence.stop_ids.binary_search(&token).is_ok() {
-        // The stop token's own text is not part of the output.
-        let (text, _) = release_remaining(sequence);
-        (text, Some(FinishReason::Stop))
+    let finish = if sequence.stop_ids.binary_search(&token).is_ok() {
+        Some(FinishReason::Stop)
+    } else if sequence.tokens.len() >= sequence.max_len {
+        Some(FinishReason::Length)
     } else {
-        let piece = sequence.decoder.push(tokenizer, token);
-        match sequence.stop.push(&piece) {
-            StopOutcome::Stopped(text) => (text, Some(FinishReason::Stop)),
-            StopOutcome::Release(mut text) if sequence.tokens.len() >= sequence.max_len => {
-                let (rest, stopped) = release_remaining(sequence);
-                text.push_str(&rest);
-                let reason = if stopped {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                };
-                (text, Some(reason))
-            }
-            StopOutcome::Release(text) => (text, None),
-        }
+        None
     };
-    let _ = sequence.events.send(GenerationEvent::Token {
+    SequenceOutput::Token {
         token_id: token,
-        text,
-    });
-    finish
-}
-
-/// Ends the text stream: the decoder's pending bytes, then everything held back for stop
-/// strings. Says whether a stop string turned up in the pending bytes.
-fn release_remaining(sequence: &mut Sequence) -> (String, bool) {
-    let tail = std::mem::replace(&mut sequence.decoder, StreamDecoder::new()).finish();
-    match sequence.stop.push(&tail) {
-        StopOutcome::Stopped(text) => (text, true),
-        StopOutcome::Release(mut text) => {
-            text.push_str(&sequence.stop.flush());
-            (text, false)
-        }
+        finish,
+        usage: usage_of(sequence),
+        timings: timings_of(sequence),
     }
 }
 

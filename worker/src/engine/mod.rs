@@ -1,19 +1,26 @@
 //! The continuous-batching engine behind [`crate::api::Engine`].
 //!
-//! One dedicated thread owns the model's KV cache and runs engine steps. Each step it drops
-//! cancelled requests, gives every running sequence its next token (a decode) or its next
-//! prompt chunk (chunked prefill) within a per-step token budget, admits waiting requests
-//! while the batch and the budget have room, runs one batched forward pass, and samples.
-//! When the KV cache runs out of blocks the youngest running sequence is preempted: its
-//! blocks are freed and it is requeued to be recomputed later.
+//! The engine core (`core`) deals in token ids only. One dedicated thread owns the model's
+//! KV cache and runs engine steps. Each step it drops cancelled requests, gives every running
+//! sequence its next token (a decode) or its next prompt chunk (chunked prefill) within a
+//! per-step token budget, admits waiting requests while the batch and the budget have room,
+//! runs one batched forward pass and samples (`execute`), then appends the sampled ids and
+//! finishes sequences on their stop ids or length (`update`). When the KV cache runs out of
+//! blocks the youngest running sequence is preempted: its blocks are freed and it is
+//! requeued to be recomputed later.
+//!
+//! Text is the front end's business: each request's [`GenerationStream`] detokenises the ids
+//! and matches stop strings as its consumer reads it, and cancels the sequence in the core
+//! when a stop string ends the request.
 //!
 //! Requests wait in a bounded queue whose depth is the autoscaling signal; a submit on a
 //! full queue is rejected at once.
 
 mod blocks;
-mod engine;
+mod core;
 pub mod sampler;
 mod stop;
+mod stream;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -24,15 +31,15 @@ use anyhow::{Context, bail};
 use tokio::sync::mpsc;
 
 use crate::api::{
-    ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
-    Prompt, SubmitError,
+    ChatMessage, Engine, EngineState, GenerateRequest, LoadSnapshot, ModelInfo, Prompt, SubmitError,
 };
 use crate::backend::KvDtype;
-use crate::model::{Model, PrecisionPolicy, StreamDecoder, WeightPrecision};
+use crate::model::{Model, PrecisionPolicy, WeightPrecision};
 
 use self::blocks::SequenceBlocks;
 use self::sampler::Sampler;
-use self::stop::StopMatcher;
+pub use self::stream::GenerationStream;
+use self::stream::SequenceOutput;
 
 /// How much memory the paged KV cache gets.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -124,7 +131,7 @@ pub fn kv_block_bytes(model: &Model, cfg: &EngineConfig) -> usize {
 /// reports progress until it is ready.
 pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle>> {
     let model = Arc::new(model);
-    let limits = engine::EngineCore::plan(&model, &cfg)?;
+    let limits = core::EngineCore::plan(&model, &cfg)?;
     let shared = Arc::new(Shared {
         state: Mutex::new(SharedState {
             waiting: VecDeque::new(),
@@ -163,7 +170,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
     let max_sequence_tokens = limits.max_sequence_tokens;
     let longest_token_bytes = model.tokenizer().longest_token_bytes();
     let policy = model.policy();
-    let core = engine::EngineCore::new(Arc::clone(&model), cfg.clone(), limits, &shared);
+    let core = core::EngineCore::new(Arc::clone(&model), cfg.clone(), limits, &shared);
     let thread = std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || core.run())
@@ -249,9 +256,8 @@ struct Sequence {
     sampler: Sampler,
     /// Sorted token ids that end generation.
     stop_ids: Vec<u32>,
-    stop: StopMatcher,
-    decoder: StreamDecoder,
-    events: mpsc::UnboundedSender<crate::api::GenerationEvent>,
+    /// To the request's [`GenerationStream`]; closed when the request is cancelled.
+    outputs: mpsc::UnboundedSender<SequenceOutput>,
     /// Prompt tokens found in the prefix cache on first admission.
     cached_prompt_tokens: Option<usize>,
     submitted: Instant,
@@ -263,8 +269,8 @@ impl EngineHandle {
     /// Turns a request into a sequence, or says what is wrong with it.
     fn validate(
         &self,
-        request: GenerateRequest,
-        events: mpsc::UnboundedSender<crate::api::GenerationEvent>,
+        request: &GenerateRequest,
+        outputs: mpsc::UnboundedSender<SequenceOutput>,
     ) -> Result<Sequence, SubmitError> {
         let params = &request.params;
         if !params.temperature.is_finite() || params.temperature < 0.0 {
@@ -317,14 +323,7 @@ impl EngineHandle {
                         self.sequence_limit()
                     )));
                 }
-                let mut tokens = Vec::new();
-                if config.add_bos
-                    && let Some(bos) = config.bos_token_id
-                {
-                    tokens.push(bos);
-                }
-                tokens.extend(self.model.tokenizer().encode(text));
-                tokens
+                self.model.tokenizer().encode_prompt(config, text)
             }
             Prompt::Tokens(tokens) => {
                 if tokens.is_empty() {
@@ -368,18 +367,16 @@ impl EngineHandle {
         stop_ids.dedup();
         Ok(Sequence {
             order: 0,
-            request_id: request.id,
+            request_id: request.id.clone(),
             prompt_len,
             max_len: prompt_len + max_new,
             tokens,
             num_computed: 0,
-            blocks: SequenceBlocks::in_namespace(engine::precision_namespace(precision)),
+            blocks: SequenceBlocks::in_namespace(core::precision_namespace(precision)),
             precision,
             sampler: Sampler::new(params),
             stop_ids,
-            stop: StopMatcher::new(params.stop.clone()),
-            decoder: StreamDecoder::new(),
-            events,
+            outputs,
             cached_prompt_tokens: None,
             submitted: Instant::now(),
             admitted: None,
@@ -421,8 +418,8 @@ impl Engine for EngineHandle {
 
     fn submit(&self, request: GenerateRequest) -> Result<GenerationStream, SubmitError> {
         self.refuse_if_not_accepting(&self.shared.lock())?;
-        let (events, stream) = mpsc::unbounded_channel();
-        let mut sequence = self.validate(request, events)?;
+        let (outputs, received) = mpsc::unbounded_channel();
+        let mut sequence = self.validate(&request, outputs)?;
         let mut state = self.shared.lock();
         self.refuse_if_not_accepting(&state)?;
         if state.waiting.len() >= self.queue_limit {
@@ -440,7 +437,11 @@ impl Engine for EngineHandle {
         state.waiting.push_back(sequence);
         drop(state);
         self.shared.wake.notify_all();
-        Ok(stream)
+        Ok(GenerationStream::new(
+            received,
+            Arc::clone(&self.model),
+            request.params.stop,
+        ))
     }
 
     fn state(&self) -> EngineState {
