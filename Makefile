@@ -81,8 +81,9 @@ bench-router: setup
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).
-scale-test: setup build
-	$(CARGO) test -p npufleet-tests --test operator_scale -- --ignored --nocapture
+scale-test: setup
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) test --release -p npufleet-tests --test operator_scale -- --ignored --nocapture
 
 # Every fuzz target (worker/fuzz, libFuzzer through cargo-fuzz) for FUZZ_SECONDS each, starting
 # from the committed corpus; new inputs go to a scratch corpus in the cache, crashes to

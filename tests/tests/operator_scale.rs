@@ -1,7 +1,7 @@
 //! Scale: 500 InferenceServices created concurrently on KWOK nodes, timing how fast the operator
 //! brings them all to Ready, sampling its peak memory and counting the API requests it sends per
-//! reconcile. Slow, so not part of the default suite:
-//!   cargo test -p npufleet-tests --test operator_scale -- --ignored --nocapture
+//! reconcile, with release builds as users run them. Slow, so not part of the default suite:
+//!   make scale-test
 
 use std::process::Command;
 use std::time::{Duration, Instant};

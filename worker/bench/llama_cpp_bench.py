@@ -121,7 +121,9 @@ def main():
     llama_cpp.llama_log_set(_discard_log, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
+    load_started = time.perf_counter()
     model = llama_cpp.llama_model_load_from_file(args.model.encode(), model_params)
+    load_s = time.perf_counter() - load_started
     if not model:
         raise SystemExit(f"cannot load {args.model}")
 
@@ -187,6 +189,7 @@ def main():
         json.dumps(
             {
                 "llama_cpp_version": llama_cpp.__version__,
+                "load_s": load_s,
                 "prefill_tok_s": prefill_len / ttft,
                 "ttft_ms": ttft * 1000.0,
                 "decode_tok_s": decode_tok_s,

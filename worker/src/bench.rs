@@ -79,6 +79,9 @@ pub struct BenchArgs {
 /// One engine's figures.
 #[derive(Debug, Clone, Default, Deserialize)]
 struct Figures {
+    /// Seconds from opening the file to a model ready to run (llama.cpp maps the file and
+    /// reads pages as the first requests touch them; so does this worker for GGUF files).
+    load_s: f64,
     prefill_tok_s: f64,
     ttft_ms: f64,
     decode_tok_s: f64,
@@ -181,6 +184,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let load = engine.load();
     drop(engine);
     let worker = Figures {
+        load_s: load_time.as_secs_f64(),
         prefill_tok_s: args.prompt_tokens as f64 / ttft_s,
         ttft_ms: ttft_s * 1000.0,
         decode_tok_s,
@@ -586,6 +590,7 @@ fn print_table(
         );
     };
     let theirs = |pick: fn(&Figures) -> f64| reference.map(pick);
+    row("load s", worker.load_s, theirs(|f| f.load_s), true, "");
     row(
         &format!("prefill tok/s ({}-token prompt)", args.prompt_tokens),
         worker.prefill_tok_s,
