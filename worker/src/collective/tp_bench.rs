@@ -228,8 +228,10 @@ pub fn generate(
     .with_context(|| format!("loading {}", model_path.display()))?;
     let prompt = model.tokenizer().encode_prompt(model.config(), prompt);
     let blocks = (prompt.len() + decode_tokens).div_ceil(BLOCK_SIZE);
-    // The element type serve stores by default.
-    let dtype = crate::server::KvCacheDtype::Auto.resolve();
+    // f32, not serve's f16 default: tensor-parallel generation is checked token for token
+    // against one rank, and with f16 keys and values an int8 run at two ranks drifted from
+    // one rank's greedy tokens on a random model.
+    let dtype = crate::backend::KvDtype::F32;
     let mut kv = model.new_kv_cache(blocks, BLOCK_SIZE, dtype);
     if let Some(timed) = timed.as_ref().filter(|t| t.rank() != 0) {
         step::follow(timed.as_ref(), |chunks| -> anyhow::Result<()> {
