@@ -5,14 +5,16 @@
 //! batching, KV blocks, sampling; and each request's stream, which detokenises and applies
 //! stop strings) → `model` (weights, tokenizer, forward pass) → `backend` (kernels) and
 //! `collective` (tensor-parallel ring). `api` is the contract between `server` and `engine`;
-//! `ascend` plugs the NPU runtime in under `backend` and `collective`.
+//! `ascend` plugs the NPU runtime in under `backend` and `collective`. `tools` (benchmarks,
+//! the Ascend self-test, the test-model generator) sits beside `server` at the top: it calls
+//! the layers, and none of them calls it.
 
 pub mod api;
 pub mod ascend;
 pub mod backend;
-pub mod bench;
 pub mod collective;
 pub mod engine;
 pub mod fuzz;
 pub mod model;
 pub mod server;
+pub mod tools;

@@ -13,23 +13,23 @@ enum Command {
     /// Serve a model over the Open Inference Protocol (gRPC) and the OpenAI HTTP API.
     Serve(npufleet_worker::server::ServeArgs),
     /// Measure the engine on a model: prefill, decode and batched decode throughput.
-    Bench(npufleet_worker::bench::BenchArgs),
+    Bench(npufleet_worker::tools::bench::BenchArgs),
     /// Measure ring all-reduce bus bandwidth for the in-process and TCP transports.
-    CollectiveBench(npufleet_worker::collective::bench::CollectiveBenchArgs),
+    CollectiveBench(npufleet_worker::tools::collective_bench::CollectiveBenchArgs),
     /// Write a small deterministic random-weight model (GGUF or safetensors) for tests.
-    GenTestModel(npufleet_worker::model::testmodel::GenTestModelArgs),
+    GenTestModel(npufleet_worker::tools::testmodel::GenTestModelArgs),
     /// Run an HCCL all-reduce self-test across the ranks of a rank table (Ascend hosts).
-    HcclSelftest(npufleet_worker::ascend::selftest::SelftestArgs),
+    HcclSelftest(npufleet_worker::tools::ascend_selftest::SelftestArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => npufleet_worker::server::run(args),
-        Command::Bench(args) => npufleet_worker::bench::run(args),
-        Command::CollectiveBench(args) => npufleet_worker::collective::bench::run(args),
-        Command::GenTestModel(args) => npufleet_worker::model::testmodel::run(args),
-        Command::HcclSelftest(args) => npufleet_worker::ascend::selftest::run(args),
+        Command::Bench(args) => npufleet_worker::tools::bench::run(args),
+        Command::CollectiveBench(args) => npufleet_worker::tools::collective_bench::run(args),
+        Command::GenTestModel(args) => npufleet_worker::tools::testmodel::run(args),
+        Command::HcclSelftest(args) => npufleet_worker::tools::ascend_selftest::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

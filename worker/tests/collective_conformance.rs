@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use npufleet_worker::collective::bench::{contribution, expected_sum};
 use npufleet_worker::collective::transport::{inproc, tcp};
 use npufleet_worker::collective::{Collective, CollectiveError, RingCollective};
+use npufleet_worker::tools::collective_bench::{contribution, expected_sum};
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use npufleet_worker::collective::bench::{
+use npufleet_worker::tools::collective_bench::{
     JoinEvent, free_port, loopback_rank_env, loopback_rank_table,
 };
 

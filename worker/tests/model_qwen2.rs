@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use model_support::*;
-use npufleet_worker::collective::tp_bench::generate_in_process;
 use npufleet_worker::model::tokenizer::render_chat_template;
 use npufleet_worker::model::{Model, PrecisionPolicy, WeightPrecision};
+use npufleet_worker::tools::tp_bench::generate_in_process;
 
 const GEN: usize = 8;
 

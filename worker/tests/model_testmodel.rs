@@ -10,10 +10,10 @@ use model_support::*;
 use npufleet_worker::api::ChatMessage;
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::collective::{Collective, CollectiveError};
-use npufleet_worker::model::testmodel::{
+use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
+use npufleet_worker::tools::testmodel::{
     GenTestModelArgs, TestModelFormat, TestWeightType, write_into,
 };
-use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
 
 fn spec(format: TestModelFormat) -> GenTestModelArgs {
     GenTestModelArgs {

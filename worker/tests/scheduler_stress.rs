@@ -10,8 +10,8 @@ use npufleet_worker::api::{
     SamplingParams,
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
-use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
+use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 

@@ -13,8 +13,8 @@ use npufleet_contract::proto::inference::ModelInferRequest;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::{InferTensorContents, ModelStreamInferResponse};
-use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use npufleet_worker::server::oip;
+use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker, poll_until};
 

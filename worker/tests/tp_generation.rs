@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use npufleet_worker::collective::bench;
-use npufleet_worker::collective::tp_bench::generate_in_process;
 use npufleet_worker::model::PrecisionPolicy;
-use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker::tools::collective_bench;
+use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker::tools::tp_bench::generate_in_process;
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog";
 
@@ -42,7 +42,7 @@ fn smollm2() -> PathBuf {
 
 fn generate_in_processes(model: &Path, world_size: usize, tokens: usize) -> Vec<u32> {
     let worker = Path::new(env!("CARGO_BIN_EXE_npufleet-worker"));
-    bench::generate_in_processes(worker, model, world_size, "fp32", PROMPT, tokens)
+    collective_bench::generate_in_processes(worker, model, world_size, "fp32", PROMPT, tokens)
         .unwrap()
         .tokens
 }

@@ -23,7 +23,6 @@ pub mod device;
 pub mod error;
 pub mod hccl;
 pub mod library;
-pub mod selftest;
 
 pub use accelerator::{AcceleratorKind, AscendRuntime, Selected, select_backend};
 pub use error::AscendError;

@@ -1,13 +1,11 @@
 //! Collectives for tensor parallelism: ring all-reduce, all-gather and broadcast over a
 //! pluggable transport (in-process, TCP, HCCL on Ascend).
 
-pub mod bench;
 pub mod hccl_env;
 pub mod rank_table;
 pub mod ring;
 pub mod setup;
 pub mod step;
-pub mod tp_bench;
 pub mod transport;
 
 pub use ring::RingCollective;

@@ -9,7 +9,6 @@ mod forward;
 pub mod gguf;
 mod group;
 mod kv_cache;
-pub mod testmodel;
 pub mod tokenizer;
 pub mod weights;
 

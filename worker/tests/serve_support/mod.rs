@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
-use npufleet_worker::model::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 
 pub const MODEL_NAME: &str = "tiny";
 

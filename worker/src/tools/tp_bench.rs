@@ -1,5 +1,5 @@
 //! Tensor-parallel greedy generation for `collective-bench --model`: rank 0 leads (broadcasts
-//! each step's plan, see [`super::step`]) and the other ranks follow, each holding only its
+//! each step's plan, see [`crate::collective::step`]) and the other ranks follow, each holding only its
 //! shard. Measures decode time, the part of it spent inside collectives (waiting for slower
 //! ranks included), and the part that is communication alone: after the decode every rank
 //! replays the decode's collectives back to back, so no rank waits for another's compute.
@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use super::step::{self, PlannedChunk, StepPlan};
-use super::{Collective, CollectiveError};
+use crate::collective::step::{self, PlannedChunk, StepPlan};
+use crate::collective::{Collective, CollectiveError};
 use crate::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
 
 const BLOCK_SIZE: usize = 16;
@@ -315,13 +315,14 @@ pub fn generate_in_process(
         return generate(model_path, None, policy, threads, prompt, decode_tokens)?
             .context("a lone rank leads");
     }
-    let rings = super::transport::inproc::ring(world_size, std::time::Duration::from_secs(600));
+    let rings =
+        crate::collective::transport::inproc::ring(world_size, std::time::Duration::from_secs(600));
     let results: Vec<anyhow::Result<Option<Generation>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = rings
             .into_iter()
             .map(|transport| {
                 let collective: Arc<dyn Collective> =
-                    Arc::new(super::RingCollective::new(transport));
+                    Arc::new(crate::collective::RingCollective::new(transport));
                 scope.spawn(move || {
                     generate(
                         model_path,

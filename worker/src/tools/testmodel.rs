@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use super::gguf::{self, TensorType, Value, WriteTensor};
-use super::tokenizer::byte_level_bpe;
-use super::weights::rotary_half_to_adjacent;
 use crate::backend::{Matrix, quant};
+use crate::model::gguf::{self, TensorType, Value, WriteTensor};
+use crate::model::tokenizer::byte_level_bpe;
+use crate::model::weights::rotary_half_to_adjacent;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TestModelFormat {

@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use super::device::Acl;
-use super::hccl::{HcclCollective, HcclSettings};
+use crate::ascend::device::Acl;
+use crate::ascend::hccl::{HcclCollective, HcclSettings};
 use crate::collective::Collective;
-use crate::collective::bench::{contribution, expected_sum};
+use crate::tools::collective_bench::{contribution, expected_sum};
 use npufleet_contract::env::{RANK as RANK_ENV, RANK_TABLE_FILE as RANK_TABLE_FILE_ENV};
 
 #[derive(clap::Args, Debug)]

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use super::tp_bench::{self, Generation};
-use super::transport::{inproc, tcp};
-use super::{Collective, RingCollective, collective_from_env, hccl_env, setup};
+use crate::collective::transport::{inproc, tcp};
+use crate::collective::{Collective, RingCollective, collective_from_env, hccl_env, setup};
 use crate::model::PrecisionPolicy;
 use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 
