@@ -5,7 +5,6 @@ use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels}
 use npufleet_worker::backend::kquant::{
     self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
-use npufleet_worker::backend::kv_f16::{self, StridedRowsF16};
 use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
 use npufleet_worker::backend::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
@@ -375,7 +374,7 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
             stride,
             count: 11,
         };
-        let keys16 = StridedRowsF16 {
+        let keys16 = quant::StridedRows {
             data: &halves,
             stride,
             count: 11,
@@ -383,7 +382,7 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
         let weights: Vec<f32> = (0..11).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
         let b = rng.vec(n, 1.0);
         let mut reference_axpy = b.clone();
-        kv_f16::axpy_strided_f16_scalar(&weights, &halves, stride, &mut reference_axpy);
+        quant::axpy_strided_scalar(&weights, &halves, stride, &mut reference_axpy);
         for k in std::iter::once(&scalar).chain(&fast) {
             for heads in 1..=5 {
                 let qs = rng.vec(heads * n, 1.0);
@@ -392,7 +391,7 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
                 (k.dot_strided_f16)(&qs, heads, keys16, 0.125, &mut s16, 13);
                 assert_eq!(s32, s16, "{} dot_strided_f16 n={n} heads={heads}", k.name);
                 let mut reference = vec![7f32; heads * 13];
-                kv_f16::dot_strided_f16_scalar(&qs, heads, keys16, 0.125, &mut reference, 13);
+                quant::dot_strided_scalar(&qs, heads, keys16, 0.125, &mut reference, 13);
                 assert_eq!(reference, s16, "{} vs scalar n={n} heads={heads}", k.name);
             }
             let (mut y32, mut y16) = (b.clone(), b.clone());

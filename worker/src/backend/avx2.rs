@@ -10,7 +10,6 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
-use super::kv_f16::StridedRowsF16;
 use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows};
 
 /// Whether this CPU can run the kernels in this module.
@@ -1342,7 +1341,7 @@ unsafe fn load_f16x8(p: *const f16) -> __m256 {
 }
 
 /// As [`dot_strided`] on f16 rows widened with F16C, so on the same values it gives the
-/// same bits as [`super::kv_f16::dot_strided_f16_scalar`].
+/// same bits as [`super::quant::dot_strided_scalar`].
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
@@ -1350,7 +1349,7 @@ unsafe fn load_f16x8(p: *const f16) -> __m256 {
 pub unsafe fn dot_strided_f16(
     q: &[f32],
     heads: usize,
-    rows: StridedRowsF16<'_>,
+    rows: StridedRows<'_, f16>,
     scale: f32,
     out: &mut [f32],
     out_stride: usize,

@@ -7,7 +7,6 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
-use super::kv_f16::{self, StridedRowsF16};
 use super::quant::{
     self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
 };
@@ -18,6 +17,10 @@ use super::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 pub type GroupKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; GROUP_ROWS]]);
 /// One weight row · one activation row.
 pub type DotKernel<B> = fn(&[B], &[BlockQ8Act]) -> f32;
+/// Attention scores of query heads against strided key rows stored as `T`.
+pub type DotStridedKernel<T> = fn(&[f32], usize, StridedRows<'_, T>, f32, &mut [f32], usize);
+/// Score-weighted sum of strided value rows stored as `T`.
+pub type AxpyStridedKernel<T> = fn(&[f32], &[T], usize, &mut [f32]);
 
 /// The innermost kernels, as plain function pointers chosen at run time.
 #[derive(Clone, Copy)]
@@ -43,11 +46,11 @@ pub struct Kernels {
     pub axpy: fn(f32, &[f32], &mut [f32]),
     pub exp_sum: fn(&mut [f32], f32) -> f32,
     pub silu_mul: fn(&mut [f32], &[f32]),
-    pub dot_strided: fn(&[f32], usize, StridedRows<'_>, f32, &mut [f32], usize),
-    pub axpy_strided: fn(&[f32], &[f32], usize, &mut [f32]),
+    pub dot_strided: DotStridedKernel<f32>,
+    pub axpy_strided: AxpyStridedKernel<f32>,
     /// [`Kernels::dot_strided`] and [`Kernels::axpy_strided`] over an f16 KV cache.
-    pub dot_strided_f16: fn(&[f32], usize, StridedRowsF16<'_>, f32, &mut [f32], usize),
-    pub axpy_strided_f16: fn(&[f32], &[f16], usize, &mut [f32]),
+    pub dot_strided_f16: DotStridedKernel<f16>,
+    pub axpy_strided_f16: AxpyStridedKernel<f16>,
 }
 
 impl Kernels {
@@ -73,8 +76,8 @@ impl Kernels {
             silu_mul: quant::silu_mul_scalar,
             dot_strided: quant::dot_strided_scalar,
             axpy_strided: quant::axpy_strided_scalar,
-            dot_strided_f16: kv_f16::dot_strided_f16_scalar,
-            axpy_strided_f16: kv_f16::axpy_strided_f16_scalar,
+            dot_strided_f16: quant::dot_strided_scalar::<f16>,
+            axpy_strided_f16: quant::axpy_strided_scalar::<f16>,
         }
     }
 
@@ -608,7 +611,7 @@ fn attend_group(
                 (k.dot_strided)(q, heads, keys, scale, out, len)
             }
             KvData::F16(keys) => {
-                let keys = StridedRowsF16 {
+                let keys = StridedRows {
                     data: &keys[first..],
                     stride,
                     count: range.len(),

@@ -10,7 +10,6 @@ pub mod avx2;
 pub mod blocks;
 pub mod cpu;
 pub mod kquant;
-pub mod kv_f16;
 pub mod quant;
 
 use std::ops::Range;

@@ -393,18 +393,18 @@ pub fn dot_f32_rows_scalar(w: &[f32], x: &[f32], cols: usize, out: &mut [f32], o
 }
 
 /// `count` rows whose starts are `stride` apart in `data`: the keys or values of one kv
-/// head in a cache page.
+/// head in a cache page, f32 or f16 as the cache stores them.
 #[derive(Clone, Copy)]
-pub struct StridedRows<'a> {
-    pub data: &'a [f32],
+pub struct StridedRows<'a, T = f32> {
+    pub data: &'a [T],
     pub stride: usize,
     pub count: usize,
 }
 
-impl<'a> StridedRows<'a> {
+impl<'a, T> StridedRows<'a, T> {
     /// The first `len` values of row `i`.
     #[inline]
-    pub fn row(&self, i: usize, len: usize) -> &'a [f32] {
+    pub fn row(&self, i: usize, len: usize) -> &'a [T] {
         &self.data[i * self.stride..i * self.stride + len]
     }
 }
@@ -412,11 +412,12 @@ impl<'a> StridedRows<'a> {
 /// `out[h · out_stride + i] = scale · (query h · row i)` for the `heads` query vectors laid
 /// end to end in `q` (the heads that share one kv head). Each product is one fused
 /// multiply-add chain in order, the rounding of the GEMM that scores prefill chunks, so a
-/// position's attention is the same whether it was decoded or recomputed.
-pub fn dot_strided_scalar(
+/// position's attention is the same whether it was decoded or recomputed. f16 rows are
+/// widened value by value, so they give the bits of their widened f32 copy.
+pub fn dot_strided_scalar<T: Copy + Into<f32>>(
     q: &[f32],
     heads: usize,
-    rows: StridedRows<'_>,
+    rows: StridedRows<'_, T>,
     scale: f32,
     out: &mut [f32],
     out_stride: usize,
@@ -426,7 +427,7 @@ pub fn dot_strided_scalar(
         for i in 0..rows.count {
             let mut acc = 0f32;
             for (a, b) in q.iter().zip(rows.row(i, n)) {
-                acc = a.mul_add(*b, acc);
+                acc = a.mul_add((*b).into(), acc);
             }
             out[h * out_stride + i] = acc * scale;
         }
@@ -434,11 +435,18 @@ pub fn dot_strided_scalar(
 }
 
 /// `out += Σᵢ weights[i] · row i` for rows of `out.len()` values whose starts are `stride`
-/// apart in `rows` (the values of one kv head in a cache page).
-pub fn axpy_strided_scalar(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+/// apart in `rows` (the values of one kv head in a cache page), f32 or f16.
+pub fn axpy_strided_scalar<T: Copy + Into<f32>>(
+    weights: &[f32],
+    rows: &[T],
+    stride: usize,
+    out: &mut [f32],
+) {
     let n = out.len();
     for (i, &w) in weights.iter().enumerate() {
-        axpy_scalar(w, &rows[i * stride..i * stride + n], out);
+        for (y, &x) in out.iter_mut().zip(&rows[i * stride..i * stride + n]) {
+            *y += w * x.into();
+        }
     }
 }
 
