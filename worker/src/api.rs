@@ -5,7 +5,10 @@
 //! load signal. Dropping the stream cancels the request inside the engine. The engine core
 //! produces token ids; the stream turns them into text (and applies stop strings) per request.
 
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tokio::sync::mpsc;
 
 /// What to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,7 +115,54 @@ pub enum GenerationEvent {
     Failed { message: String },
 }
 
-pub use crate::engine::GenerationStream;
+/// Where a [`GenerationStream`]'s events come from: the engine's per-request stage, or any
+/// other producer (a channel of ready-made events serves tests of the protocol layers).
+pub trait EventSource: Send {
+    /// The next event, `Ready(None)` after the final one.
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenerationEvent>>;
+    /// [`EventSource::poll_event`] for synchronous callers; panics inside an async context.
+    fn blocking_event(&mut self) -> Option<GenerationEvent>;
+}
+
+impl EventSource for mpsc::UnboundedReceiver<GenerationEvent> {
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenerationEvent>> {
+        self.poll_recv(cx)
+    }
+
+    fn blocking_event(&mut self) -> Option<GenerationEvent> {
+        self.blocking_recv()
+    }
+}
+
+/// The events of one request, in order; the last is `Finished` or `Failed`. Dropping the
+/// stream cancels the request inside the engine.
+pub struct GenerationStream(Box<dyn EventSource>);
+
+impl std::fmt::Debug for GenerationStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerationStream").finish_non_exhaustive()
+    }
+}
+
+impl GenerationStream {
+    pub fn new(source: impl EventSource + 'static) -> Self {
+        Self(Box::new(source))
+    }
+
+    /// The next event, or `None` after the final one.
+    pub async fn recv(&mut self) -> Option<GenerationEvent> {
+        std::future::poll_fn(|cx| self.0.poll_event(cx)).await
+    }
+
+    /// [`GenerationStream::recv`] for synchronous callers; panics inside an async context.
+    pub fn blocking_recv(&mut self) -> Option<GenerationEvent> {
+        self.0.blocking_event()
+    }
+
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenerationEvent>> {
+        self.0.poll_event(cx)
+    }
+}
 
 /// Why a request was not accepted. Each maps to one protocol status.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

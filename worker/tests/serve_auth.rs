@@ -7,7 +7,6 @@ mod serve_support;
 
 use npufleet_contract::auth::INVALID_API_KEY_CODE;
 use npufleet_contract::env;
-use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::*;
 use npufleet_worker::server::oip;
 use serde_json::{Value, json};
@@ -20,21 +19,11 @@ const KEY: &str = "sk-test-4f9c2e";
 const PROMPT: &str = "the quartz canary sings";
 
 fn infer_request() -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: MODEL_NAME.into(),
-        inputs: vec![InferInputTensor {
-            name: "text_input".into(),
-            datatype: "BYTES".into(),
-            shape: vec![1],
-            contents: Some(InferTensorContents {
-                bytes_contents: vec![PROMPT.as_bytes().to_vec()],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        parameters: [("max_tokens".to_string(), oip::int_param(4))].into(),
-        ..Default::default()
-    }
+    oip::text_request(
+        MODEL_NAME,
+        PROMPT.as_bytes(),
+        [("max_tokens", oip::int_param(4))],
+    )
 }
 
 fn with_authorization<T>(message: T, authorization: Option<&str>) -> tonic::Request<T> {

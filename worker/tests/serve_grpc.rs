@@ -1,16 +1,17 @@
-//! The gRPC surface of the real worker binary: the Open Inference Protocol (unary and
-//! streaming, both tensor encodings, error statuses), health, and the load service.
+//! The gRPC surface: the Open Inference Protocol (unary and streaming, both tensor
+//! encodings), health and the load service on the real worker binary; the error statuses
+//! in process, in front of an echo engine.
 
 mod serve_support;
 
 use std::time::Duration;
 
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
-use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::*;
 use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
 use npufleet_contract::proto::npufleet::v1::{GetLoadRequest, WatchLoadRequest, WorkerState};
 use npufleet_worker::server::oip::{self, join_raw_bytes, split_raw_bytes};
+use serve_support::in_process::InProcessWorker;
 use serve_support::{MODEL_NAME, Worker, poll_until};
 use tonic::Code;
 use tonic_health::pb::HealthCheckRequest;
@@ -22,26 +23,16 @@ use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
 use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
 fn text_request(text: &[u8], max_tokens: i64) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: MODEL_NAME.into(),
-        id: "req-1".into(),
-        inputs: vec![InferInputTensor {
-            name: "text_input".into(),
-            datatype: "BYTES".into(),
-            shape: vec![1],
-            contents: Some(InferTensorContents {
-                bytes_contents: vec![text.to_vec()],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        parameters: [
-            ("max_tokens".to_string(), oip::int_param(max_tokens)),
-            ("temperature".to_string(), oip::int_param(0)),
-        ]
-        .into(),
-        ..Default::default()
-    }
+    let mut request = oip::text_request(
+        MODEL_NAME,
+        text,
+        [
+            ("max_tokens", oip::int_param(max_tokens)),
+            ("temperature", oip::int_param(0)),
+        ],
+    );
+    request.id = "req-1".into();
+    request
 }
 
 fn output_index(response: &ModelInferResponse, name: &str) -> usize {
@@ -172,7 +163,7 @@ async fn infer_unary_and_streaming_agree() {
 
 #[tokio::test]
 async fn bad_requests_get_the_right_status() {
-    let worker = Worker::start(&[]).await;
+    let worker = InProcessWorker::with(|_| {}).await;
     let mut client = worker.grpc_client().await;
 
     let mut mixed = text_request(b"hi", 2);

@@ -10,9 +10,8 @@ mod serve_support;
 use std::time::{Duration, Instant};
 
 use npufleet_contract::proto::inference::ModelInferRequest;
+use npufleet_contract::proto::inference::ModelStreamInferResponse;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
-use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_contract::proto::inference::{InferTensorContents, ModelStreamInferResponse};
 use npufleet_worker::server::oip;
 use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::{Value, json};
@@ -25,26 +24,16 @@ async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) 
 }
 
 fn text_request(id: &str, text: &[u8], max_tokens: i64) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: MODEL_NAME.into(),
-        id: id.into(),
-        inputs: vec![InferInputTensor {
-            name: "text_input".into(),
-            datatype: "BYTES".into(),
-            shape: vec![1],
-            contents: Some(InferTensorContents {
-                bytes_contents: vec![text.to_vec()],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        parameters: [
-            ("max_tokens".to_string(), oip::int_param(max_tokens)),
-            ("temperature".to_string(), oip::int_param(0)),
-        ]
-        .into(),
-        ..Default::default()
-    }
+    let mut request = oip::text_request(
+        MODEL_NAME,
+        text,
+        [
+            ("max_tokens", oip::int_param(max_tokens)),
+            ("temperature", oip::int_param(0)),
+        ],
+    );
+    request.id = id.into();
+    request
 }
 
 /// The value of the first sample of `name` whose line contains every one of `labels`.
@@ -308,7 +297,11 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
             .filter_map(|e| e.trim().strip_prefix("data:").map(str::trim))
             .collect();
         assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
-        let error: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+        let error: Value = events
+            .len()
+            .checked_sub(2)
+            .and_then(|at| serde_json::from_str(events[at]).ok())
+            .unwrap_or_else(|| panic!("no error event before [DONE]: {body}"));
         assert!(
             error["error"]["message"]
                 .as_str()

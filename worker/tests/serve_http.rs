@@ -1,9 +1,11 @@
-//! The HTTP surface of the real worker binary: OpenAI and REST endpoints, their error
-//! paths, and the metrics endpoint.
+//! The HTTP surface: OpenAI and REST endpoints and the metrics endpoint on the real worker
+//! binary; the error paths and the REST protocol's framing in process, in front of an echo
+//! engine.
 
 mod serve_support;
 
 use serde_json::{Value, json};
+use serve_support::in_process::InProcessWorker;
 use serve_support::{MODEL_NAME, Worker, sse_data};
 
 async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
@@ -125,7 +127,7 @@ async fn post_get(client: &reqwest::Client, url: &str) -> (u16, Value) {
 
 #[tokio::test]
 async fn bad_requests_get_clear_errors() {
-    let worker = Worker::start(&["--max-body-bytes", "65536"]).await;
+    let worker = InProcessWorker::with(|config| config.max_body_bytes = 65536).await;
     let client = reqwest::Client::new();
     let completions = format!("{}/v1/completions", worker.http);
 
@@ -212,7 +214,7 @@ async fn bad_requests_get_clear_errors() {
 
 #[tokio::test]
 async fn rest_protocol_serves_and_validates() {
-    let worker = Worker::start(&[]).await;
+    let worker = InProcessWorker::with(|_| {}).await;
     let client = reqwest::Client::new();
     let infer = format!("{}/v2/models/{MODEL_NAME}/infer", worker.http);
 

@@ -1,16 +1,16 @@
-//! Backpressure and drain on the real worker binary: a full queue is refused at once with
+//! Backpressure and drain: on the real worker binary, a full queue is refused at once with
 //! 429 / RESOURCE_EXHAUSTED, and SIGTERM under load answers every accepted request, refuses
-//! new ones, and exits 0.
+//! new ones, and exits 0; in process, in front of an echo engine that holds its answers, the
+//! drain's order of events over both protocols and a drain that times out.
 
 mod serve_support;
 
 use std::time::Duration;
 
-use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_contract::proto::inference::{InferTensorContents, ModelInferRequest};
 use npufleet_worker::server::oip;
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker, poll_until};
+use serve_support::in_process::{EchoEngine, InProcessWorker, default_config};
+use serve_support::{MODEL_NAME, Worker, poll_until, sse_data};
 
 /// Flags that make every request generate exactly its `max_tokens`, one at a time.
 const ONE_AT_A_TIME: &[&str] = &["--ignore-eos", "--max-batch-size", "1"];
@@ -86,20 +86,7 @@ async fn a_full_queue_is_refused_at_once() {
 
     let mut grpc = worker.grpc_client().await;
     let status = grpc
-        .model_infer(ModelInferRequest {
-            model_name: MODEL_NAME.into(),
-            inputs: vec![InferInputTensor {
-                name: oip::TEXT_INPUT.into(),
-                datatype: "BYTES".into(),
-                shape: vec![1],
-                contents: Some(InferTensorContents {
-                    bytes_contents: vec![b"hi".to_vec()],
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        })
+        .model_infer(oip::text_request(MODEL_NAME, b"hi", []))
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
@@ -172,5 +159,116 @@ async fn sigterm_answers_every_accepted_request_then_exits_zero() {
             .any(|line| line.contains("every accepted request was answered")),
         "{:?}",
         worker.log_lines()
+    );
+}
+
+async fn wait_not_ready(client: &reqwest::Client, http: &str) {
+    let ready_url = format!("{http}/v2/health/ready");
+    poll_until(Duration::from_secs(5), "readiness to turn false", || {
+        let request = client.get(&ready_url).send();
+        async move { request.await.ok().filter(|r| r.status() == 503) }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_drain_answers_every_held_request_over_both_protocols() {
+    let mut worker = InProcessWorker::start(default_config(), EchoEngine::new(8)).await;
+    worker.engine.hold();
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", worker.http);
+    let http_answer = tokio::spawn(
+        client
+            .post(&url)
+            .json(&json!({"model": MODEL_NAME, "prompt": "held over http"}))
+            .send(),
+    );
+    let mut grpc = worker.grpc_client().await;
+    let grpc_answer = tokio::spawn(async move {
+        grpc.model_infer(oip::text_request(MODEL_NAME, b"held over grpc", []))
+            .await
+    });
+    poll_until(Duration::from_secs(5), "both requests to be held", || {
+        let running = worker.engine.running();
+        async move { (running == 2).then_some(()) }
+    })
+    .await;
+
+    worker.shut_down();
+    wait_not_ready(&client, &worker.http).await;
+    let refused = client
+        .post(&url)
+        .json(&json!({"prompt": "late"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 503);
+    let mut late_grpc = worker.grpc_client().await;
+    let status = late_grpc
+        .model_infer(oip::text_request(MODEL_NAME, b"late", []))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(!http_answer.is_finished() && !grpc_answer.is_finished());
+
+    worker.engine.release();
+    let answered = http_answer.await.unwrap().unwrap();
+    assert_eq!(answered.status(), 200);
+    let body: Value = answered.json().await.unwrap();
+    assert_eq!(body["choices"][0]["text"], "held over http");
+    let answered = grpc_answer.await.unwrap().expect("the held gRPC request");
+    let text = &answered.into_inner().outputs[0];
+    assert_eq!(text.name, "text_output");
+    assert_eq!(
+        text.contents.as_ref().map(|c| c.bytes_contents.clone()),
+        Some(vec![b"held over grpc".to_vec()])
+    );
+    worker
+        .served(Duration::from_secs(5))
+        .await
+        .expect("a drain that answered everything ends serve without an error");
+}
+
+#[tokio::test]
+async fn a_drain_that_times_out_tells_each_client() {
+    let mut config = default_config();
+    config.drain_timeout = Duration::from_millis(200);
+    let mut worker = InProcessWorker::start(config, EchoEngine::new(8)).await;
+    worker.engine.hold();
+    let client = reqwest::Client::new();
+    let stream = client
+        .post(format!("{}/v1/completions", worker.http))
+        .json(&json!({"prompt": "never answered", "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    worker.shut_down();
+
+    let body = tokio::time::timeout(Duration::from_secs(5), stream.text())
+        .await
+        .expect("the stream ends soon after the drain timeout")
+        .unwrap();
+    let events = sse_data(&body);
+    let error: Value = events
+        .iter()
+        .rev()
+        .find_map(|data| serde_json::from_str::<Value>(data).ok())
+        .expect("an event before the stream ends");
+    assert_eq!(error["error"]["type"], "server_error", "{events:?}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the drain timeout of 200ms passed"),
+        "the client is told why: {events:?}"
+    );
+    let error = worker
+        .served(Duration::from_secs(5))
+        .await
+        .expect_err("serve reports the unanswered request");
+    assert!(
+        error.to_string().contains("1 requests unanswered"),
+        "{error:#}"
     );
 }

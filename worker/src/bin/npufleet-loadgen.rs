@@ -14,8 +14,7 @@ use clap::{Parser, ValueEnum};
 use futures::StreamExt;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
-use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
-use npufleet_contract::proto::inference::{InferTensorContents, ModelInferRequest};
+use npufleet_contract::proto::inference::{InferParameter, ModelInferRequest};
 use npufleet_worker::server::oip;
 use serde_json::json;
 use tokio::sync::Mutex;
@@ -142,33 +141,17 @@ fn grpc_error_kind(message: &str) -> String {
 }
 
 fn grpc_request(args: &Args) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: args.model.clone(),
-        inputs: vec![InferInputTensor {
-            name: oip::TEXT_INPUT.into(),
-            datatype: "BYTES".into(),
-            shape: vec![1],
-            contents: Some(InferTensorContents {
-                bytes_contents: vec![args.prompt.as_bytes().to_vec()],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        parameters: [
-            (
-                "max_tokens".to_string(),
-                oip::int_param(args.max_tokens.into()),
-            ),
-            (
-                "temperature".to_string(),
-                npufleet_contract::proto::inference::InferParameter {
-                    parameter_choice: Some(ParameterChoice::DoubleParam(args.temperature)),
-                },
-            ),
-        ]
-        .into(),
-        ..Default::default()
-    }
+    let temperature = InferParameter {
+        parameter_choice: Some(ParameterChoice::DoubleParam(args.temperature)),
+    };
+    oip::text_request(
+        &args.model,
+        args.prompt.as_bytes(),
+        [
+            ("max_tokens", oip::int_param(args.max_tokens.into())),
+            ("temperature", temperature),
+        ],
+    )
 }
 
 async fn grpc_once(

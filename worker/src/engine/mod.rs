@@ -9,7 +9,7 @@
 //! blocks the youngest running sequence is preempted: its blocks are freed and it is
 //! requeued to be recomputed later.
 //!
-//! Text is the front end's business: each request's [`GenerationStream`] detokenises the ids
+//! Text is the front end's business: each request's stream (`stream`) detokenises the ids
 //! and matches stop strings as its consumer reads it, and cancels the sequence in the core
 //! when a stop string ends the request.
 //!
@@ -31,15 +31,15 @@ use anyhow::{Context, bail};
 use tokio::sync::mpsc;
 
 use crate::api::{
-    ChatMessage, Engine, EngineState, GenerateRequest, LoadSnapshot, ModelInfo, Prompt, SubmitError,
+    ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
+    Prompt, SubmitError,
 };
 use crate::backend::KvDtype;
 use crate::model::{Model, PrecisionPolicy, WeightPrecision};
 
 use self::blocks::SequenceBlocks;
 use self::sampler::Sampler;
-pub use self::stream::GenerationStream;
-use self::stream::SequenceOutput;
+use self::stream::{RequestStream, SequenceOutput};
 
 /// How much memory the paged KV cache gets.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -437,11 +437,11 @@ impl Engine for EngineHandle {
         state.waiting.push_back(sequence);
         drop(state);
         self.shared.wake.notify_all();
-        Ok(GenerationStream::new(
+        Ok(GenerationStream::new(RequestStream::new(
             received,
             Arc::clone(&self.model),
             request.params.stop,
-        ))
+        )))
     }
 
     fn state(&self) -> EngineState {

@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 
 use super::stop::{StopMatcher, StopOutcome};
-use crate::api::{FinishReason, GenerationEvent, RequestTimings, Usage};
+use crate::api::{EventSource, FinishReason, GenerationEvent, RequestTimings, Usage};
 use crate::model::{Model, StreamDecoder};
 
 /// What the engine core reports for one sequence: token ids, never text.
@@ -31,9 +31,8 @@ pub(super) enum SequenceOutput {
     Failed { message: String },
 }
 
-/// The events of one request, in order; the last is `Finished` or `Failed`. Dropping the
-/// stream cancels the request inside the engine.
-pub struct GenerationStream {
+/// One request's front-end stage: the [`EventSource`] behind its [`GenerationStream`].
+pub(super) struct RequestStream {
     outputs: mpsc::UnboundedReceiver<SequenceOutput>,
     model: Arc<Model>,
     decoder: StreamDecoder,
@@ -44,16 +43,35 @@ pub struct GenerationStream {
     ended: bool,
 }
 
-impl std::fmt::Debug for GenerationStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GenerationStream")
-            .field("ready", &self.ready)
-            .field("ended", &self.ended)
-            .finish_non_exhaustive()
+impl EventSource for RequestStream {
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenerationEvent>> {
+        loop {
+            if let Some(event) = self.ready.pop_front() {
+                return Poll::Ready(Some(event));
+            }
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            let output = std::task::ready!(self.outputs.poll_recv(cx));
+            self.absorb(output);
+        }
+    }
+
+    fn blocking_event(&mut self) -> Option<GenerationEvent> {
+        loop {
+            if let Some(event) = self.ready.pop_front() {
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            let output = self.outputs.blocking_recv();
+            self.absorb(output);
+        }
     }
 }
 
-impl GenerationStream {
+impl RequestStream {
     pub(super) fn new(
         outputs: mpsc::UnboundedReceiver<SequenceOutput>,
         model: Arc<Model>,
@@ -66,38 +84,6 @@ impl GenerationStream {
             stop: StopMatcher::new(stops),
             ready: VecDeque::new(),
             ended: false,
-        }
-    }
-
-    /// The next event, or `None` after the final one.
-    pub async fn recv(&mut self) -> Option<GenerationEvent> {
-        std::future::poll_fn(|cx| self.poll_recv(cx)).await
-    }
-
-    /// [`GenerationStream::recv`] for synchronous callers; panics inside an async context.
-    pub fn blocking_recv(&mut self) -> Option<GenerationEvent> {
-        loop {
-            if let Some(event) = self.ready.pop_front() {
-                return Some(event);
-            }
-            if self.ended {
-                return None;
-            }
-            let output = self.outputs.blocking_recv();
-            self.absorb(output);
-        }
-    }
-
-    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenerationEvent>> {
-        loop {
-            if let Some(event) = self.ready.pop_front() {
-                return Poll::Ready(Some(event));
-            }
-            if self.ended {
-                return Poll::Ready(None);
-            }
-            let output = std::task::ready!(self.outputs.poll_recv(cx));
-            self.absorb(output);
         }
     }
 

@@ -10,21 +10,19 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::api::{EngineState, GenerateRequest, GenerationEvent};
+use crate::api::{EngineState, GenerationEvent};
 use crate::server::auth;
 use crate::server::error::ServeError;
-use crate::server::oip::{self, InferRequest};
-use crate::server::shared::{Shared, TrackedStream};
+use crate::server::inference::{self, SERVER_NAME};
+use crate::server::oip;
+use crate::server::shared::Shared;
 use npufleet_contract::auth::ApiKey;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
-use npufleet_contract::proto::inference::model_metadata_response::TensorMetadata;
 use npufleet_contract::proto::inference::*;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoad;
 use npufleet_contract::proto::npufleet::v1::{
     GetLoadRequest, LoadReport, WatchLoadRequest, WorkerState,
 };
-
-pub const SERVER_NAME: &str = "npufleet-worker";
 
 pub struct InferenceService {
     shared: Arc<Shared>,
@@ -36,94 +34,6 @@ impl InferenceService {
     pub fn new(shared: Arc<Shared>, api_key: Option<ApiKey>) -> Self {
         InferenceService { shared, api_key }
     }
-}
-
-/// The tensors a text-generation model takes and returns, as metadata.
-pub fn model_metadata(shared: &Shared) -> ModelMetadataResponse {
-    let tensor = |name: &str, datatype: &str, shape: i64| TensorMetadata {
-        name: name.to_string(),
-        datatype: datatype.to_string(),
-        shape: vec![shape],
-    };
-    ModelMetadataResponse {
-        name: shared.model_name.clone(),
-        versions: vec![oip::MODEL_VERSION.to_string()],
-        platform: format!("npufleet/{}", shared.engine.model_info().architecture),
-        inputs: vec![
-            tensor(oip::TEXT_INPUT, "BYTES", 1),
-            tensor(oip::INPUT_IDS, "INT64", -1),
-        ],
-        outputs: vec![
-            tensor(oip::TEXT_OUTPUT, "BYTES", 1),
-            tensor(oip::OUTPUT_IDS, "INT64", -1),
-        ],
-    }
-}
-
-/// Checks, decodes and submits one inference request.
-pub async fn start_infer(
-    shared: &Arc<Shared>,
-    request: &ModelInferRequest,
-) -> Result<(InferRequest, TrackedStream), ServeError> {
-    oip::check_model(
-        &request.model_name,
-        &request.model_version,
-        &shared.model_name,
-    )?;
-    let mut decoded = oip::decode_infer_request(request).inspect_err(|err| {
-        shared.metrics.count_rejected(err.kind());
-    })?;
-    if decoded.id.is_empty() {
-        decoded.id = shared.next_request_id("infer");
-    }
-    let events = shared
-        .submit(GenerateRequest {
-            id: decoded.id.clone(),
-            prompt: decoded.prompt.clone(),
-            params: decoded.params.clone(),
-        })
-        .await?;
-    Ok((decoded, events))
-}
-
-/// Runs one request to completion and builds its single response.
-pub async fn infer_unary(
-    shared: &Arc<Shared>,
-    request: &ModelInferRequest,
-) -> Result<ModelInferResponse, ServeError> {
-    let (decoded, events) = start_infer(shared, request).await?;
-    let collected = events.collect_all().await?;
-    let mut parameters = usage_parameters(&collected.usage);
-    if let Some(reason) = collected.reason {
-        parameters.insert(
-            "finish_reason".into(),
-            oip::string_param(reason.as_openai()),
-        );
-    }
-    Ok(oip::build_response(
-        &shared.model_name,
-        &decoded,
-        &collected.text,
-        &collected.token_ids,
-        parameters,
-    ))
-}
-
-fn usage_parameters(usage: &crate::api::Usage) -> HashMap<String, InferParameter> {
-    HashMap::from([
-        (
-            "prompt_tokens".into(),
-            oip::int_param(usage.prompt_tokens.into()),
-        ),
-        (
-            "completion_tokens".into(),
-            oip::int_param(usage.completion_tokens.into()),
-        ),
-        (
-            "cached_prompt_tokens".into(),
-            oip::int_param(usage.cached_prompt_tokens.into()),
-        ),
-    ])
 }
 
 type StreamSender = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
@@ -155,7 +65,7 @@ pub fn grpc_code_name(err: &ServeError) -> &'static str {
 /// Streams one request: a response per generated chunk, then a last response flagged
 /// `triton_final_response` that carries the finish reason and token usage.
 async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: StreamSender) {
-    let (decoded, mut events) = match start_infer(&shared, &request).await {
+    let (decoded, mut events) = match inference::start_infer(&shared, &request).await {
         Ok(started) => started,
         Err(err) => {
             let _ = shared
@@ -188,7 +98,7 @@ async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: Stream
                 response
             }
             GenerationEvent::Finished { reason, usage, .. } => {
-                let mut parameters = usage_parameters(&usage);
+                let mut parameters = inference::usage_parameters(&usage);
                 parameters.insert("triton_final_response".into(), oip::bool_param(true));
                 parameters.insert(
                     "finish_reason".into(),
@@ -321,7 +231,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let request = request.into_inner();
         oip::check_model(&request.name, &request.version, &self.shared.model_name)?;
-        Ok(Response::new(model_metadata(&self.shared)))
+        Ok(Response::new(inference::model_metadata(&self.shared)))
     }
 
     async fn model_infer(
@@ -329,7 +239,7 @@ impl GrpcInferenceService for InferenceService {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
-        let response = infer_unary(&self.shared, request.get_ref()).await?;
+        let response = inference::infer_unary(&self.shared, request.get_ref()).await?;
         Ok(Response::new(response))
     }
 

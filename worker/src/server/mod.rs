@@ -1,6 +1,6 @@
-//! `npufleet-worker serve`: the Open Inference Protocol over gRPC, the OpenAI API and the
+//! The serving surfaces: the Open Inference Protocol over gRPC, the OpenAI API and the
 //! protocol's REST form over HTTP, Prometheus metrics, and npufleet's load service, all in
-//! front of one engine.
+//! front of one [`Engine`]. [`serve`] runs them on bound listeners until told to stop.
 //!
 //! Shutdown: on SIGTERM (or SIGINT) readiness turns false, new requests are refused with
 //! 503 / UNAVAILABLE, and the engine drains. Once every accepted request has been answered,
@@ -12,422 +12,91 @@ pub mod auth;
 pub mod error;
 pub mod grpc;
 pub mod http;
+pub mod inference;
 pub mod metrics;
 pub mod oip;
 pub mod openai;
-
-pub mod ranks;
 pub mod reasoning;
 pub mod rest;
+pub mod router;
 pub mod shared;
 pub mod telemetry;
 
+use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use npufleet_contract::auth::ApiKey;
-use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
-use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic_health::ServingStatus;
 
 use crate::api::{Engine, EngineState};
-use crate::ascend::{AcceleratorKind, Selected};
-use crate::backend::KvDtype;
-use crate::engine::{EngineConfig, KvCacheSize};
-use crate::model::PrecisionPolicy;
 use crate::server::shared::Shared;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoadServer;
 
-/// The precision policy, as `serve` and the benchmarks take it.
-#[derive(Debug, Clone, Copy, clap::Args)]
-pub struct PrecisionArgs {
-    /// int8, fp32, fp16, or auto: int8 for prompts up to `--auto-int8-max-prompt-tokens`
-    /// and for decode, full precision above.
-    #[arg(long, env = env::PRECISION, default_value_t = Precision::Auto)]
-    pub precision: Precision,
-    /// With `--precision auto`: the longest prompt served at int8.
-    #[arg(long, env = env::AUTO_INT8_MAX_PROMPT_TOKENS, default_value_t = AUTO_INT8_MAX_PROMPT_TOKENS)]
-    pub auto_int8_max_prompt_tokens: usize,
-}
-
-impl PrecisionArgs {
-    pub fn policy(&self) -> PrecisionPolicy {
-        PrecisionPolicy::new(self.precision, self.auto_int8_max_prompt_tokens)
-    }
-}
-
-/// What the KV cache stores, as `--kv-cache-dtype` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum KvCacheDtype {
-    /// f16, as llama.cpp and vLLM store it by default: every backend's attention reads the
-    /// cache with the host kernels, which widen f16 as they load it.
-    Auto,
-    F16,
-    F32,
-}
-
-impl KvCacheDtype {
-    pub fn resolve(self) -> KvDtype {
-        match self {
-            KvCacheDtype::Auto | KvCacheDtype::F16 => KvDtype::F16,
-            KvCacheDtype::F32 => KvDtype::F32,
-        }
-    }
-}
-
-/// The KV cache's element type; `serve` and `bench` share it, so the benchmark measures
-/// the default `serve` runs.
-#[derive(Debug, Clone, Copy, clap::Args)]
-pub struct KvCacheDtypeArgs {
-    /// What the KV cache stores: f16 takes half the memory of f32, so the same
-    /// `--kv-cache-bytes` holds twice the positions.
-    #[arg(long, env = env::KV_CACHE_DTYPE, value_enum, default_value_t = KvCacheDtype::Auto)]
-    pub kv_cache_dtype: KvCacheDtype,
-}
-
-impl KvCacheDtypeArgs {
-    pub fn dtype(&self) -> KvDtype {
-        self.kv_cache_dtype.resolve()
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-/// How the engine runs the model.
-#[derive(Debug, Clone, clap::Args)]
-pub struct EngineArgs {
-    /// Most sequences in one engine step.
-    #[arg(long, env = env::MAX_BATCH_SIZE, default_value_t = 128)]
-    pub max_batch_size: usize,
-    /// Most requests waiting to run; beyond it requests are refused with 429 /
-    /// RESOURCE_EXHAUSTED.
-    #[arg(long, env = env::QUEUE_LIMIT, default_value_t = 1024)]
-    pub queue_limit: usize,
-    /// Forward passes run before the worker reports ready.
-    #[arg(long, env = env::WARMUP_ITERATIONS, default_value_t = 100)]
+/// What the serving surfaces are configured with.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The name clients address the model by.
+    pub model_name: String,
+    /// Forward passes the engine runs before the worker reports ready.
     pub warmup_iterations: u32,
-    #[command(flatten)]
-    pub precision: PrecisionArgs,
-    /// Compute threads; 0 uses every core.
-    #[arg(long, env = env::THREADS, default_value_t = 0)]
-    pub threads: usize,
-    /// Prompt prefixes (system prompts) to keep in the prefix cache: a JSON array of strings,
-    /// or the path of a file holding one.
-    #[arg(long, env = env::PREFIX_TEMPLATES)]
-    pub prefix_templates: Option<String>,
-    /// Where the kernels run: `auto` uses Ascend NPUs when CANN is installed, else the CPU.
-    #[arg(long, env = env::ACCELERATOR, value_enum, default_value_t = AcceleratorKind::Auto)]
-    pub accelerator: AcceleratorKind,
-    /// Most tokens (prompt chunks plus decodes) in one engine step.
-    #[arg(long, env = "NPUFLEET_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
-    pub max_num_batched_tokens: usize,
-    /// Positions per KV-cache block.
-    #[arg(long, env = "NPUFLEET_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
-    /// Memory for the KV cache, in bytes. Without it (or `--kv-cache-blocks`) the cache
-    /// takes `--kv-cache-memory-fraction` of what `--memory-limit-bytes` leaves beside the
-    /// weights, or 1 GiB when no limit is known.
-    #[arg(long, env = "NPUFLEET_KV_CACHE_BYTES")]
-    pub kv_cache_bytes: Option<usize>,
-    /// The container's memory limit in bytes (the operator passes it through the downward
-    /// API), which the KV cache is sized against.
-    #[arg(long, env = env::MEMORY_LIMIT_BYTES)]
-    pub memory_limit_bytes: Option<usize>,
-    /// The share of `--memory-limit-bytes`, less the weights, that the KV cache takes; the
-    /// rest is left for activations, per-request buffers and the runtime.
-    #[arg(long, env = "NPUFLEET_KV_CACHE_MEMORY_FRACTION", default_value_t = 0.5, value_parser = parse_fraction)]
-    pub kv_cache_memory_fraction: f64,
-    /// KV-cache size in blocks; overrides `--kv-cache-bytes`.
-    #[arg(long, env = "NPUFLEET_KV_CACHE_BLOCKS")]
-    pub kv_cache_blocks: Option<usize>,
-    #[command(flatten)]
-    pub kv_cache_dtype: KvCacheDtypeArgs,
-    /// Generate past the model's end-of-sequence tokens, so every request runs to its
-    /// `max_tokens`: for benchmarks and load tests, not for serving users.
-    #[arg(long, env = env::IGNORE_EOS)]
-    pub ignore_eos: bool,
-}
-
-#[derive(Debug, Clone, clap::Args)]
-pub struct ServeArgs {
-    /// The model: a GGUF file or a Hugging Face model directory.
-    #[arg(long, env = env::MODEL)]
-    pub model: PathBuf,
-    /// The name clients address the model by; defaults to the model file's stem.
-    #[arg(long, env = env::SERVED_MODEL_NAME)]
-    pub served_model_name: Option<String>,
-    /// Address of the gRPC listener (Open Inference Protocol, load, health, reflection).
-    #[arg(long, env = env::GRPC_ADDR, default_value_t = SocketAddr::from(([0, 0, 0, 0], ports::GRPC_PORT)))]
-    pub grpc_addr: SocketAddr,
-    /// Address of the HTTP listener (OpenAI API, REST protocol, /metrics).
-    #[arg(long, env = env::HTTP_ADDR, default_value_t = SocketAddr::from(([0, 0, 0, 0], ports::HTTP_PORT)))]
-    pub http_addr: SocketAddr,
-    #[command(flatten)]
-    pub engine: EngineArgs,
-    /// Longest wait, in seconds, for accepted requests to finish after SIGTERM.
-    #[arg(long, env = env::DRAIN_TIMEOUT, default_value_t = 30.0, value_parser = parse_seconds)]
-    pub drain_timeout: f64,
-    /// The key clients must send (`Authorization: Bearer <key>`, or the same gRPC
-    /// metadata) to the OpenAI and inference endpoints; health, metadata and metrics stay
-    /// open. Unset: no key is required.
-    #[arg(long, env = env::API_KEY, hide_env_values = true)]
+    /// Longest wait for accepted requests to finish after the shutdown signal.
+    pub drain_timeout: Duration,
+    /// The key clients must send; `None` requires none.
     pub api_key: Option<ApiKey>,
-    /// Largest accepted HTTP request body, in bytes.
-    #[arg(long, env = "NPUFLEET_MAX_BODY_BYTES", default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
-    /// Largest accepted gRPC request message, in bytes; larger ones are refused with
-    /// RESOURCE_EXHAUSTED.
-    #[arg(long, env = "NPUFLEET_MAX_GRPC_MESSAGE_BYTES", default_value_t = 4 << 20)]
     pub max_grpc_message_bytes: usize,
-    /// Longest wait, in seconds, for a client to take the next chunk of a streamed response;
-    /// a client that stops reading for longer has its request cancelled.
-    #[arg(long, env = "NPUFLEET_STALLED_READER_TIMEOUT", default_value_t = 30.0, value_parser = parse_seconds)]
-    pub stalled_reader_timeout: f64,
-    /// Kernel send buffer of each HTTP connection, in bytes. Bounded so that a client that
-    /// stops reading an event stream fills it within seconds and meets
-    /// `--stalled-reader-timeout`, instead of the kernel taking megabytes of tokens first.
-    #[arg(long, env = "NPUFLEET_HTTP_SEND_BUFFER_BYTES", default_value_t = 64 << 10)]
+    /// Longest wait for a client to take the next chunk of a streamed response.
+    pub stalled_reader_timeout: Duration,
+    /// Kernel send buffer of each HTTP connection.
     pub http_send_buffer_bytes: usize,
-    #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-    /// How chat answers' `<think>` reasoning is returned: `auto` moves it to
-    /// `reasoning_content` when the chat template opens a `<think>` block in the prompt
-    /// (DeepSeek-R1 and its distills), `deepseek_r1` always does (vLLM's parser of that name),
-    /// `none` leaves it in `content`.
-    #[arg(long, env = env::REASONING_PARSER, value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
     pub reasoning_parser: reasoning::ReasoningParser,
 }
 
-fn parse_seconds(value: &str) -> Result<f64, String> {
-    let seconds: f64 = value
-        .trim_end_matches('s')
-        .parse()
-        .map_err(|_| format!("'{value}' is not a number of seconds"))?;
-    if seconds.is_finite() && seconds >= 0.0 {
-        Ok(seconds)
-    } else {
-        Err(format!("'{value}' is not a non-negative number of seconds"))
-    }
+/// The gRPC and HTTP listeners, bound before serving so that port 0 can be asked for.
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub http: TcpListener,
 }
 
-fn parse_fraction(value: &str) -> Result<f64, String> {
-    match value.parse::<f64>() {
-        Ok(share) if share > 0.0 && share <= 1.0 => Ok(share),
-        _ => Err(format!("'{value}' is not a fraction in (0, 1]")),
-    }
-}
-
-/// The KV cache when neither its size nor a memory limit is given.
-const DEFAULT_KV_CACHE_BYTES: usize = 1 << 30;
-
-impl EngineArgs {
-    /// The KV cache's size: `--kv-cache-blocks`, else `--kv-cache-bytes`, else a share of
-    /// the memory limit, else [`DEFAULT_KV_CACHE_BYTES`].
-    pub fn kv_cache_size(&self) -> KvCacheSize {
-        match (
-            self.kv_cache_blocks,
-            self.kv_cache_bytes,
-            self.memory_limit_bytes,
-        ) {
-            (Some(blocks), _, _) => KvCacheSize::Blocks(blocks),
-            (None, Some(bytes), _) => KvCacheSize::Bytes(bytes),
-            (None, None, Some(limit_bytes)) => KvCacheSize::ShareOfMemoryLimit {
-                limit_bytes,
-                share: self.kv_cache_memory_fraction,
-            },
-            (None, None, None) => KvCacheSize::Bytes(DEFAULT_KV_CACHE_BYTES),
-        }
-    }
-
-    /// The prefix templates, read from `--prefix-templates`.
-    pub fn prefix_templates(&self) -> anyhow::Result<Vec<String>> {
-        let Some(value) = self.prefix_templates.as_deref() else {
-            return Ok(Vec::new());
-        };
-        let (json, source) = if value.trim_start().starts_with('[') {
-            (value.to_string(), "the value".to_string())
-        } else {
-            let text = std::fs::read_to_string(value)
-                .with_context(|| format!("cannot read the prefix templates file '{value}'"))?;
-            (text, format!("file '{value}'"))
-        };
-        serde_json::from_str(&json).with_context(|| {
-            format!("--prefix-templates: {source} must be a JSON array of strings")
+impl Listeners {
+    pub async fn bind(grpc: SocketAddr, http: SocketAddr) -> anyhow::Result<Listeners> {
+        Ok(Listeners {
+            grpc: TcpListener::bind(grpc)
+                .await
+                .with_context(|| format!("cannot listen for gRPC on {grpc}"))?,
+            http: TcpListener::bind(http)
+                .await
+                .with_context(|| format!("cannot listen for HTTP on {http}"))?,
         })
     }
 }
 
-impl ServeArgs {
-    /// The served name: `--served-model-name`, else the model's file or directory stem.
-    pub fn model_name(&self) -> String {
-        self.served_model_name.clone().unwrap_or_else(|| {
-            self.model
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".to_string())
-        })
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
-}
-
-fn check_model_readable(path: &Path) -> anyhow::Result<()> {
-    let metadata = std::fs::metadata(path)
-        .with_context(|| format!("cannot read the model at '{}'", path.display()))?;
-    if metadata.is_file() {
-        std::fs::File::open(path)
-            .with_context(|| format!("cannot open the model file '{}'", path.display()))?;
-    }
-    Ok(())
-}
-
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
-    check_model_readable(&args.model)?;
-    let model_name = args.model_name();
-    if model_name.is_empty() {
-        anyhow::bail!("--served-model-name must not be empty");
-    }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    match start_ranks(&args, &model_name)? {
-        (ranks::Role::Leader { model, followers }, config) => {
-            let engine = crate::engine::start(*model, config).context("cannot start the engine")?;
-            let served = runtime.block_on(serve(args, engine, model_name));
-            // Dropping the runtime drops the last engine handle, and with it the model, which
-            // tells this process's followers (and every other rank) that the group is done.
-            drop(runtime);
-            let followed = followers.join();
-            served.and(followed)
-        }
-        (ranks::Role::Follower(followers), _) => {
-            runtime.block_on(follow(args.http_addr, followers))
-        }
-    }
-}
-
-/// Loads this process's ranks; the engine configuration goes to rank 0's engine.
-fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Role, EngineConfig)> {
-    let engine_args = &args.engine;
-    let prefix_templates = engine_args.prefix_templates()?;
-    let selected = crate::ascend::select_backend(engine_args.accelerator)
-        .context("cannot use the requested accelerator")?;
-    match &selected {
-        Selected::Cpu {
-            fallback_reason: Some(reason),
-        } => tracing::warn!(%reason, "no usable NPU; computing on the CPU"),
-        Selected::Cpu {
-            fallback_reason: None,
-        } => tracing::info!("computing on the CPU"),
-        Selected::Ascend(runtime) => {
-            tracing::info!(devices = runtime.device_count, "Ascend runtime available")
-        }
-    }
-    let policy = engine_args.precision.policy();
-    let config = EngineConfig {
-        model_name: model_name.to_string(),
-        max_batch_size: engine_args.max_batch_size,
-        queue_limit: engine_args.queue_limit,
-        max_num_batched_tokens: engine_args.max_num_batched_tokens,
-        block_size: engine_args.block_size,
-        kv_cache: engine_args.kv_cache_size(),
-        kv_dtype: engine_args.kv_cache_dtype.dtype(),
-        warmup_iterations: engine_args.warmup_iterations,
-        prefix_templates,
-        ignore_eos: engine_args.ignore_eos,
-    };
-    let started = Instant::now();
-    let role = ranks::start(&args.model, &selected, policy, engine_args.threads, &config)
-        .with_context(|| format!("cannot load the model '{}'", args.model.display()))?;
-    match &role {
-        ranks::Role::Leader { model, followers } => tracing::info!(
-            elapsed = ?started.elapsed(),
-            backend = %model.backend_name(),
-            rank = model.shard().rank,
-            world_size = model.shard().world,
-            local_followers = ?followers.ranks(),
-            "model loaded"
-        ),
-        ranks::Role::Follower(followers) => tracing::info!(
-            elapsed = ?started.elapsed(),
-            ranks = ?followers.ranks(),
-            "model shards loaded; following rank 0 in another pod"
-        ),
-    }
-    Ok((role, config))
-}
-
-/// A process without rank 0: answers health probes while its ranks follow the leader, and
-/// exits when the leader stops the group (0) or a rank is lost (an error naming it). A
-/// termination signal does not end it early: the leader may still be draining requests that
-/// need these ranks.
-async fn follow(http_addr: SocketAddr, followers: ranks::Followers) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(http_addr)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
-    tracing::info!(http = %listener.local_addr()?, "serving health while following rank 0");
-    let http = tokio::spawn(async move { axum::serve(listener, http::follower_router()).await });
-    let mut ticks = tokio::time::interval(Duration::from_millis(100));
-    let mut signal = std::pin::pin!(termination_signal());
-    let mut signalled = false;
-    loop {
-        tokio::select! {
-            _ = ticks.tick() => {
-                if followers.finished() {
-                    break;
-                }
-            }
-            received = &mut signal, if !signalled => {
-                tracing::info!(signal = received?, "staying until rank 0 stops the group");
-                signalled = true;
-            }
-        }
-    }
-    http.abort();
-    tokio::task::spawn_blocking(move || followers.join())
-        .await
-        .context("joining the follower ranks")?
-}
-
-/// Serves `engine` until a termination signal, then drains.
+/// Serves `engine` on `listeners` until `shutdown` resolves (with the signal's name), then
+/// drains.
 pub async fn serve(
-    args: ServeArgs,
+    config: ServerConfig,
     engine: Arc<dyn Engine>,
-    model_name: String,
+    listeners: Listeners,
+    shutdown: impl Future<Output = anyhow::Result<&'static str>>,
 ) -> anyhow::Result<()> {
     let shared = Arc::new(Shared::new(
         engine,
-        model_name,
-        args.engine.warmup_iterations,
-        Duration::from_secs_f64(args.stalled_reader_timeout),
+        config.model_name.clone(),
+        config.warmup_iterations,
+        config.stalled_reader_timeout,
     ));
-    let grpc_listener = TcpListener::bind(args.grpc_addr)
-        .await
-        .with_context(|| format!("cannot listen for gRPC on {}", args.grpc_addr))?;
-    let http_listener = TcpListener::bind(args.http_addr)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {}", args.http_addr))?;
+    let Listeners {
+        grpc: grpc_listener,
+        http: http_listener,
+    } = listeners;
     tracing::info!(
         grpc = %grpc_listener.local_addr()?,
         http = %http_listener.local_addr()?,
@@ -456,9 +125,9 @@ pub async fn serve(
         .add_service(
             GrpcInferenceServiceServer::new(grpc::InferenceService::new(
                 shared.clone(),
-                args.api_key.clone(),
+                config.api_key.clone(),
             ))
-            .max_decoding_message_size(args.max_grpc_message_bytes),
+            .max_decoding_message_size(config.max_grpc_message_bytes),
         )
         .add_service(WorkerLoadServer::new(grpc::LoadService::new(
             shared.clone(),
@@ -469,14 +138,14 @@ pub async fn serve(
         );
     let grpc_task = tokio::spawn(grpc_server);
 
-    let router = http::router(http::HttpState {
+    let router = router::router(http::HttpState {
         shared: shared.clone(),
-        api_key: args.api_key.clone(),
-        max_body_bytes: args.max_body_bytes,
+        api_key: config.api_key.clone(),
+        max_body_bytes: config.max_body_bytes,
         thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
-        reasoning_parser: args.reasoning_parser,
+        reasoning_parser: config.reasoning_parser,
     });
-    let send_buffer_bytes = args.http_send_buffer_bytes;
+    let send_buffer_bytes = config.http_send_buffer_bytes;
     let http_listener = http_listener.tap_io(move |connection| {
         if let Err(error) =
             socket2::SockRef::from(&*connection).set_send_buffer_size(send_buffer_bytes)
@@ -491,7 +160,7 @@ pub async fn serve(
 
     // A listener that stops by itself is fatal; otherwise serve until a signal.
     let signal = tokio::select! {
-        signal = termination_signal() => signal?,
+        signal = shutdown => signal?,
         result = &mut grpc_task => {
             result.context("the gRPC server task failed")??;
             anyhow::bail!("the gRPC server stopped unexpectedly");
@@ -506,7 +175,7 @@ pub async fn serve(
     };
     tracing::info!(signal, "draining");
     shared.begin_shutdown();
-    let drain_timeout = Duration::from_secs_f64(args.drain_timeout);
+    let drain_timeout = config.drain_timeout;
     let deadline = Instant::now() + drain_timeout;
     let drained = wait_drained(&shared, deadline).await;
     let unanswered = shared.in_flight();
@@ -571,7 +240,8 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }
 
-async fn termination_signal() -> anyhow::Result<&'static str> {
+/// Resolves with the name of the first SIGTERM or SIGINT.
+pub async fn termination_signal() -> anyhow::Result<&'static str> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;

@@ -497,6 +497,33 @@ pub fn string_param(value: impl Into<String>) -> InferParameter {
     }
 }
 
+/// A request for `model_name` with `text` as its `text_input`, and `parameters` (sampling
+/// settings such as `max_tokens`), as a client sends one.
+pub fn text_request<'a>(
+    model_name: &str,
+    text: &[u8],
+    parameters: impl IntoIterator<Item = (&'a str, InferParameter)>,
+) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: model_name.to_string(),
+        inputs: vec![InferInputTensor {
+            name: TEXT_INPUT.to_string(),
+            datatype: "BYTES".to_string(),
+            shape: vec![1],
+            contents: Some(InferTensorContents {
+                bytes_contents: vec![text.to_vec()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        parameters: parameters
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), value))
+            .collect(),
+        ..Default::default()
+    }
+}
+
 pub fn int_param(value: i64) -> InferParameter {
     InferParameter {
         parameter_choice: Some(ParameterChoice::Int64Param(value)),

@@ -11,8 +11,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::server::error::ServeError;
-use crate::server::grpc::{self, SERVER_NAME};
 use crate::server::http::{BodyError, HttpState, JsonBody, with_retry_after};
+use crate::server::inference::{self, SERVER_NAME};
 use crate::server::oip;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::{
@@ -92,7 +92,7 @@ pub async fn model_ready_version(
 }
 
 fn metadata_json(state: &HttpState) -> Value {
-    let metadata = grpc::model_metadata(&state.shared);
+    let metadata = inference::model_metadata(&state.shared);
     let tensors =
         |tensors: &[npufleet_contract::proto::inference::model_metadata_response::TensorMetadata]| {
             tensors
@@ -337,7 +337,7 @@ async fn serve_infer(
     };
     let result = async {
         let request = to_grpc(&name, &version, &body)?;
-        grpc::infer_unary(&state.shared, &request).await
+        inference::infer_unary(&state.shared, &request).await
     }
     .await;
     match result {

@@ -21,7 +21,7 @@ use crate::api::{
 };
 use crate::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use crate::model::{LoadOptions, Model};
-use crate::server::{KvCacheDtypeArgs, PrecisionArgs};
+use crate::startup::{KvCacheDtypeArgs, PrecisionArgs};
 
 const DEFAULT_REFERENCE_SCRIPT: &str =
     concat!(env!("CARGO_MANIFEST_DIR"), "/bench/llama_cpp_bench.py");

@@ -1,17 +1,21 @@
 //! Starts the real `npufleet-worker serve` binary on loopback ports with a small
-//! random-weight model, and talks to it.
+//! random-weight model, and talks to it; or, for protocol tests, the serving surfaces in
+//! this process ([`in_process`]).
 
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
+
+pub mod in_process;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_test_support::wait;
 use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 
 pub const MODEL_NAME: &str = "tiny";
@@ -37,14 +41,11 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let checked = wait::until(what, timeout, || {
+        let check = check();
+        async move { Ok(check.await) }
+    });
+    checked.await.unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 impl Worker {
