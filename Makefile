@@ -18,7 +18,7 @@ CARGO ?= cargo
 
 run: setup
 	$(CARGO) build --release --workspace --bins
-	$(CARGO) run --release -p npufleet-tests --bin npufleet-local -- --target-dir "$(CARGO_TARGET_DIR)/release"
+	$(CARGO) run --release -p npufleet-local -- --target-dir "$(CARGO_TARGET_DIR)/release"
 
 setup:
 	@tests/setup/control-plane.sh >/dev/null

@@ -1,16 +1,13 @@
-//! Test support for npufleet: throw-away local Kubernetes control planes built from the
-//! upstream binaries, and the paths of the project's own binaries, model and Python clients.
+//! The end-to-end tests' support, on the local platform (`npufleet-local`, re-exported here:
+//! control planes built from the upstream binaries, the node agent, the paths of the project's
+//! own binaries, model and Python clients): the operator as a process, monitoring, and
+//! closed-loop clients.
 //!
 //! A test binary shares one cluster ([`cluster::shared`]) and gives each test its own
 //! namespace, so the control plane starts once per binary.
 
-pub mod cluster;
-pub mod crd;
 pub mod fleet;
 pub mod monitoring;
-pub mod node_agent;
 pub mod operator;
-pub mod paths;
-pub mod process;
 
-pub use npufleet_test_support::{net, wait};
+pub use npufleet_local::{cluster, crd, net, node_agent, paths, process, wait};

@@ -7,9 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use npufleet_worker::tools::collective_bench::{
-    JoinEvent, free_port, loopback_rank_env, loopback_rank_table,
-};
+use npufleet_test_support::net::free_port;
+use npufleet_worker::tools::collective_bench::{JoinEvent, loopback_rank_env, loopback_rank_table};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_npufleet-worker");
 

@@ -7,7 +7,8 @@ mod serve_support;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use npufleet_worker::tools::collective_bench::{free_port, loopback_rank_env, loopback_rank_table};
+use npufleet_test_support::net::free_port;
+use npufleet_worker::tools::collective_bench::{loopback_rank_env, loopback_rank_table};
 use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker};

@@ -343,7 +343,7 @@ pub fn loopback_rank_table(world_size: usize) -> String {
 }
 
 /// A port that was free a moment ago, to use as the ring's base port.
-pub fn free_port() -> anyhow::Result<u16> {
+fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

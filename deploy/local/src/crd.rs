@@ -1,4 +1,4 @@
-//! Installing the project's CRD into a test cluster.
+//! Installing the project's CRD into a local cluster.
 
 use std::time::Duration;
 

@@ -19,12 +19,12 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
-use npufleet_tests::cluster::{Cluster, ClusterOptions};
-use npufleet_tests::fleet::{RunningRouter, serving_addresses};
-use npufleet_tests::net::free_port;
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::process::Process;
-use npufleet_tests::{paths, wait};
+use npufleet_local::cluster::{Cluster, ClusterOptions};
+use npufleet_local::net::free_port;
+use npufleet_local::node_agent::{self, NodeAgent, NodeAgentConfig};
+use npufleet_local::process::Process;
+use npufleet_local::router::{RunningRouter, serving_addresses};
+use npufleet_local::{paths, wait};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
@@ -228,7 +228,7 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     let router_bin = release_bin(&args.target_dir, "npufleet-router")?;
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "npufleet-local").await?;
-    npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+    npufleet_local::crd::install_inference_service(&client, MANAGER).await?;
     let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
 
     let _agent = NodeAgent::start(

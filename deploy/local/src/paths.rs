@@ -6,15 +6,19 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail};
 
-/// The repository root (the workspace this crate belongs to).
+/// The repository root: the workspace (the directory holding `Cargo.lock`) of the crate
+/// cargo runs.
 pub fn repo_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
         // Read at run time: build outputs are shared between checkouts, so a path compiled in
         // could name another checkout.
-        Path::new(&std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("tests crate sits inside the workspace")
+        let manifest_dir =
+            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+        Path::new(&manifest_dir)
+            .ancestors()
+            .find(|dir| dir.join("Cargo.lock").is_file())
+            .expect("the crate sits inside the workspace")
             .to_path_buf()
     })
 }
