@@ -683,12 +683,13 @@ unsafe fn kmin_scales(heads: [*const u8; GROUP_ROWS]) -> ([__m256; 8], [__m256; 
     (dv, mv)
 }
 
-/// Sub-block columns as the expansions write them, uninitialised until then.
-type KColumns<E> = [std::mem::MaybeUninit<E>; ACT_BLOCKS];
+// The k-quant expansions hand each sub-block column of a super-block column to `emit` in
+// sub-block order: a batch of one pass consumes it while it is still in registers, a larger
+// batch stores it for every pass.
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
+fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], mut emit: impl FnMut(usize, &ExpandedKMin)) {
     let low = _mm256_set1_epi8(0x0f);
     // SAFETY: the pointers are the blocks' own.
     let (d, m) = unsafe { kmin_scales(column_ptrs(blocks, |b| (b as *const BlockQ4K).cast())) };
@@ -701,18 +702,21 @@ fn expand_q4_k(blocks: &[&BlockQ4K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin
             *second = _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low);
         }
         for (j, q) in [(2 * i, first), (2 * i + 1, second)] {
-            out[j].write(ExpandedKMin {
-                q,
-                d: d[j],
-                m: m[j],
-            });
+            emit(
+                j,
+                &ExpandedKMin {
+                    q,
+                    d: d[j],
+                    m: m[j],
+                },
+            );
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin>) {
+fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], mut emit: impl FnMut(usize, &ExpandedKMin)) {
     let low = _mm256_set1_epi8(0x0f);
     let sixteen = _mm256_set1_epi8(16);
     // SAFETY: the pointers are the blocks' own.
@@ -735,18 +739,21 @@ fn expand_q5_k(blocks: &[&BlockQ5K; GROUP_ROWS], out: &mut KColumns<ExpandedKMin
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(*high, bit), bit);
                 *q = _mm256_or_si256(nibble, _mm256_and_si256(set, sixteen));
             }
-            out[j].write(ExpandedKMin {
-                q,
-                d: d[j],
-                m: m[j],
-            });
+            emit(
+                j,
+                &ExpandedKMin {
+                    q,
+                    d: d[j],
+                    m: m[j],
+                },
+            );
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>) {
+fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], mut emit: impl FnMut(usize, &ExpandedQ6K)) {
     let low = _mm256_set1_epi8(0x0f);
     let three = _mm256_set1_epi8(3);
     let d = f16x8(blocks.map(|b| b.d));
@@ -775,11 +782,14 @@ fn expand_q6_k(blocks: &[&BlockQ6K; GROUP_ROWS], out: &mut KColumns<ExpandedQ6K>
                 let high = _mm256_and_si256(_mm256_srl_epi16(*qh, shift), three);
                 *q = _mm256_or_si256(nibble, _mm256_slli_epi16::<4>(high));
             }
-            out[c].write(ExpandedQ6K {
-                q,
-                d,
-                sc: [signed_byte(&scales, 2 * c), signed_byte(&scales, 2 * c + 1)],
-            });
+            emit(
+                c,
+                &ExpandedQ6K {
+                    q,
+                    d,
+                    sc: [signed_byte(&scales, 2 * c), signed_byte(&scales, 2 * c + 1)],
+                },
+            );
         }
     }
 }
@@ -860,23 +870,25 @@ macro_rules! kquant_kernels {
 
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q4_k_group_scalar`], bit for bit.
-            gemm_q4_k_group, BlockQ4K, ExpandedKMin, expand_q4_k, kq4_block, kq4_pass);
+            gemm_q4_k_group, BlockQ4K, ExpandedKMin, expand_q4_k, kq4_block, kq4_streamed, kq4_pass);
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q5_k_group_scalar`], bit for bit.
-            gemm_q5_k_group, BlockQ5K, ExpandedKMin, expand_q5_k, kq5_block, kq5_pass);
+            gemm_q5_k_group, BlockQ5K, ExpandedKMin, expand_q5_k, kq5_block, kq5_streamed, kq5_pass);
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q6_k_group_scalar`], bit for bit.
-            gemm_q6_k_group, BlockQ6K, ExpandedQ6K, expand_q6_k, kq6_block, kq6_pass);
+            gemm_q6_k_group, BlockQ6K, ExpandedQ6K, expand_q6_k, kq6_block, kq6_streamed, kq6_pass);
     };
 }
 
-/// One k-quant format's grouped kernel: [`K_SPAN`] super-block columns of the group are
-/// expanded at a time into sub-block columns (`$expand`), then every activation row meets
-/// them, `$widest` rows a pass (`$pass`, applying `$block` per column).
+/// One k-quant format's grouped kernel. A batch of at most `$widest` activation rows takes
+/// one streamed pass (`$streamed`): each sub-block column is applied as `$expand` makes it,
+/// so nothing is stored. A larger batch expands [`K_SPAN`] super-block columns of the group
+/// at a time into sub-block columns, then every activation row meets them, `$widest` rows a
+/// pass (`$pass`, applying `$block` per column).
 macro_rules! kquant_kernel {
     ($features:literal, $widest:literal, [$($rest:literal),*],
      $(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expanded_ty:ty, $expand:ident,
-     $block:ident, $pass:ident) => {
+     $block:ident, $streamed:ident, $pass:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -889,13 +901,20 @@ macro_rules! kquant_kernel {
                 return;
             }
             let nb = nbk * ACT_BLOCKS;
+            if out.len() <= $widest {
+                over_activation_rows!($streamed, w, x, nb, 0..nb, out, $widest, [$($rest),*]);
+                return;
+            }
             // Uninitialised: zeroing the scratch costs about as much as expanding it.
             let mut scratch =
                 [[const { std::mem::MaybeUninit::<$expanded_ty>::uninit() }; ACT_BLOCKS]; K_SPAN];
             for s0 in (0..nbk).step_by(K_SPAN) {
                 let s1 = (s0 + K_SPAN).min(nbk);
                 for s in s0..s1 {
-                    $expand(&column(w, nbk, s), &mut scratch[s - s0]);
+                    let columns = &mut scratch[s - s0];
+                    $expand(&column(w, nbk, s), |j, e| {
+                        columns[j].write(*e);
+                    });
                     prefetch_share(w, s, nbk);
                 }
                 // SAFETY: the expansions just above wrote every column of rows 0..s1 - s0.
@@ -908,6 +927,26 @@ macro_rules! kquant_kernel {
                 over_activation_rows!($pass, span, x, nb, s0 * ACT_BLOCKS..s1 * ACT_BLOCKS,
                     &mut *out, $widest, [$($rest),*]);
             }
+        }
+
+        /// # Safety
+        /// The CPU must support the module's target features.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $streamed<const A: usize>(
+            w: &[$block_ty],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; GROUP_ROWS]],
+        ) {
+            let nbk = w.len() / GROUP_ROWS;
+            let mut acc = load_rows::<A>(out);
+            for s in 0..nbk {
+                $expand(&column(w, nbk, s), |j, e| {
+                    $block(e, x.map(|x| &x[s * ACT_BLOCKS + j]), &mut acc)
+                });
+                prefetch_share(w, s, nbk);
+            }
+            store_rows(acc, out);
         }
 
         /// # Safety
