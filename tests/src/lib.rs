@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod crd;
 pub mod fleet;
+pub mod inventory;
 pub mod monitoring;
 pub mod node_agent;
 pub mod operator;
