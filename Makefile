@@ -101,6 +101,8 @@ fuzz:
 	done
 
 
-# Fault tests too slow for make test (minutes each).
+# Fault tests too slow for make test (minutes each): workers killed under load, and the
+# operator SIGKILLed at random points while InferenceServices change, 25 times.
 chaos: setup build
 	$(CARGO) test -p npufleet-tests --test faults_worker -- --ignored --nocapture
+	$(CARGO) test -p npufleet-tests --test faults_operator -- --ignored --nocapture

@@ -102,9 +102,10 @@ impl MetricsStore {
             .insert((namespace.to_owned(), name.to_owned()), entry);
     }
 
-    pub fn remove(&self, namespace: &str, name: &str) {
+    /// Keeps only the services for which `keep(namespace, name)` holds.
+    pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
         self.write()
-            .remove(&(namespace.to_owned(), name.to_owned()));
+            .retain(|(namespace, name), _| keep(namespace, name));
     }
 
     /// The `ExternalMetricValueList` items for `metric` over the services in `namespace`
@@ -543,8 +544,9 @@ mod tests {
             .unwrap();
         assert_eq!(kv[0]["value"], "250m");
 
-        store.remove("a", "llm");
+        store.retain(|namespace, name| (namespace, name) != ("a", "llm"));
         assert!(store.query("a", QUEUE_DEPTH, "team=x").unwrap().is_empty());
+        assert_eq!(store.query("b", QUEUE_DEPTH, "team=x").unwrap().len(), 1);
         assert_eq!(
             store.query("a", "cpu", ""),
             Err(QueryError::UnknownMetric("cpu".into()))

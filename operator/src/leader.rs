@@ -10,7 +10,7 @@ use crate::labels::FIELD_MANAGER;
 pub const LEASE_NAME: &str = "npufleet-operator";
 
 /// Lease duration and the grace before expiry at which the holder renews it, seconds.
-const LEASE_SECONDS: u64 = 15;
+pub const LEASE_SECONDS: u64 = 15;
 const RENEW_GRACE_SECONDS: u64 = 5;
 
 /// Holds the lease in the background; the channel turns `true` while this process leads.

@@ -4,6 +4,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use clap::Parser;
+use npufleet_operator::autoscaler::collect::{self, Collector};
 use npufleet_operator::autoscaler::{self, Autoscaler};
 use npufleet_operator::cache::WatchScope;
 use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings, tls};
@@ -126,6 +127,26 @@ async fn lead(
     Ok(())
 }
 
+/// What a replica runs until it leads: the load collection behind the external metrics, so
+/// that an HPA query reaching this replica gets the same answer as from the leader. Dropped
+/// on taking the lead, where the autoscaler collects from the shared cache instead.
+async fn stand_by(
+    client: &kube::Client,
+    scope: &WatchScope,
+    store: MetricsStore,
+    settings: &autoscaler::Settings,
+) {
+    let (services, pods, watches) = collect::standby_stores(client, scope);
+    let collector = Collector::new(
+        settings.read_timeout,
+        scope.namespace(),
+        services,
+        pods,
+        store,
+    );
+    futures::join!(watches, collector.run(settings.tick));
+}
+
 /// The external metrics server's certificate and the aggregator's client CA.
 async fn external_metrics_tls(client: &kube::Client, args: &Args) -> anyhow::Result<TlsSettings> {
     use anyhow::Context as _;
@@ -233,7 +254,12 @@ async fn main() -> anyhow::Result<()> {
             let (mut leading, _elector) =
                 leader::elect(client, &args.lease_namespace, &identity).await?;
             tracing::info!(%identity, "waiting to lead");
-            leader::wait_for(&mut leading, true).await?;
+            tokio::select! {
+                led = leader::wait_for(&mut leading, true) => led?,
+                () = stand_by(&client_for_leader, &ctx.scope, store.clone(), &scaler_settings) => {
+                    anyhow::bail!("the standby watches ended");
+                }
+            }
             tracing::info!(%identity, "leading");
             tokio::select! {
                 led = lead(ctx, client_for_leader, store, scaler_settings) => led?,

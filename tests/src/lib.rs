@@ -7,6 +7,7 @@
 //! namespace, so the control plane starts once per binary.
 
 pub mod fleet;
+pub mod inventory;
 pub mod monitoring;
 pub mod operator;
 

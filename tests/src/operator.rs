@@ -1,6 +1,7 @@
 //! The operator's controller and built-in autoscaler running inside a test process, against
 //! one namespace, with scaling windows short enough for a test to watch a scale-down.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -109,17 +110,95 @@ pub fn spawn_binary(
     lease_namespace: &str,
     identity: &str,
 ) -> Result<Process> {
+    let mut cmd = binary_command(kubeconfig, lease_namespace, identity)?;
+    cmd.arg("--external-metrics-addr=");
+    start_binary(cluster, identity, cmd)
+}
+
+/// One of several operator replicas in `namespace`, with the admin's credentials: it
+/// elects through its Lease there, watches and writes only there (so that replicas of other
+/// tests in the same cluster keep out), and serves external metrics on `external_metrics`
+/// when given. Logs to `<identity>.log` in the cluster's scratch directory.
+pub fn spawn_replica(
+    cluster: &Cluster,
+    namespace: &str,
+    identity: &str,
+    external_metrics: Option<SocketAddr>,
+) -> Result<Process> {
+    let mut cmd = binary_command(cluster.kubeconfig(), namespace, identity)?;
+    cmd.args(["--watch-namespace", namespace]).arg(format!(
+        "--external-metrics-addr={}",
+        external_metrics.map(|a| a.to_string()).unwrap_or_default()
+    ));
+    start_binary(cluster, identity, cmd)
+}
+
+fn binary_command(kubeconfig: &Path, lease_namespace: &str, identity: &str) -> Result<Command> {
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
-    cmd.args(["--external-metrics-addr=", "--metrics-addr"])
+    cmd.arg("--metrics-addr")
         .arg(format!("127.0.0.1:{}", free_port()?))
         .args(["--lease-namespace", lease_namespace, "--identity", identity])
         .env("KUBECONFIG", kubeconfig)
         .env("RUST_LOG", "info");
+    Ok(cmd)
+}
+
+fn start_binary(cluster: &Cluster, identity: &str, cmd: Command) -> Result<Process> {
     Process::start(
         identity,
         cmd,
         &cluster.scratch().join(format!("{identity}.log")),
     )
+}
+
+/// `metric` over the InferenceServices `selector` picks in `namespace`, asked directly of
+/// the operator replica (in `namespace`) whose external metrics server listens on `addr`,
+/// the way kube-apiserver's aggregator asks it: with the aggregator's client certificate,
+/// trusting the operator's CA. The `ExternalMetricValueList`'s items.
+pub async fn external_metric(
+    cluster: &Cluster,
+    client: &Client,
+    addr: SocketAddr,
+    namespace: &str,
+    metric: &str,
+    selector: &str,
+) -> Result<Vec<serde_json::Value>> {
+    use npufleet_operator::external_metrics::{GROUP_VERSION, tls};
+    let service = "npufleet-external-metrics";
+    let names = tls::service_dns_names(service, namespace, "cluster.local");
+    // Made by the first replica to start; every replica serves this one.
+    let certificate = tls::ServingCertificate::ensure_in_secret(
+        client,
+        namespace,
+        "npufleet-external-metrics-tls",
+        &names,
+    )
+    .await?;
+    let host = format!("{service}.{namespace}.svc");
+    let http = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(
+            certificate.ca_pem.as_bytes(),
+        )?)
+        .identity(cluster.front_proxy_identity()?)
+        .resolve(&host, addr)
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let list: serde_json::Value = http
+        .get(format!(
+            "https://{host}:{}/apis/{GROUP_VERSION}/namespaces/{namespace}/{metric}",
+            addr.port()
+        ))
+        .query(&[("labelSelector", selector)])
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    anyhow::ensure!(
+        list["kind"] == "ExternalMetricValueList",
+        "not an ExternalMetricValueList: {list}"
+    );
+    Ok(list["items"].as_array().cloned().unwrap_or_default())
 }
 
 /// Who holds the operator's leader Lease in `namespace`, if anyone.

@@ -549,6 +549,15 @@ impl Cluster {
         Ok(path)
     }
 
+    /// The client certificate kube-apiserver's aggregator presents to extension API servers,
+    /// for a test that asks one of them directly as the aggregator would.
+    pub fn front_proxy_identity(&self) -> Result<reqwest::Identity> {
+        let dir = self.dir.path();
+        let mut pem = std::fs::read(dir.join("front-proxy-client.crt"))?;
+        pem.extend(std::fs::read(dir.join("front-proxy-client.key"))?);
+        Ok(reqwest::Identity::from_pem(&pem)?)
+    }
+
     pub fn scratch(&self) -> &Path {
         self.dir.path()
     }

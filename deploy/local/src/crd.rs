@@ -44,3 +44,29 @@ pub async fn install_inference_service(client: &Client, manager: &str) -> Result
     .await?;
     wait_established(client, &name).await
 }
+
+/// Volcano's PodGroup API, served without Volcano itself: enough for the operator to discover
+/// it and create PodGroups (which nothing then schedules).
+pub async fn serve_volcano_pod_groups(client: &Client, manager: &str) -> Result<()> {
+    let crd: CustomResourceDefinition = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "podgroups.scheduling.volcano.sh"},
+        "spec": {
+            "group": "scheduling.volcano.sh",
+            "names": {"kind": "PodGroup", "plural": "podgroups", "singular": "podgroup", "shortNames": ["pg"]},
+            "scope": "Namespaced",
+            "versions": [{"name": "v1beta1", "served": true, "storage": true,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]
+        }
+    }))?;
+    let name = crd.metadata.name.clone().unwrap_or_default();
+    Api::<CustomResourceDefinition>::all(client.clone())
+        .patch(
+            &name,
+            &PatchParams::apply(manager).force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
+    wait_established(client, &name).await
+}

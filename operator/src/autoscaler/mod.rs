@@ -3,7 +3,9 @@
 //! Every tick (500 ms by default) the loop reads each worker's load signal, feeds the
 //! per-service [`policy::Policy`] and, for `mode: builtin`, records the decision in
 //! `status.autoscaling.desiredReplicas`, with an event. For `mode: hpa` it only publishes the
-//! load as the external metric and keeps the service's HPA in place.
+//! load as the external metric and keeps the service's HPA in place. The loop runs on the
+//! leader; the reading and publishing ([`collect`]) also runs on every other replica, so each
+//! answers the external metrics API alike.
 //!
 //! One writer per count: with `mode: builtin` the reconcile follows
 //! `status.autoscaling.desiredReplicas`, which only this loop writes (under its own field
@@ -15,6 +17,7 @@
 //! leave `replicas` out, as for any HPA target. Either way the count is clamped to
 //! `[minReplicas, maxReplicas]` before anything is created ([`desired_replicas`]).
 
+pub mod collect;
 pub mod hpa;
 pub mod load;
 pub mod policy;
@@ -37,11 +40,9 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::cache::Stores;
-use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
+use crate::external_metrics::{MetricsStore, parse_selector};
 use crate::labels::GROUP as GROUP_LABEL;
-use crate::replica_group;
-use load::LoadReader;
-use npufleet_contract::ports;
+use collect::Collector;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
 use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig};
 
@@ -195,12 +196,8 @@ enum HpaState {
 pub struct Autoscaler {
     client: Client,
     settings: Settings,
-    metrics: MetricsStore,
-    reader: LoadReader,
+    collector: Collector,
     recorder: Recorder,
-    /// Only services in this namespace, when set.
-    namespace: Option<String>,
-    services: Store<InferenceService>,
     pods: Store<Pod>,
     policies: HashMap<ObjectRef<InferenceService>, ServiceState>,
     /// What this loop knows of each service's HPA.
@@ -228,12 +225,15 @@ impl Autoscaler {
         };
         Ok(Self {
             recorder: Recorder::new(client.clone(), reporter),
-            reader: LoadReader::new(settings.read_timeout),
+            collector: Collector::new(
+                settings.read_timeout,
+                namespace,
+                stores.inference_services.clone(),
+                stores.pods.clone(),
+                metrics,
+            ),
             client,
             settings,
-            metrics,
-            namespace: namespace.map(str::to_owned),
-            services: stores.inference_services.clone(),
             pods: stores.pods.clone(),
             policies: HashMap::new(),
             hpas: HashMap::new(),
@@ -243,6 +243,7 @@ impl Autoscaler {
     }
 
     pub async fn run(mut self) {
+        self.collector.wait_until_ready().await;
         let mut ticks = tokio::time::interval(self.settings.tick);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -252,54 +253,17 @@ impl Autoscaler {
     }
 
     async fn tick(&mut self) {
-        let namespace = self.namespace.as_deref();
-        let services = self
-            .services
-            .state_filter(|s| namespace.is_none_or(|ns| s.namespace().as_deref() == Some(ns)));
-        let live: HashSet<ObjectRef<InferenceService>> = services
+        let observed = self.collector.collect().await;
+        let live: HashSet<ObjectRef<InferenceService>> = observed
             .iter()
-            .map(|s| ObjectRef::from_obj(s.as_ref()))
+            .map(|(s, _)| ObjectRef::from_obj(s.as_ref()))
             .collect();
-        let known = self
-            .policies
-            .keys()
-            .chain(self.hpas.keys())
-            .chain(self.invalid.keys());
-        let gone: Vec<_> = known.filter(|k| !live.contains(*k)).cloned().collect();
-        for gone in gone {
-            self.policies.remove(&gone);
-            self.hpas.remove(&gone);
-            self.invalid.remove(&gone);
-            self.metrics
-                .remove(gone.namespace.as_deref().unwrap_or_default(), &gone.name);
-        }
+        self.policies.retain(|k, _| live.contains(k));
+        self.hpas.retain(|k, _| live.contains(k));
+        self.invalid.retain(|k, _| live.contains(k));
 
-        let mut addresses = HashSet::new();
-        let reads = services.iter().map(|service| {
-            let workers = self.worker_pods(service);
-            addresses.extend(workers.iter().filter_map(|(_, address)| address.clone()));
-            let reader = &self.reader;
-            async move {
-                let views = futures::future::join_all(workers.into_iter().map(
-                    |(mut view, address)| async move {
-                        if let Some(address) = address {
-                            match reader.read(&address).await {
-                                Ok(report) => view.report = Some(report),
-                                Err(error) => tracing::debug!(%error, "reading worker load"),
-                            }
-                        }
-                        view
-                    },
-                ))
-                .await;
-                (service.clone(), views)
-            }
-        });
-        let observed = futures::future::join_all(reads).await;
-        self.reader.retain(&addresses);
-
-        for (service, workers) in observed {
-            if let Err(error) = self.handle(&service, &workers).await {
+        for (service, observation) in observed {
+            if let Err(error) = self.handle(&service, observation).await {
                 tracing::warn!(
                     service = %service.name_any(),
                     namespace = service.namespace().unwrap_or_default(),
@@ -310,72 +274,13 @@ impl Autoscaler {
         }
     }
 
-    /// The worker pods of `service` with the address of their load signal.
-    fn worker_pods(&self, service: &InferenceService) -> Vec<(WorkerView, Option<String>)> {
-        let Some(selector) = service
-            .status
-            .as_ref()
-            .and_then(|s| s.selector.as_deref())
-            .and_then(|s| parse_selector(s).ok())
-        else {
-            return Vec::new();
-        };
-        let namespace = service.namespace();
-        self.pods
-            .state()
-            .iter()
-            .filter(|pod| pod.namespace() == namespace && selector.matches(pod.labels()))
-            .filter_map(|pod| {
-                let (group, rank) = replica_group::group_and_rank(pod)?;
-                let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
-                let status = pod.status.as_ref();
-                let pod_ready = replica_group::pod_is_ready(pod);
-                let leaving = pod.metadata.deletion_timestamp.is_some();
-                let address = status
-                    .and_then(|s| s.pod_ip.as_deref())
-                    .map(|ip| format!("{}:{}", ip, grpc_port(pod)));
-                Some((
-                    WorkerView {
-                        group,
-                        rank,
-                        leaving,
-                        pod_ready,
-                        report: None,
-                    },
-                    address,
-                ))
-            })
-            .collect()
-    }
-
     async fn handle(
         &mut self,
         service: &InferenceService,
-        workers: &[WorkerView],
+        mut observation: Observation,
     ) -> anyhow::Result<()> {
         let name = service.name_any();
         let namespace = service.namespace().unwrap_or_default();
-        let groups = group_loads(workers);
-        let mut observation = Observation {
-            spec_replicas: u32::try_from(desired_replicas(service)).unwrap_or(0),
-            groups,
-            wake_requested: false,
-        };
-        self.metrics.update(
-            &namespace,
-            &name,
-            service.labels(),
-            ServiceLoad {
-                queue_depth: observation.queue_depth(),
-                kv_cache_usage: observation
-                    .groups
-                    .iter()
-                    .filter(|g| g.state == GroupState::Ready)
-                    .map(|g| g.kv_usage)
-                    .sum(),
-            },
-        );
-
         let key = ObjectRef::from_obj(service);
         let Some(autoscaling) = service.spec.autoscaling.as_ref() else {
             self.policies.remove(&key);
@@ -655,15 +560,6 @@ impl Autoscaler {
             tracing::warn!(%error, "recording an autoscaling warning");
         }
     }
-}
-
-fn grpc_port(pod: &Pod) -> i32 {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.containers.iter())
-        .flat_map(|c| c.ports.iter().flatten())
-        .find(|p| p.name.as_deref() == Some(ports::GRPC_PORT_NAME))
-        .map_or(i32::from(ports::GRPC_PORT), |p| p.container_port)
 }
 
 #[cfg(test)]

@@ -1,0 +1,226 @@
+//! Reading the workers' load and publishing each service's as the external metrics.
+//!
+//! This half of the autoscaler runs on every operator replica: an HPA's query reaches
+//! whichever replica the metrics Service picks, so each must have the readings. Decisions
+//! and writes built on them stay with the leader ([`super::Autoscaler`]).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::SelectorExt;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use npufleet_contract::ports;
+use npufleet_crds::InferenceService;
+
+use super::load::LoadReader;
+use super::policy::{GroupState, Observation};
+use super::{WorkerView, desired_replicas, group_loads};
+use crate::cache::WatchScope;
+use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
+use crate::labels::{self, FIELD_MANAGER};
+use crate::replica_group;
+
+/// Reads the load of every service's workers and keeps the metrics store current.
+pub struct Collector {
+    reader: LoadReader,
+    metrics: MetricsStore,
+    /// Only services in this namespace, when set.
+    namespace: Option<String>,
+    services: Store<InferenceService>,
+    pods: Store<Pod>,
+}
+
+impl Collector {
+    pub fn new(
+        read_timeout: Duration,
+        namespace: Option<&str>,
+        services: Store<InferenceService>,
+        pods: Store<Pod>,
+        metrics: MetricsStore,
+    ) -> Self {
+        Self {
+            reader: LoadReader::new(read_timeout),
+            metrics,
+            namespace: namespace.map(str::to_owned),
+            services,
+            pods,
+        }
+    }
+
+    /// Reads every service's workers once, publishes each service's load and forgets the
+    /// services that are gone; returns what it saw of each service.
+    pub async fn collect(&self) -> Vec<(Arc<InferenceService>, Observation)> {
+        let namespace = self.namespace.as_deref();
+        let services = self
+            .services
+            .state_filter(|s| namespace.is_none_or(|ns| s.namespace().as_deref() == Some(ns)));
+
+        let mut addresses = HashSet::new();
+        let reads = services.iter().map(|service| {
+            let workers = self.worker_pods(service);
+            addresses.extend(workers.iter().filter_map(|(_, address)| address.clone()));
+            let reader = &self.reader;
+            async move {
+                let views = futures::future::join_all(workers.into_iter().map(
+                    |(mut view, address)| async move {
+                        if let Some(address) = address {
+                            match reader.read(&address).await {
+                                Ok(report) => view.report = Some(report),
+                                Err(error) => tracing::debug!(%error, "reading worker load"),
+                            }
+                        }
+                        view
+                    },
+                ))
+                .await;
+                (service.clone(), views)
+            }
+        });
+        let read = futures::future::join_all(reads).await;
+        self.reader.retain(&addresses);
+
+        let live: HashSet<(String, String)> = services
+            .iter()
+            .map(|s| (s.namespace().unwrap_or_default(), s.name_any()))
+            .collect();
+        self.metrics
+            .retain(|namespace, name| live.contains(&(namespace.to_owned(), name.to_owned())));
+
+        read.into_iter()
+            .map(|(service, workers)| {
+                let observation = Observation {
+                    spec_replicas: u32::try_from(desired_replicas(&service)).unwrap_or(0),
+                    groups: group_loads(&workers),
+                    wake_requested: false,
+                };
+                self.publish(&service, &observation);
+                (service, observation)
+            })
+            .collect()
+    }
+
+    /// Waits until the stores hold what the cluster had when their watches started, so that
+    /// a first collection does not take every service for gone and withdraw its metrics.
+    pub async fn wait_until_ready(&self) {
+        self.services.wait_until_ready().await.ok();
+        self.pods.wait_until_ready().await.ok();
+    }
+
+    /// Collects every `tick` until dropped: what a replica that does not lead runs.
+    pub async fn run(self, tick: Duration) {
+        self.wait_until_ready().await;
+        let mut ticks = tokio::time::interval(tick);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            self.collect().await;
+        }
+    }
+
+    fn publish(&self, service: &InferenceService, observation: &Observation) {
+        self.metrics.update(
+            &service.namespace().unwrap_or_default(),
+            &service.name_any(),
+            service.labels(),
+            ServiceLoad {
+                queue_depth: observation.queue_depth(),
+                kv_cache_usage: observation
+                    .groups
+                    .iter()
+                    .filter(|g| g.state == GroupState::Ready)
+                    .map(|g| g.kv_usage)
+                    .sum(),
+            },
+        );
+    }
+
+    /// The worker pods of `service` with the address of their load signal.
+    fn worker_pods(&self, service: &InferenceService) -> Vec<(WorkerView, Option<String>)> {
+        let Some(selector) = service
+            .status
+            .as_ref()
+            .and_then(|s| s.selector.as_deref())
+            .and_then(|s| parse_selector(s).ok())
+        else {
+            return Vec::new();
+        };
+        let namespace = service.namespace();
+        self.pods
+            .state()
+            .iter()
+            .filter(|pod| pod.namespace() == namespace && selector.matches(pod.labels()))
+            .filter_map(|pod| {
+                let (group, rank) = replica_group::group_and_rank(pod)?;
+                let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
+                let status = pod.status.as_ref();
+                let pod_ready = replica_group::pod_is_ready(pod);
+                let leaving = pod.metadata.deletion_timestamp.is_some();
+                let address = status
+                    .and_then(|s| s.pod_ip.as_deref())
+                    .map(|ip| format!("{}:{}", ip, grpc_port(pod)));
+                Some((
+                    WorkerView {
+                        group,
+                        rank,
+                        leaving,
+                        pod_ready,
+                        report: None,
+                    },
+                    address,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// The InferenceServices in `scope` and their worker pods, watched for a replica that does not
+/// lead: the operator's shared cache starts with the controller, on the leader only. The
+/// stores fill while the returned future is polled.
+pub fn standby_stores(
+    client: &Client,
+    scope: &WatchScope,
+) -> (
+    Store<InferenceService>,
+    Store<Pod>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    fn without_managed_fields<K: Resource>(object: &mut K) {
+        object.meta_mut().managed_fields = None;
+    }
+    let (services, services_writer) = reflector::store();
+    let (pods, pods_writer) = reflector::store();
+    let services_watch = watcher(
+        scope.api::<InferenceService>(client),
+        watcher::Config::default(),
+    )
+    .modify(without_managed_fields)
+    .default_backoff()
+    .reflect(services_writer);
+    let managed =
+        watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
+    let pods_watch = watcher(scope.api::<Pod>(client), managed)
+        .modify(without_managed_fields)
+        .default_backoff()
+        .reflect(pods_writer);
+    let watches = async move {
+        futures::join!(
+            services_watch.for_each(|_| std::future::ready(())),
+            pods_watch.for_each(|_| std::future::ready(()))
+        );
+    };
+    (services, pods, watches)
+}
+
+fn grpc_port(pod: &Pod) -> i32 {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some(ports::GRPC_PORT_NAME))
+        .map_or(i32::from(ports::GRPC_PORT), |p| p.container_port)
+}
