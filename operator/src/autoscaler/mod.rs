@@ -243,7 +243,6 @@ impl Autoscaler {
     }
 
     pub async fn run(mut self) {
-        self.collector.wait_until_ready().await;
         let mut ticks = tokio::time::interval(self.settings.tick);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
