@@ -111,7 +111,7 @@ pub struct Started {
 
 /// Nothing the operator decides reads `managedFields`, and on pods and InferenceServices,
 /// which several writers update, they are the larger part of each cached object.
-fn without_managed_fields<K: Resource>(object: &mut K) {
+pub(crate) fn without_managed_fields<K: Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 

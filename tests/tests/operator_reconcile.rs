@@ -47,33 +47,6 @@ fn pod_group_resource() -> ApiResource {
     )
 }
 
-/// Volcano's PodGroup API, served without Volcano itself: enough for the operator to discover
-/// it and create PodGroups.
-async fn serve_volcano_pod_groups(client: &Client) -> Result<()> {
-    let crd: CustomResourceDefinition = serde_json::from_value(json!({
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": "podgroups.scheduling.volcano.sh"},
-        "spec": {
-            "group": "scheduling.volcano.sh",
-            "names": {"kind": "PodGroup", "plural": "podgroups", "singular": "podgroup", "shortNames": ["pg"]},
-            "scope": "Namespaced",
-            "versions": [{"name": "v1beta1", "served": true, "storage": true,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]
-        }
-    }))?;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.create(&PostParams::default(), &crd).await?;
-    wait::until("PodGroup API served", TIMEOUT, || async {
-        Ok(client
-            .list_api_group_resources("scheduling.volcano.sh/v1beta1")
-            .await
-            .ok()
-            .map(|_| ()))
-    })
-    .await
-}
-
 /// The Gateway API Inference Extension's own InferencePool CRD, from its release module.
 async fn serve_inference_pools(client: &Client) -> Result<()> {
     let file = tokio::task::spawn_blocking(paths::inference_pool_crd).await??;
@@ -116,7 +89,7 @@ async fn http_get(port: u16, path: &str) -> Result<(u16, String)> {
 
 async fn start_operator(c: &cluster::Cluster) -> Result<Operator> {
     let client = c.client().await?;
-    serve_volcano_pod_groups(&client).await?;
+    npufleet_tests::crd::serve_volcano_pod_groups(&client, "npufleet-tests").await?;
     serve_inference_pools(&client).await?;
     let chart = paths::repo_root().join("charts/npufleet");
     let mut helm = c.helm();

@@ -147,6 +147,8 @@ impl Fleet {
         npufleet_tests::operator::apply(&self.services(), MANAGER, &service).await
     }
 
+    /// Waits until `replicas` worker pods serve and the router's own view lists the model
+    /// (its watch may trail the pods' readiness).
     async fn wait_serving(&self, replicas: usize) -> Result<()> {
         let pods = self.pods();
         wait::until(
@@ -155,6 +157,17 @@ impl Fleet {
             || async {
                 let serving = serving_addresses(&pods).await?.len();
                 Ok((serving == replicas).then_some(()))
+            },
+        )
+        .await?;
+        let models = self.router.url("/v1/models");
+        wait::until(
+            "the router to list the model",
+            Duration::from_secs(30),
+            || async {
+                let listed: Value = reqwest::get(&models).await?.json().await?;
+                let ids = listed["data"].as_array().cloned().unwrap_or_default();
+                Ok(ids.iter().any(|m| m["id"] == MODEL).then_some(()))
             },
         )
         .await

@@ -68,5 +68,15 @@ pub async fn serve_volcano_pod_groups(client: &Client, manager: &str) -> Result<
             &Patch::Apply(&crd),
         )
         .await?;
-    wait_established(client, &name).await
+    wait_established(client, &name).await?;
+    // Established can come before discovery lists the group, and the operator finds the API
+    // by discovery.
+    wait::until("PodGroup API served", Duration::from_secs(60), || async {
+        Ok(client
+            .list_api_group_resources("scheduling.volcano.sh/v1beta1")
+            .await
+            .ok()
+            .map(|_| ()))
+    })
+    .await
 }

@@ -13,14 +13,14 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::core::SelectorExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use npufleet_contract::ports;
 use npufleet_crds::InferenceService;
 
 use super::load::LoadReader;
 use super::policy::{GroupState, Observation};
 use super::{WorkerView, desired_replicas, group_loads};
-use crate::cache::WatchScope;
+use crate::cache::{WatchScope, without_managed_fields};
 use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
 use crate::labels::{self, FIELD_MANAGER};
 use crate::replica_group;
@@ -189,9 +189,6 @@ pub fn standby_stores(
     Store<Pod>,
     impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    fn without_managed_fields<K: Resource>(object: &mut K) {
-        object.meta_mut().managed_fields = None;
-    }
     let (services, services_writer) = reflector::store();
     let (pods, pods_writer) = reflector::store();
     let services_watch = watcher(
