@@ -140,6 +140,9 @@ pub struct Process {
     child: Child,
     log: PathBuf,
     command: Recorded,
+    /// Killed and waited for: its id may belong to another process by now, so it is never
+    /// signalled again.
+    reaped: bool,
 }
 
 /// What [`Process::restart`] starts again.
@@ -224,6 +227,7 @@ impl Process {
             child,
             log: log.to_path_buf(),
             command,
+            reaped: false,
         })
     }
 
@@ -258,7 +262,11 @@ impl Process {
 
     /// `Some(status)` once the process has exited.
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
+        let status = self.child.try_wait().ok().flatten();
+        if status.is_some() {
+            self.mark_reaped();
+        }
+        status
     }
 
     /// Fails with the log's tail when the process has already exited.
@@ -275,7 +283,10 @@ impl Process {
 
     /// Sends `signal` to the process group.
     pub fn signal(&self, signal: i32) {
-        // SAFETY: signalling the process group this struct owns.
+        if self.reaped {
+            return;
+        }
+        // SAFETY: signalling the process group this struct owns, whose leader is not reaped.
         unsafe { libc::kill(-(self.child.id() as i32), signal) };
     }
 
@@ -293,18 +304,27 @@ impl Process {
         None
     }
 
+    /// SIGKILL to the process group, once; waits for the process.
     pub fn kill(&mut self) {
+        if self.reaped {
+            return;
+        }
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();
+        self.mark_reaped();
+    }
+
+    fn mark_reaped(&mut self) {
+        self.reaped = true;
+        let pid = self.child.id() as i32;
+        if let Ok(mut reg) = REGISTRY.lock() {
+            reg.pids.retain(|p| *p != pid);
+        }
     }
 }
 
 impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
-        let pid = self.child.id() as i32;
-        if let Ok(mut reg) = REGISTRY.lock() {
-            reg.pids.retain(|p| *p != pid);
-        }
     }
 }
