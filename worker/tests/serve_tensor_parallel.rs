@@ -5,7 +5,7 @@
 mod serve_support;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use npufleet_test_support::net::free_port;
 use npufleet_worker::tools::collective_bench::{loopback_rank_env, loopback_rank_table};
@@ -55,15 +55,17 @@ async fn unsharded_text(model: &Path) -> String {
     text
 }
 
-/// Two processes on 127.0.0.2 and 127.0.0.3, wired by a two-server rank table.
-fn two_process_group(dir: &Path, model: &Path) -> (Worker, Worker) {
+/// Two processes on 127.0.0.2 and 127.0.0.3, wired by a two-server rank table, whose
+/// collectives wait `timeout_secs` for a peer (`HCCL_EXEC_TIMEOUT`).
+fn two_process_group(dir: &Path, model: &Path, timeout_secs: u64) -> (Worker, Worker) {
     let table = dir.join("hccl.json");
     std::fs::write(&table, loopback_rank_table(2)).unwrap();
     let port = free_port().unwrap();
     // Neither rank logs its address before the ring is up, so they start side by side.
     std::thread::scope(|scope| {
-        let follower = scope.spawn(|| start(model, &loopback_rank_env(&table, 1, port, 30)));
-        let leader = start(model, &loopback_rank_env(&table, 0, port, 30));
+        let follower =
+            scope.spawn(|| start(model, &loopback_rank_env(&table, 1, port, timeout_secs)));
+        let leader = start(model, &loopback_rank_env(&table, 0, port, timeout_secs));
         (leader, follower.join().unwrap())
     })
 }
@@ -73,7 +75,7 @@ async fn a_two_pod_group_answers_like_one_worker_and_stops_together() {
     let dir = tempfile::tempdir().unwrap();
     let model = model(dir.path());
     let expected = unsharded_text(&model).await;
-    let (mut leader, mut follower) = two_process_group(dir.path(), &model);
+    let (mut leader, mut follower) = two_process_group(dir.path(), &model, 30);
     leader.wait_ready().await;
     follower.wait_ready().await;
     assert_eq!(complete(&leader).await, expected);
@@ -106,7 +108,7 @@ async fn a_two_pod_group_answers_like_one_worker_and_stops_together() {
 async fn losing_a_rank_stops_the_leader_with_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let model = model(dir.path());
-    let (mut leader, follower) = two_process_group(dir.path(), &model);
+    let (mut leader, follower) = two_process_group(dir.path(), &model, 30);
     leader.wait_ready().await;
     follower.signal("-KILL");
     let status = leader.wait_exit(Duration::from_secs(30)).await;
@@ -115,6 +117,51 @@ async fn losing_a_rank_stops_the_leader_with_an_error_naming_it() {
         leader.log().contains("lost tensor-parallel rank 1"),
         "{}",
         leader.log()
+    );
+}
+
+/// A rank that hangs rather than dies (SIGSTOP): the next collective gives up after the
+/// execution timeout naming it, the client gets an error instead of waiting, and the leader
+/// exits so that the operator makes the group again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_rank_stops_the_group_within_the_execution_timeout_naming_it() {
+    const EXEC_TIMEOUT: Duration = Duration::from_secs(3);
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(dir.path());
+    let (mut leader, follower) = two_process_group(dir.path(), &model, EXEC_TIMEOUT.as_secs());
+    leader.wait_ready().await;
+    follower.wait_ready().await;
+    follower.signal("-STOP");
+    let hung = Instant::now();
+    let answer = reqwest::Client::new()
+        .post(format!("{}/v1/completions", leader.http))
+        .json(&json!({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16}))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}: {}", leader.log()));
+    let answered_in = hung.elapsed();
+    let status = answer.status();
+    let body = answer.text().await.unwrap();
+    let exit = leader.wait_exit(Duration::from_secs(30)).await;
+    let exited_in = hung.elapsed();
+    follower.signal("-KILL");
+    eprintln!(
+        "one rank of two SIGSTOPped, execution timeout {EXEC_TIMEOUT:?}: the client had its error after {:.2} s, the leader exited after {:.2} s",
+        answered_in.as_secs_f64(),
+        exited_in.as_secs_f64()
+    );
+    assert!(status.is_server_error(), "{status}: {body}");
+    assert!(body.contains("waiting for rank 1"), "{body}");
+    assert!(!exit.success());
+    assert!(
+        leader.log().contains("waiting for rank 1"),
+        "{}",
+        leader.log()
+    );
+    assert!(
+        answered_in >= EXEC_TIMEOUT && answered_in < EXEC_TIMEOUT * 4,
+        "the client waited {answered_in:?}"
     );
 }
 

@@ -159,8 +159,8 @@ pub async fn serve(
     let mut grpc_task = grpc_task;
 
     // A listener that stops by itself is fatal; otherwise serve until a signal.
-    let signal = tokio::select! {
-        signal = shutdown => signal?,
+    let signal: Result<&'static str, String> = tokio::select! {
+        signal = shutdown => Ok(signal?),
         result = &mut grpc_task => {
             result.context("the gRPC server task failed")??;
             anyhow::bail!("the gRPC server stopped unexpectedly");
@@ -169,7 +169,21 @@ pub async fn serve(
             result.context("the HTTP server task failed")??;
             anyhow::bail!("the HTTP server stopped unexpectedly");
         }
-        failure = engine_failure(&shared) => {
+        failure = engine_failure(&shared) => Err(failure),
+    };
+    let signal = match signal {
+        Ok(signal) => signal,
+        Err(failure) => {
+            // The engine has failed every request it held; those answers reach their clients
+            // before the process exits, rather than a connection that just closes.
+            wait_answered(&shared, Instant::now() + ABANDON_GRACE).await;
+            shared.close();
+            let _ = stop_tx.send(true);
+            let _ = tokio::time::timeout(CLOSE_GRACE, async {
+                let _ = grpc_task.await;
+                let _ = http_task.await;
+            })
+            .await;
             anyhow::bail!("the engine stopped: {failure}");
         }
     };
