@@ -6,6 +6,7 @@
 //! A test binary shares one cluster ([`cluster::shared`]) and gives each test its own
 //! namespace, so the control plane starts once per binary.
 
+pub mod access;
 pub mod fleet;
 pub mod inventory;
 pub mod monitoring;

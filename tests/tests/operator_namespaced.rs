@@ -7,14 +7,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
-};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::Client;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams};
 use npufleet_crds::InferenceService;
+use npufleet_tests::access::{self, Access, ServiceAccount};
 use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, operator, paths, wait};
@@ -25,8 +23,6 @@ const RELEASE: &str = "npufleet";
 const RELEASE_NAMESPACE: &str = "npufleet-system";
 const IDENTITY: &str = "namespaced-operator";
 const MANAGER: &str = "operator-namespaced-test";
-/// The chart's ServiceAccount as the apiserver names it.
-const OPERATOR_USER: &str = "system:serviceaccount:npufleet-system:npufleet";
 /// Resources only the operator's own Role may grant it.
 const WORKLOAD_RESOURCES: [&str; 3] = ["pods", "services", "configmaps"];
 
@@ -45,31 +41,15 @@ fn run(mut cmd: Command) -> Result<String> {
 /// Whether the apiserver lets the operator's ServiceAccount list pods in `namespace` (or in
 /// every namespace when `None`).
 async fn may_list_pods(client: &Client, namespace: Option<&str>) -> Result<bool> {
-    let review = SubjectAccessReview {
-        spec: SubjectAccessReviewSpec {
-            user: Some(OPERATOR_USER.to_string()),
-            groups: Some(vec![
-                "system:serviceaccounts".to_string(),
-                format!("system:serviceaccounts:{RELEASE_NAMESPACE}"),
-                "system:authenticated".to_string(),
-            ]),
-            resource_attributes: Some(ResourceAttributes {
-                verb: Some("list".to_string()),
-                resource: Some("pods".to_string()),
-                namespace: namespace.map(str::to_string),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let answer = Api::<SubjectAccessReview>::all(client.clone())
-        .create(&PostParams::default(), &review)
-        .await?;
-    Ok(answer.status.is_some_and(|s| s.allowed))
+    let operator = ServiceAccount::new(RELEASE_NAMESPACE, RELEASE);
+    access::allowed(
+        client,
+        &operator,
+        &Access::new("list", "", "pods", namespace),
+    )
+    .await
 }
 
-/// An InferenceService KWOK runs to Ready: one CPU replica group.
 fn service(namespace: &str) -> Result<InferenceService> {
     Ok(serde_json::from_value(json!({
         "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
