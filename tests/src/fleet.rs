@@ -60,12 +60,14 @@ impl Router {
     }
 }
 
-/// Closed-loop clients: each posts one request to the router, reads the whole answer, and
-/// repeats until stopped. Counts what was sent, what failed and which pod answered.
+/// Closed-loop clients: each posts one request to the router, reads the whole answer (or
+/// stream), and repeats until stopped. Counts what was sent, what failed, what was refused as overload and which pod
+/// answered.
 pub struct Load {
     base_url: String,
     sent: AtomicU64,
     failed: AtomicU64,
+    rejected: AtomicU64,
     failures: Mutex<Vec<String>>,
     answered_by: Mutex<HashMap<String, u64>>,
     stop: AtomicBool,
@@ -78,6 +80,7 @@ impl Load {
             base_url: router.url(""),
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
             failures: Mutex::default(),
             answered_by: Mutex::default(),
             stop: AtomicBool::new(false),
@@ -112,6 +115,9 @@ impl Load {
             self.sent.fetch_add(1, Ordering::Relaxed);
             match request_once(&http, &url, &body).await {
                 Ok(replica) => *self.answered_by.lock().await.entry(replica).or_default() += 1,
+                Err(failure) if failure.is::<Overloaded>() => {
+                    self.rejected.fetch_add(1, Ordering::Relaxed);
+                }
                 Err(failure) => {
                     self.failed.fetch_add(1, Ordering::Relaxed);
                     self.failures.lock().await.push(format!("{failure:#}"));
@@ -133,6 +139,11 @@ impl Load {
         self.failed.load(Ordering::Relaxed)
     }
 
+    /// Requests refused as overload (429), which a client retries later: not failures.
+    pub fn rejected(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
     pub async fn failures(&self) -> Vec<String> {
         self.failures.lock().await.clone()
     }
@@ -143,7 +154,13 @@ impl Load {
     }
 }
 
-/// One request through the router, read to the end; the pod that answered.
+/// A 429: the fleet was full and said so.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Overloaded(String);
+
+/// One request through the router, read to the end (a stream to its `[DONE]`); the pod that
+/// answered.
 pub async fn request_once(
     http: &reqwest::Client,
     url: &str,
@@ -158,10 +175,21 @@ pub async fn request_once(
         .unwrap_or_default()
         .to_owned();
     let text = response.text().await.context("reading the answer")?;
+    if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+        return Err(Overloaded(format!("HTTP {status} from {replica:?}: {text}")).into());
+    }
     if !status.is_success() {
         anyhow::bail!("HTTP {status} from {replica:?}: {text}");
     }
-    serde_json::from_str::<serde_json::Value>(&text)
-        .with_context(|| format!("the answer from {replica} is not JSON: {text}"))?;
+    if body["stream"] == true {
+        // A stream that broke off midway still ends with [DONE], after an error event.
+        anyhow::ensure!(
+            text.trim_end().ends_with("data: [DONE]") && !text.contains("\"error\""),
+            "the stream from {replica} did not end cleanly: {text}"
+        );
+    } else {
+        serde_json::from_str::<serde_json::Value>(&text)
+            .with_context(|| format!("the answer from {replica} is not JSON: {text}"))?;
+    }
     Ok(replica)
 }

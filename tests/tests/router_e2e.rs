@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Secret, SecretKeySelector};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -19,8 +19,9 @@ use npufleet_contract::proto::inference::{
     InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest,
 };
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, serving_addresses};
+use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
+use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
 
@@ -101,11 +102,30 @@ struct Fleet {
     namespace: String,
     agent: NodeAgent,
     router: RunningRouter,
-    _operator: npufleet_tests::operator::RunningOperator,
+    operator: FleetOperator,
+}
+
+/// The fleet's operator: in this process, or its own binary for a test that measures it.
+enum FleetOperator {
+    InProcess {
+        _tasks: npufleet_tests::operator::RunningOperator,
+    },
+    Binary {
+        process: Process,
+    },
 }
 
 impl Fleet {
     async fn start(test: &str, subnet: u8, router_args: &[&str]) -> Result<Fleet> {
+        Self::start_with(test, subnet, router_args, false).await
+    }
+
+    async fn start_with(
+        test: &str,
+        subnet: u8,
+        router_args: &[&str],
+        operator_binary: bool,
+    ) -> Result<Fleet> {
         let c = cluster::shared();
         let client = c.client().await?;
         let namespace = c.namespace(&client, test).await?;
@@ -121,8 +141,24 @@ impl Fleet {
             ),
         )
         .await?;
-        let operator =
-            npufleet_tests::operator::start_with_builtin_autoscaler(&client, &namespace)?;
+        let operator = if operator_binary {
+            let identity = format!("operator-{test}");
+            let process = npufleet_tests::operator::spawn_replica(c, &namespace, &identity, None)?;
+            npufleet_tests::operator::wait_leader(
+                &client,
+                &namespace,
+                &identity,
+                Duration::from_secs(60),
+            )
+            .await?;
+            FleetOperator::Binary { process }
+        } else {
+            FleetOperator::InProcess {
+                _tasks: npufleet_tests::operator::start_with_builtin_autoscaler(
+                    &client, &namespace,
+                )?,
+            }
+        };
         let router =
             RunningRouter::start(c, &format!("router-{test}"), &namespace, router_args).await?;
         Ok(Fleet {
@@ -130,7 +166,7 @@ impl Fleet {
             namespace,
             agent,
             router,
-            _operator: operator,
+            operator,
         })
     }
 
@@ -501,6 +537,81 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
     c.diagnose(result)
 }
 
+/// A new template rolled out while clients stream through the router: every stream ends
+/// cleanly, and under the default rollout (maxSurge 1, maxUnavailable 0) the replicas serving
+/// never drop below the two asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica_serving()
+-> Result<()> {
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-rollout", 75, &[]).await?;
+        fleet.apply(2).await?;
+        fleet.wait_serving(2).await?;
+        let pods = fleet.pods();
+        let old: HashSet<String> = pods
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .filter_map(|p| p.uid())
+            .collect();
+        let load = Load::through(&fleet.router);
+        let mut body = chat("Name a river.", 12);
+        body["stream"] = json!(true);
+        let clients = load.start(4, "/v1/chat/completions", body);
+        wait::until("both replicas answering", Duration::from_secs(60), || async {
+            Ok((load.answered_by().await.len() == 2).then_some(()))
+        })
+        .await?;
+
+        let mut next = serde_json::to_value(service(&fleet.namespace, fleet.agent.node_name(), 2).await?)?;
+        next["spec"]["template"]["env"]
+            .as_array_mut()
+            .context("the template's env")?
+            .push(json!({"name": "REVISION", "value": "2"}));
+        let changed = Instant::now();
+        npufleet_tests::operator::apply(&fleet.services(), MANAGER, &serde_json::from_value(next)?).await?;
+
+        // Polled rather than watched: the least seen is an upper bound of the true least.
+        let deadline = changed + Duration::from_secs(180);
+        let mut least_serving = usize::MAX;
+        let replaced_in = loop {
+            let list = pods.list(&ListParams::default()).await?.items;
+            let serving = list.iter().filter(|p| is_serving(p)).count();
+            least_serving = least_serving.min(serving);
+            let all_new = list.iter().all(|p| p.uid().is_none_or(|uid| !old.contains(&uid)));
+            if list.len() == 2 && serving == 2 && all_new {
+                break changed.elapsed();
+            }
+            if Instant::now() > deadline {
+                bail!("the rollout did not finish in 180 s: {} pods, {serving} serving", list.len());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let sent_after = load.sent();
+        wait::until("answers from the new pods", Duration::from_secs(60), || async {
+            Ok((load.sent() >= sent_after + 8).then_some(()))
+        })
+        .await?;
+        load.stop();
+        for client in clients {
+            client.await?;
+        }
+        eprintln!(
+            "rollout of 2 replicas under 4 streaming clients: replaced in {:.1} s, serving never below {least_serving}; sent {}, failed {}",
+            replaced_in.as_secs_f64(),
+            load.sent(),
+            load.failed()
+        );
+        assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
+        assert!(least_serving >= 2, "only {least_serving} replicas served during the rollout");
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
 /// A worker killed with SIGKILL under load: requests it had not answered go to the other
 /// replica (the client sees no failure), streams it was sending end with an error event, and no
 /// client waits past its deadline.
@@ -649,6 +760,154 @@ async fn a_clients_api_key_goes_through_the_router_to_the_workers_that_check_it(
             .await?
             .context("the stream ended before its first response")?;
         assert!(first.error_message.is_empty(), "{}", first.error_message);
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// Resident memory of process `pid`, in KiB.
+fn resident_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no VmRSS for process {pid}"))
+}
+
+/// Memory samples of one process: the mean of the first minute after warm-up against the
+/// mean of the last minute.
+#[derive(Default)]
+struct Resident {
+    samples: Vec<(Instant, u64)>,
+}
+
+impl Resident {
+    fn mean_kib(&self, from: Instant, to: Instant) -> Option<f64> {
+        let window: Vec<u64> = self
+            .samples
+            .iter()
+            .filter(|(at, _)| *at >= from && *at <= to)
+            .map(|(_, kib)| *kib)
+            .collect();
+        (!window.is_empty()).then(|| window.iter().sum::<u64>() as f64 / window.len() as f64)
+    }
+}
+
+/// A bounded soak (`make chaos`; `NPUFLEET_SOAK_SECONDS`, ten minutes by default): streaming
+/// chat and plain completions through the router while the fleet scales between one and two
+/// replicas every minute. After a warm-up of a fifth of the run, the operator, the router and
+/// every worker that lived through the run keep their resident memory within 5%, and no request
+/// fails; 429s (none are expected at this load) would be counted apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes: run by make chaos"]
+async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_nothing() -> Result<()>
+{
+    const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+    const SCALE_EVERY: Duration = Duration::from_secs(60);
+    const WINDOW: Duration = Duration::from_secs(60);
+    let soak = Duration::from_secs(
+        std::env::var("NPUFLEET_SOAK_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(600),
+    );
+    let warm_up = soak / 5;
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start_with("soak", 76, &[], true).await?;
+        let FleetOperator::Binary { process: operator } = &fleet.operator else {
+            bail!("the soak measures the operator binary");
+        };
+        fleet.apply(1).await?;
+        fleet.wait_serving(1).await?;
+
+        let streams = Load::through(&fleet.router);
+        let mut streaming = chat("Name three rivers and a sea.", 24);
+        streaming["stream"] = json!(true);
+        let mut clients = streams.start(2, "/v1/chat/completions", streaming);
+        let completions = Load::through(&fleet.router);
+        clients.extend(completions.start(
+            2,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "The sea is", "max_tokens": 8}),
+        ));
+
+        let services = fleet.services();
+        let started = Instant::now();
+        let mut processes: Vec<(String, Resident)> = Vec::new();
+        let mut record = |name: &str, pid: u32, at: Instant| {
+            if let Ok(kib) = resident_kib(pid) {
+                match processes.iter_mut().find(|(n, _)| n == name) {
+                    Some((_, resident)) => resident.samples.push((at, kib)),
+                    None => processes.push((name.to_owned(), Resident { samples: vec![(at, kib)] })),
+                }
+            }
+        };
+        let mut replicas = 1;
+        let mut next_scale = started + SCALE_EVERY;
+        let mut cycles = 0;
+        while started.elapsed() < soak {
+            let now = Instant::now();
+            record("operator", operator.pid(), now);
+            record("router", fleet.router.process.pid(), now);
+            for (pod, _) in fleet.agent.running() {
+                if let Some(pid) = fleet.agent.pid(&pod) {
+                    record(&pod, pid, now);
+                }
+            }
+            if now >= next_scale {
+                replicas = 3 - replicas;
+                set_replicas(&services, replicas).await?;
+                cycles += 1;
+                next_scale = now + SCALE_EVERY;
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+        let ended = Instant::now();
+        streams.stop();
+        completions.stop();
+        for client in clients {
+            client.await?;
+        }
+
+        let baseline = (started + warm_up, started + warm_up + WINDOW);
+        let last = (ended - WINDOW, ended);
+        let mut grown = Vec::new();
+        let mut measured = 0;
+        for (name, resident) in &processes {
+            let (Some(before), Some(after)) = (
+                resident.mean_kib(baseline.0, baseline.1),
+                resident.mean_kib(last.0, last.1),
+            ) else {
+                // A worker that came or went with a scale cycle did not live through the run.
+                continue;
+            };
+            measured += 1;
+            let growth = (after - before) / before * 100.0;
+            eprintln!(
+                "{name}: {:.1} MiB after warm-up, {:.1} MiB at the end ({growth:+.1}%)",
+                before / 1024.0,
+                after / 1024.0
+            );
+            if growth >= 5.0 {
+                grown.push(format!("{name} grew {growth:.1}%"));
+            }
+        }
+        let failures: Vec<String> =
+            [streams.failures().await, completions.failures().await].concat();
+        eprintln!(
+            "soak of {:.0} s, {cycles} scale changes: {} streams and {} completions sent, {} failed, {} refused as overload",
+            soak.as_secs_f64(),
+            streams.sent(),
+            completions.sent(),
+            failures.len(),
+            streams.rejected() + completions.rejected()
+        );
+        ensure!(measured >= 3, "only {measured} processes lived through the soak");
+        ensure!(failures.is_empty(), "failed requests: {failures:#?}");
+        ensure!(grown.is_empty(), "resident memory grew: {grown:?}");
         Ok(())
     }
     .await;
