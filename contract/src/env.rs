@@ -10,6 +10,8 @@ pub const QUEUE_LIMIT: &str = "NPUFLEET_QUEUE_LIMIT";
 pub const WARMUP_ITERATIONS: &str = "NPUFLEET_WARMUP_ITERATIONS";
 /// Compute threads (0: every core).
 pub const THREADS: &str = "NPUFLEET_THREADS";
+/// Memory for the KV cache, in bytes (otherwise sized from the memory limit).
+pub const KV_CACHE_BYTES: &str = "NPUFLEET_KV_CACHE_BYTES";
 /// What the KV cache stores: `auto`, `f16` or `f32`.
 pub const KV_CACHE_DTYPE: &str = "NPUFLEET_KV_CACHE_DTYPE";
 /// Generate to `max_tokens` past end-of-sequence tokens (benchmarks and load tests).

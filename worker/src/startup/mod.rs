@@ -116,7 +116,7 @@ pub struct EngineArgs {
     /// Memory for the KV cache, in bytes. Without it (or `--kv-cache-blocks`) the cache
     /// takes `--kv-cache-memory-fraction` of what `--memory-limit-bytes` leaves beside the
     /// weights, or 1 GiB when no limit is known.
-    #[arg(long, env = "NPUFLEET_KV_CACHE_BYTES")]
+    #[arg(long, env = env::KV_CACHE_BYTES)]
     pub kv_cache_bytes: Option<usize>,
     /// The container's memory limit in bytes (the operator passes it through the downward
     /// API), which the KV cache is sized against.
