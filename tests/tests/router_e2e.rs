@@ -179,8 +179,28 @@ impl Fleet {
     }
 
     async fn apply(&self, replicas: i32) -> Result<()> {
-        let service = service(&self.namespace, self.agent.node_name(), replicas).await?;
-        npufleet_tests::operator::apply(&self.services(), MANAGER, &service).await
+        self.apply_with_env(replicas, &[]).await
+    }
+
+    /// [`Fleet::apply`] with `extra_env` added to the worker template's environment.
+    async fn apply_with_env(&self, replicas: i32, extra_env: &[(&str, &str)]) -> Result<()> {
+        let mut service = serde_json::to_value(
+            service(&self.namespace, self.agent.node_name(), replicas).await?,
+        )?;
+        let env = service["spec"]["template"]["env"]
+            .as_array_mut()
+            .context("the template's env")?;
+        env.extend(
+            extra_env
+                .iter()
+                .map(|(name, value)| json!({"name": name, "value": value})),
+        );
+        npufleet_tests::operator::apply(
+            &self.services(),
+            MANAGER,
+            &serde_json::from_value(service)?,
+        )
+        .await
     }
 
     /// Waits until `replicas` worker pods serve and the router's own view lists the model
@@ -565,30 +585,20 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
         })
         .await?;
 
-        let mut next = serde_json::to_value(service(&fleet.namespace, fleet.agent.node_name(), 2).await?)?;
-        next["spec"]["template"]["env"]
-            .as_array_mut()
-            .context("the template's env")?
-            .push(json!({"name": "REVISION", "value": "2"}));
         let changed = Instant::now();
-        npufleet_tests::operator::apply(&fleet.services(), MANAGER, &serde_json::from_value(next)?).await?;
+        fleet.apply_with_env(2, &[("REVISION", "2")]).await?;
 
         // Polled rather than watched: the least seen is an upper bound of the true least.
-        let deadline = changed + Duration::from_secs(180);
-        let mut least_serving = usize::MAX;
-        let replaced_in = loop {
+        let least = std::sync::atomic::AtomicUsize::new(usize::MAX);
+        let replaced_in = wait::until("the rollout to replace both pods", Duration::from_secs(180), || async {
             let list = pods.list(&ListParams::default()).await?.items;
             let serving = list.iter().filter(|p| is_serving(p)).count();
-            least_serving = least_serving.min(serving);
+            least.fetch_min(serving, std::sync::atomic::Ordering::Relaxed);
             let all_new = list.iter().all(|p| p.uid().is_none_or(|uid| !old.contains(&uid)));
-            if list.len() == 2 && serving == 2 && all_new {
-                break changed.elapsed();
-            }
-            if Instant::now() > deadline {
-                bail!("the rollout did not finish in 180 s: {} pods, {serving} serving", list.len());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+            Ok((list.len() == 2 && serving == 2 && all_new).then(|| changed.elapsed()))
+        })
+        .await?;
+        let least_serving = least.into_inner();
         let sent_after = load.sent();
         wait::until("answers from the new pods", Duration::from_secs(60), || async {
             Ok((load.sent() >= sent_after + 8).then_some(()))
@@ -823,12 +833,7 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
         // The KV cache is touched as blocks are first used and then kept, so a worker's
         // resident memory rises to its reserved size by design; sized small, the warm-up fills
         // it and what follows shows any leak.
-        let mut small_cache = serde_json::to_value(service(&fleet.namespace, fleet.agent.node_name(), 1).await?)?;
-        small_cache["spec"]["template"]["env"]
-            .as_array_mut()
-            .context("the template's env")?
-            .push(json!({"name": worker_env::KV_CACHE_BYTES, "value": (64u64 << 20).to_string()}));
-        npufleet_tests::operator::apply(&fleet.services(), MANAGER, &serde_json::from_value(small_cache)?).await?;
+        fleet.apply_with_env(1, &[(worker_env::KV_CACHE_BYTES, &(64u64 << 20).to_string())]).await?;
         fleet.wait_serving(1).await?;
 
         let streams = Load::through(&fleet.router);
@@ -844,19 +849,19 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
 
         let services = fleet.services();
         let started = Instant::now();
-        let mut processes: Vec<(String, Resident)> = Vec::new();
+        let mut processes: std::collections::BTreeMap<String, Resident> = Default::default();
         let mut record = |name: &str, pid: u32, at: Instant| {
             if let Ok(kib) = resident_kib(pid) {
-                match processes.iter_mut().find(|(n, _)| n == name) {
-                    Some((_, resident)) => resident.samples.push((at, kib)),
-                    None => processes.push((name.to_owned(), Resident { samples: vec![(at, kib)] })),
-                }
+                processes.entry(name.to_owned()).or_default().samples.push((at, kib));
             }
         };
         let mut replicas = 1;
         let mut next_scale = started + SCALE_EVERY;
         let mut cycles = 0;
+        // A sampling cadence, not a wait for a condition: the soak runs for its set time.
+        let mut samples = tokio::time::interval(SAMPLE_EVERY);
         while started.elapsed() < soak {
+            samples.tick().await;
             let now = Instant::now();
             record("operator", operator.pid(), now);
             record("router", fleet.router.process.pid(), now);
@@ -872,7 +877,6 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
                 cycles += 1;
                 next_scale = now + SCALE_EVERY;
             }
-            tokio::time::sleep(SAMPLE_EVERY).await;
         }
         let ended = Instant::now();
         streams.stop();
