@@ -16,6 +16,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use npufleet_crds::InferenceService;
 use serde::de::DeserializeOwned;
+use tokio::sync::watch;
 
 use crate::labels::{self, FIELD_MANAGER};
 use crate::resources::pod_group;
@@ -79,6 +80,20 @@ pub struct Stores {
     pub rank_tables: Store<PartialObjectMeta<ConfigMap>>,
     /// Empty until the PodGroup API is found to be served.
     pub pod_groups: Store<DynamicObject>,
+    /// Turns true once every store but the PodGroups' holds what the cluster had when its
+    /// watch started.
+    synced: watch::Receiver<bool>,
+}
+
+impl Stores {
+    /// Resolves once every store but the PodGroups' holds what the cluster had when its watch
+    /// started: until then an absent object may only not have arrived yet. Any number of
+    /// tasks may wait here; a store's own `wait_until_ready` wakes only the last task that
+    /// polled it, so the cache's watches are its one caller.
+    pub async fn synced(&self) {
+        // An error means the cache was dropped, and with it anything to wait for.
+        let _ = self.synced.clone().wait_for(|synced| *synced).await;
+    }
 }
 
 struct Writers {
@@ -88,6 +103,7 @@ struct Writers {
     disruption_budgets: Writer<PartialObjectMeta<PodDisruptionBudget>>,
     rank_tables: Writer<PartialObjectMeta<ConfigMap>>,
     pod_groups: Writer<DynamicObject>,
+    synced: watch::Sender<bool>,
 }
 
 pub struct Cache {
@@ -145,6 +161,7 @@ impl Cache {
         let (rank_tables, rank_tables_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
         let pod_groups_writer = Writer::new(pod_group::api_resource());
         let pod_groups = pod_groups_writer.as_reader();
+        let (synced_writer, synced) = watch::channel(false);
         Self {
             stores: Stores {
                 inference_services,
@@ -153,6 +170,7 @@ impl Cache {
                 disruption_budgets,
                 rank_tables,
                 pod_groups,
+                synced,
             },
             writers: Mutex::new(Some(Writers {
                 inference_services: inference_services_writer,
@@ -161,6 +179,7 @@ impl Cache {
                 disruption_budgets: disruption_budgets_writer,
                 rank_tables: rank_tables_writer,
                 pod_groups: pod_groups_writer,
+                synced: synced_writer,
             })),
         }
     }
@@ -212,13 +231,23 @@ impl Cache {
             .modify(without_managed_fields)
             .default_backoff()
             .reflect(writers.pod_groups);
+        let stores = self.stores.clone();
+        let synced = async move {
+            stores.inference_services.wait_until_ready().await.ok();
+            stores.pods.wait_until_ready().await.ok();
+            stores.services.wait_until_ready().await.ok();
+            stores.disruption_budgets.wait_until_ready().await.ok();
+            stores.rank_tables.wait_until_ready().await.ok();
+            writers.synced.send_replace(true);
+        };
         let watches = async move {
             futures::join!(
                 drive(inference_services),
                 drive(pods),
                 drive(services),
                 drive(disruption_budgets),
-                drive(rank_tables)
+                drive(rank_tables),
+                synced
             );
         };
         Some(Started {

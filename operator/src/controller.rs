@@ -149,12 +149,8 @@ pub async fn run(ctx: Arc<Context>) {
     };
     let controller = async move {
         // A reconcile must see every pod and rank table that exists, or it would create them
-        // again.
-        stores.pods.wait_until_ready().await.ok();
-        stores.rank_tables.wait_until_ready().await.ok();
-        // Nor would it know what it applied before without the Services and budgets.
-        stores.services.wait_until_ready().await.ok();
-        stores.disruption_budgets.wait_until_ready().await.ok();
+        // again; nor would it know what it applied before without the Services and budgets.
+        stores.synced().await;
         Controller::for_shared_stream(
             started.inference_services,
             stores.inference_services.clone(),

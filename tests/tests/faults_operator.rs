@@ -3,7 +3,8 @@
 //!
 //! - two replicas, one leading: the leader is SIGKILLed in the middle of a scale-up and the
 //!   standby takes over; the figure is the time from the kill to its first applied change;
-//! - both replicas answer the external metrics API alike, leader or not, on real workers;
+//! - both replicas answer the external metrics API alike, leader or not, on real workers, and
+//!   the standby keeps answering through its takeover when the leader is killed;
 //! - one replica SIGKILLed at random moments while InferenceServices are created, scaled,
 //!   changed and deleted, and started again.
 //!
@@ -36,6 +37,9 @@ use serde_json::json;
 
 const MANAGER: &str = "faults-operator-test";
 const TIMEOUT: Duration = Duration::from_secs(90);
+/// How long a new leader's external metrics are watched after it takes the lead: several
+/// autoscaler ticks.
+const LEAD_WATCHED: Duration = Duration::from_secs(5);
 
 /// The two kinds of fleet the operator makes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -288,7 +292,7 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
         )
         .await?;
         let leader_addr = net::free_addr()?;
-        let _leader =
+        let mut leader =
             operator::spawn_replica(c, &ns, "operator-metrics-a", Some(leader_addr))?;
         operator::wait_leader(&client, &ns, "operator-metrics-a", TIMEOUT).await?;
         let standby_addr = net::free_addr()?;
@@ -356,13 +360,42 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
             Ok((values == ["0", "0"]).then_some(()))
         })
         .await?;
+        assert_eq!(load.failed(), 0, "{:?}", load.failures().await);
+
+        // Taking the lead, the standby drops its own collection and fills the operator's
+        // shared cache from scratch: its answers must not lapse while that cache fills.
+        leader.kill();
+        let killed = Instant::now();
+        let mut samples = tokio::time::interval(Duration::from_millis(100));
+        let mut answered = 0;
+        let mut led = None;
+        while led.is_none_or(|at: Instant| at.elapsed() < LEAD_WATCHED) {
+            anyhow::ensure!(killed.elapsed() < TIMEOUT, "the standby did not take the lead");
+            samples.tick().await;
+            let items =
+                operator::external_metric(c, &client, standby_addr, &ns, QUEUE_DEPTH, &selector)
+                    .await?;
+            anyhow::ensure!(
+                items.len() == 1,
+                "{:.1} s after the leader's kill ({}), the standby answered {items:?}",
+                killed.elapsed().as_secs_f64(),
+                if led.is_some() { "leading" } else { "standing by" },
+            );
+            answered += 1;
+            if led.is_none()
+                && operator::leader(&client, &ns).await?.as_deref() == Some("operator-metrics-b")
+            {
+                led = Some(Instant::now());
+            }
+        }
         eprintln!(
             "external metrics: leader and standby both report {QUEUE_DEPTH} = {under_load} \
-             under 3 clients and 0 idle; {} requests, {} failed",
+             under 3 clients and 0 idle; {} requests, {} failed; after the leader's kill the \
+             standby answered all {answered} queries, through its takeover and {} s of leading",
             load.sent(),
-            load.failed()
+            load.failed(),
+            LEAD_WATCHED.as_secs()
         );
-        assert_eq!(load.failed(), 0, "{:?}", load.failures().await);
         Ok(())
     }
     .await;

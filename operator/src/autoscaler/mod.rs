@@ -32,7 +32,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::core::SelectorExt;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_crds::{AutoscalingMode, AutoscalingSpec, InferenceService};
@@ -198,7 +198,7 @@ pub struct Autoscaler {
     settings: Settings,
     collector: Collector,
     recorder: Recorder,
-    pods: Store<Pod>,
+    stores: Stores,
     policies: HashMap<ObjectRef<InferenceService>, ServiceState>,
     /// What this loop knows of each service's HPA.
     hpas: HashMap<ObjectRef<InferenceService>, HpaState>,
@@ -234,7 +234,7 @@ impl Autoscaler {
             ),
             client,
             settings,
-            pods: stores.pods.clone(),
+            stores: stores.clone(),
             policies: HashMap::new(),
             hpas: HashMap::new(),
             invalid: HashMap::new(),
@@ -242,7 +242,11 @@ impl Autoscaler {
         })
     }
 
+    /// Ticks until dropped. The first waits for the shared cache to hold the cluster (the
+    /// controller's watches fill it): a replica taking the lead starts that cache empty, and
+    /// a tick on it would withdraw every service's external metrics.
     pub async fn run(mut self) {
+        self.stores.synced().await;
         let mut ticks = tokio::time::interval(self.settings.tick);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -504,7 +508,7 @@ impl Autoscaler {
             .transpose()
             .map_err(|e| anyhow::anyhow!("status.selector: {e}"))?
             .unwrap_or_default();
-        let pods = self.pods.state();
+        let pods = self.stores.pods.state();
         let service_pods = pods.iter().filter(|pod| {
             pod.namespace().as_deref() == Some(namespace.as_str()) && selector.matches(pod.labels())
         });
