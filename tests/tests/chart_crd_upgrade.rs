@@ -7,22 +7,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, PostParams};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::{cluster, paths, process, wait};
 
 const CRD: &str = "inferenceservices.npufleet.io";
 
 fn chart() -> std::path::PathBuf {
     paths::repo_root().join("charts/npufleet")
-}
-
-fn run(mut cmd: std::process::Command) -> Result<String> {
-    let output = cmd.output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(String::from_utf8(output.stdout)?)
 }
 
 /// Whether the stored CRD's schema has `spec.autoscaling`.
@@ -37,7 +27,7 @@ async fn helm_template_renders_offline_with_a_verified_metrics_api() -> Result<(
     let c = cluster::shared();
     let mut helm = c.helm();
     helm.arg("template").arg("npufleet").arg(chart());
-    let rendered = tokio::task::spawn_blocking(move || run(helm)).await??;
+    let rendered = tokio::task::spawn_blocking(move || process::stdout_of(helm)).await??;
     assert!(
         rendered.contains("kind: APIService"),
         "no APIService rendered"
@@ -83,7 +73,7 @@ async fn the_documented_crd_upgrade_step_upgrades_what_helm_leaves_alone() -> Re
             "--set",
             "router.enabled=false",
         ]);
-        tokio::task::spawn_blocking(move || run(helm)).await??;
+        tokio::task::spawn_blocking(move || process::stdout_of(helm)).await??;
         assert!(
             !has_autoscaling(&crds).await?,
             "helm changed an existing CRD"
@@ -94,7 +84,7 @@ async fn the_documented_crd_upgrade_step_upgrades_what_helm_leaves_alone() -> Re
         kubectl
             .args(["apply", "--server-side", "--force-conflicts", "-f"])
             .arg(chart().join("crds"));
-        tokio::task::spawn_blocking(move || run(kubectl)).await??;
+        tokio::task::spawn_blocking(move || process::stdout_of(kubectl)).await??;
         wait::until(
             "the upgraded CRD schema",
             Duration::from_secs(30),

@@ -15,7 +15,7 @@ use npufleet_crds::InferenceService;
 use npufleet_tests::access::{self, Access, ServiceAccount};
 use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
-use npufleet_tests::{cluster, operator, paths, wait};
+use npufleet_tests::{cluster, operator, paths, process, wait};
 use serde_json::json;
 
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -25,18 +25,6 @@ const IDENTITY: &str = "namespaced-operator";
 const MANAGER: &str = "operator-namespaced-test";
 /// Resources only the operator's own Role may grant it.
 const WORKLOAD_RESOURCES: [&str; 3] = ["pods", "services", "configmaps"];
-
-fn run(mut cmd: Command) -> Result<String> {
-    let out = cmd.output()?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
 
 /// Whether the apiserver lets the operator's ServiceAccount list pods in `namespace` (or in
 /// every namespace when `None`).
@@ -83,14 +71,14 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
     let outside = c.namespace(&client, "outside").await?;
 
     let chart = paths::repo_root().join("charts/npufleet");
-    run({
+    process::stdout_of({
         let mut lint = c.helm();
         lint.args(["lint", "--strict"])
             .arg(&chart)
             .args(["--set", &format!("watchNamespace={watched}")]);
         lint
     })?;
-    run({
+    process::stdout_of({
         let mut helm = c.helm();
         helm.args(["install", RELEASE])
             .arg(&chart)

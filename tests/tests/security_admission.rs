@@ -6,7 +6,6 @@
 //! own kinds.
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -18,7 +17,7 @@ use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::access::{self, Access, ServiceAccount};
-use npufleet_tests::{cluster, operator, paths, wait};
+use npufleet_tests::{cluster, operator, paths, process, wait};
 use serde_json::json;
 
 const RELEASE: &str = "npufleet";
@@ -55,7 +54,7 @@ async fn install_into_restricted_namespace() -> Result<String> {
     helm.args(["install", RELEASE])
         .arg(paths::repo_root().join("charts/npufleet"))
         .args(["--namespace", &namespace]);
-    run(helm).context("helm install")?;
+    process::stdout_of(helm).context("helm install")?;
     Ok(namespace)
 }
 
@@ -68,17 +67,6 @@ async fn enforce_restricted(client: &Client, namespace: &str) -> Result<()> {
         .patch(namespace, &PatchParams::default(), &Patch::Merge(label))
         .await?;
     Ok(())
-}
-
-fn run(mut cmd: Command) -> Result<String> {
-    let out = cmd.output()?;
-    ensure!(
-        out.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The apiserver's refusal of a pod, where a controller recorded one as a `ReplicaFailure`.

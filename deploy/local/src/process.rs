@@ -328,3 +328,17 @@ impl Drop for Process {
         self.kill();
     }
 }
+
+/// Runs `cmd` to completion and returns what it printed; a non-zero exit is an error that
+/// carries the command and everything it printed.
+pub fn stdout_of(mut cmd: Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("starting {cmd:?}"))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{cmd:?} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
