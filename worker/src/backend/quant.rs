@@ -49,6 +49,9 @@ pub struct BlockQ8Act {
     /// Σq, which lets a kernel that shifts signed weights to unsigned bytes take the
     /// shift back out exactly.
     pub sum: i32,
+    /// Σq of the first 16 values: `Q6_K`'s sub-blocks are 16 values, and its kernels take
+    /// each half's shift back out.
+    pub low_sum: i32,
     pub qs: [i8; QK],
 }
 
@@ -58,6 +61,7 @@ impl Default for BlockQ8Act {
             d: 0.0,
             s: 0.0,
             sum: 0,
+            low_sum: 0,
             qs: [0; QK],
         }
     }
@@ -294,16 +298,17 @@ pub fn quantize_act_scalar(x: &[f32], out: &mut [BlockQ8Act]) {
         let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
         for (q, &v) in b.qs.iter_mut().zip(c) {
             // Half away from zero, spelled so the SIMD kernel can match it bit for bit.
             let scaled = v * inv;
             *q = (scaled + 0.5f32.copysign(scaled)).trunc() as i8;
-            sum += *q as i32;
         }
+        let sum_of = |q: &[i8]| q.iter().map(|&q| q as i32).sum::<i32>();
+        let sum = sum_of(&b.qs);
         b.d = d;
         b.s = d * sum as f32;
         b.sum = sum;
+        b.low_sum = sum_of(&b.qs[..QK / 2]);
     }
 }
 
