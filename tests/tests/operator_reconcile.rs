@@ -20,7 +20,7 @@ use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::{cluster, paths, runtime, wait};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -137,17 +137,9 @@ fn operator() -> &'static Operator {
     static OPERATOR: OnceLock<Operator> = OnceLock::new();
     OPERATOR.get_or_init(|| {
         let c = cluster::shared();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            let result = rt.block_on(start_operator(c));
-            c.diagnose(result)
-                .expect("operator starts under the chart's RBAC")
-        })
-        .join()
-        .expect("operator start thread")
+        let result = runtime::block_on_own_thread(start_operator(c));
+        c.diagnose(result)
+            .expect("operator starts under the chart's RBAC")
     })
 }
 

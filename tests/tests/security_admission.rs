@@ -17,7 +17,7 @@ use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::access::{self, Access, ServiceAccount};
-use npufleet_tests::{cluster, operator, paths, process, wait};
+use npufleet_tests::{cluster, operator, paths, process, runtime, wait};
 use serde_json::json;
 
 const RELEASE: &str = "npufleet";
@@ -32,16 +32,8 @@ const WRITE_VERBS: [&str; 5] = ["create", "update", "patch", "delete", "deleteco
 fn release_namespace() -> &'static str {
     static NAMESPACE: OnceLock<String> = OnceLock::new();
     NAMESPACE.get_or_init(|| {
-        std::thread::spawn(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(install_into_restricted_namespace())
-        })
-        .join()
-        .expect("install thread")
-        .unwrap_or_else(|e| panic!("installing the chart: {e:#}"))
+        runtime::block_on_own_thread(install_into_restricted_namespace())
+            .unwrap_or_else(|e| panic!("installing the chart: {e:#}"))
     })
 }
 

@@ -182,17 +182,8 @@ pub async fn service_account_token(
 pub fn shared() -> &'static Cluster {
     static SHARED: OnceLock<Cluster> = OnceLock::new();
     SHARED.get_or_init(|| {
-        // Built on its own thread and runtime so callers may be inside any async runtime.
-        std::thread::spawn(|| {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(Cluster::start(ClusterOptions::full()))
-        })
-        .join()
-        .expect("cluster start thread")
-        .unwrap_or_else(|e| panic!("starting the shared test cluster: {e:#}"))
+        crate::runtime::block_on_own_thread(Cluster::start(ClusterOptions::full()))
+            .unwrap_or_else(|e| panic!("starting the shared test cluster: {e:#}"))
     })
 }
 

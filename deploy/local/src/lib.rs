@@ -11,4 +11,4 @@ pub mod paths;
 pub mod process;
 pub mod router;
 
-pub use npufleet_test_support::{net, wait};
+pub use npufleet_test_support::{net, runtime, wait};
