@@ -71,6 +71,7 @@ pub struct Load {
     failures: Mutex<Vec<String>>,
     answered_by: Mutex<HashMap<String, u64>>,
     stop: AtomicBool,
+    clients: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Load {
@@ -84,24 +85,20 @@ impl Load {
             failures: Mutex::default(),
             answered_by: Mutex::default(),
             stop: AtomicBool::new(false),
+            clients: std::sync::Mutex::default(),
         })
     }
 
-    /// Starts `clients` loops posting `body` to `path`.
-    pub fn start(
-        self: &Arc<Self>,
-        clients: u32,
-        path: &'static str,
-        body: serde_json::Value,
-    ) -> Vec<tokio::task::JoinHandle<()>> {
+    /// Starts `clients` loops posting `body` to `path`, until [`Load::stop`].
+    pub fn start(self: &Arc<Self>, clients: u32, path: &'static str, body: serde_json::Value) {
         // A bound on each request, so that a hang fails the test instead of stalling it.
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
             .build()
             .expect("HTTP client");
-        (0..clients)
-            .map(|_| tokio::spawn(self.clone().client_loop(http.clone(), path, body.clone())))
-            .collect()
+        let started = (0..clients)
+            .map(|_| tokio::spawn(self.clone().client_loop(http.clone(), path, body.clone())));
+        self.clients.lock().expect("client list").extend(started);
     }
 
     async fn client_loop(
@@ -126,9 +123,23 @@ impl Load {
         }
     }
 
-    /// Ends the loops after their current request.
-    pub fn stop(&self) {
+    /// Ends the loops after their current request, and waits for them.
+    pub async fn stop(&self) -> Result<()> {
         self.stop.store(true, Ordering::Relaxed);
+        let clients = std::mem::take(&mut *self.clients.lock().expect("client list"));
+        for client in clients {
+            client.await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until `requests` more have been sent than when called, a minute at most.
+    pub async fn wait_sent(&self, requests: u64, what: &str) -> Result<()> {
+        let from = self.sent();
+        crate::wait::until(what, Duration::from_secs(60), || async {
+            Ok((self.sent() >= from + requests).then_some(()))
+        })
+        .await
     }
 
     pub fn sent(&self) -> u64 {

@@ -71,7 +71,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         let replicas = ReplicaWatch::start(&services, "chat");
 
         let burst_started = Instant::now();
-        let clients = load.start(
+        load.start(
             CLIENTS,
             "/v1/chat/completions",
             json!({
@@ -96,10 +96,7 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             Ok((sent >= sent_at_full_fleet + 2 * u64::from(CLIENTS)).then_some(()))
         })
         .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.stop().await?;
         let burst = burst_started.elapsed();
 
         wait::until("the scale-down back to one serving replica", Duration::from_secs(180), || async {

@@ -189,7 +189,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         let router = RunningRouter::start(c, "router-adapter", &ns, &[]).await?;
         let load = Load::through(&router);
         let burst_started = Instant::now();
-        let clients = load.start(
+        load.start(
             CLIENTS,
             "/v1/chat/completions",
             json!({
@@ -247,10 +247,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
             ));
         }
 
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.stop().await?;
         let burst = burst_started.elapsed();
         let down_started = Instant::now();
         wait::until("the HPA scaling chat back to 1", Duration::from_secs(180), || async {

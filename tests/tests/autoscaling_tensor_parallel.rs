@@ -125,7 +125,7 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
         };
 
         let burst_started = Instant::now();
-        let clients = load.start(
+        load.start(
             CLIENTS,
             "/v1/completions",
             json!({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 48}),
@@ -158,10 +158,7 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             Ok(all.then_some(()))
         })
         .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.stop().await?;
 
         wait::until("the scale-down back to one group", Duration::from_secs(180), || async {
             let desired = services.get("tp").await?.spec.replicas;

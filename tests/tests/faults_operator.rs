@@ -322,7 +322,7 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
 
         let router = RunningRouter::start(c, "router-faults-operator", &ns, &[]).await?;
         let load = Load::through(&router);
-        let clients = load.start(
+        load.start(
             3,
             "/v1/chat/completions",
             json!({
@@ -351,10 +351,7 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
             Ok(Some(values[0].clone()))
         })
         .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.stop().await?;
         wait::until("both replicas reporting the idle fleet", TIMEOUT, || async {
             let values = both().await?;
             Ok((values == ["0", "0"]).then_some(()))

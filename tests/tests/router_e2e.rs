@@ -514,7 +514,7 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         assert!(stream.message().await?.is_none(), "the stream goes on after its final response");
 
         let load = Load::through(&fleet.router);
-        let clients = load.start(4, "/v1/chat/completions", chat("Name a river.", 8));
+        load.start(4, "/v1/chat/completions", chat("Name a river.", 8));
         let services = fleet.services();
         set_replicas(&services, 2).await?;
         let joined = wait::until("the second replica answering", Duration::from_secs(90), || async {
@@ -533,15 +533,8 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         .await?;
         let remaining = pods.list(&ListParams::default()).await?.items.remove(0).name_any();
         let before = load.answered_by().await;
-        let sent_before = load.sent();
-        wait::until("another round of answers", Duration::from_secs(60), || async {
-            Ok((load.sent() >= sent_before + 8).then_some(()))
-        })
-        .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.wait_sent(8, "another round of answers").await?;
+        load.stop().await?;
         let after = load.answered_by().await;
         let new_answers: HashSet<&String> = after
             .iter()
@@ -579,7 +572,7 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
         let load = Load::through(&fleet.router);
         let mut body = chat("Name a river.", 12);
         body["stream"] = json!(true);
-        let clients = load.start(4, "/v1/chat/completions", body);
+        load.start(4, "/v1/chat/completions", body);
         wait::until("both replicas answering", Duration::from_secs(60), || async {
             Ok((load.answered_by().await.len() == 2).then_some(()))
         })
@@ -599,15 +592,8 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
         })
         .await?;
         let least_serving = least.into_inner();
-        let sent_after = load.sent();
-        wait::until("answers from the new pods", Duration::from_secs(60), || async {
-            Ok((load.sent() >= sent_after + 8).then_some(()))
-        })
-        .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.wait_sent(8, "answers from the new pods").await?;
+        load.stop().await?;
         eprintln!(
             "rollout of 2 replicas under 4 streaming clients: replaced in {:.1} s, serving never below {least_serving}; sent {}, failed {}",
             replaced_in.as_secs_f64(),
@@ -633,7 +619,7 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
         fleet.apply(2).await?;
         fleet.wait_serving(2).await?;
         let load = Load::through(&fleet.router);
-        let clients = load.start(4, "/v1/chat/completions", chat("Name a river.", 16));
+        load.start(4, "/v1/chat/completions", chat("Name a river.", 16));
         let answered = wait::until("both replicas answering", Duration::from_secs(60), || async {
             let answered = load.answered_by().await;
             Ok((answered.len() == 2).then_some(answered))
@@ -672,15 +658,8 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
         assert!(rest.contains("\"error\""), "the stream ended without an error event: {rest}");
         assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
 
-        let sent_at_kill = load.sent();
-        wait::until("more answers after the kill", Duration::from_secs(60), || async {
-            Ok((load.sent() >= sent_at_kill + 8).then_some(()))
-        })
-        .await?;
-        load.stop();
-        for client in clients {
-            client.await?;
-        }
+        load.wait_sent(8, "more answers after the kill").await?;
+        load.stop().await?;
         eprintln!(
             "stream ended {:.2} s after SIGKILL; sent {}, failed {}",
             stream_ended.as_secs_f64(),
@@ -839,13 +818,13 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
         let streams = Load::through(&fleet.router);
         let mut streaming = chat("Name three rivers and a sea.", 24);
         streaming["stream"] = json!(true);
-        let mut clients = streams.start(2, "/v1/chat/completions", streaming);
+        streams.start(2, "/v1/chat/completions", streaming);
         let completions = Load::through(&fleet.router);
-        clients.extend(completions.start(
+        completions.start(
             2,
             "/v1/completions",
             json!({"model": MODEL, "prompt": "The sea is", "max_tokens": 8}),
-        ));
+        );
 
         let services = fleet.services();
         let started = Instant::now();
@@ -879,11 +858,7 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
             }
         }
         let ended = Instant::now();
-        streams.stop();
-        completions.stop();
-        for client in clients {
-            client.await?;
-        }
+        futures::try_join!(streams.stop(), completions.stop())?;
 
         let baseline = (started + warm_up, started + warm_up + WINDOW);
         let last = (ended - WINDOW, ended);
