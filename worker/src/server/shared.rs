@@ -226,16 +226,17 @@ impl Stream for TrackedStream {
             return Poll::Ready(None);
         }
         let shared = &this.in_flight.0;
-        let polled = match this.events.poll_recv(cx) {
-            Poll::Pending if this.abandoned.as_mut().poll(cx).is_ready() => {
-                let reason = shared
-                    .abandon_reason
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                Poll::Ready(Some(GenerationEvent::Failed { message: reason }))
-            }
-            polled => polled,
+        // Abandonment is checked first: a sequence still decoding always has a token ready,
+        // and would otherwise run on past the drain timeout.
+        let polled = if this.abandoned.as_mut().poll(cx).is_ready() {
+            let reason = shared
+                .abandon_reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            Poll::Ready(Some(GenerationEvent::Failed { message: reason }))
+        } else {
+            this.events.poll_recv(cx)
         };
         if let Poll::Ready(Some(event)) = &polled {
             let metrics = &shared.metrics;
