@@ -1,5 +1,5 @@
-//! The k-quant dequantisers (and the loaders of the fallback types `Q5_0`/`Q5_1`) against the `gguf` Python package's own (numpy) dequantiser on
-//! the same bytes. Both compute each value as one f32 multiply (and one subtract) from the
+//! The k-quant dequantisers (and those of the fallback types `Q5_0`/`Q5_1`) against the
+//! `gguf` Python package's own (numpy) dequantiser on the same bytes. Both compute each value as one f32 multiply (and one subtract) from the
 //! same f32 scale products, so the results must be equal bit for bit.
 
 mod model_support;
@@ -102,15 +102,15 @@ fn q6_k_dequantises_as_the_gguf_package_does() {
     assert_bit_equal("q6_k", &ours, &gguf_dequantize("q6_k", &bytes, "Q6_K"));
 }
 
-/// The fallback types of k-quant files, loaded as `Q8_0` blocks and f32 values.
+/// The fallback types of k-quant files, `Q5_0` and `Q5_1`.
 #[test]
-fn q5_0_and_q5_1_load_as_the_gguf_package_dequantises_them() {
+fn q5_0_and_q5_1_dequantise_as_the_gguf_package_does() {
     let n = 4 * BLOCKS;
     let q5_0 = random_blocks(4, n, Q5_0_BYTES, &[0]);
     let mut ours = vec![0f32; n * QK];
-    quant::dequantize_q8_0(&quant::parse_q5_0_as_q8_0(&q5_0), &mut ours);
+    quant::dequantize_q5_0(&quant::parse_q5_0(&q5_0), &mut ours);
     assert_bit_equal("q5_0", &ours, &gguf_dequantize("q5_0", &q5_0, "Q5_0"));
     let q5_1 = random_blocks(5, n, Q5_1_BYTES, &[0, 2]);
-    let ours = quant::dequantize_q5_1_bytes(&q5_1);
+    quant::dequantize_q5_1(&quant::parse_q5_1(&q5_1), &mut ours);
     assert_bit_equal("q5_1", &ours, &gguf_dequantize("q5_1", &q5_1, "Q5_1"));
 }

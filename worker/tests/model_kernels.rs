@@ -3,9 +3,11 @@
 
 use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels};
 use npufleet_worker::backend::kquant::{
-    self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
+    self, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
-use npufleet_worker::backend::quant::{self, BlockQ8Act, GROUP_ROWS, QK};
+use npufleet_worker::backend::quant::{
+    self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK,
+};
 use npufleet_worker::backend::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
 /// A fixed generator so failures reproduce.
@@ -39,9 +41,9 @@ impl Rng {
             .to_le_bytes()
     }
 
-    /// `n` k-quant blocks of `block_bytes` with random quants and sane f16 scales at the
+    /// `n` GGUF blocks of `block_bytes` with random quants and sane f16 scales at the
     /// byte offsets `scales`.
-    fn kquant_bytes(&mut self, n: usize, block_bytes: usize, scales: &[usize]) -> Vec<u8> {
+    fn block_bytes(&mut self, n: usize, block_bytes: usize, scales: &[usize]) -> Vec<u8> {
         let mut out = self.bytes(n * block_bytes);
         for b in out.chunks_exact_mut(block_bytes) {
             for &at in scales {
@@ -52,15 +54,23 @@ impl Rng {
     }
 
     fn q4_k(&mut self, n: usize) -> Vec<BlockQ4K> {
-        kquant::parse_q4_k(&self.kquant_bytes(n, Q4_K_BYTES, &[0, 2]))
+        kquant::parse_q4_k(&self.block_bytes(n, Q4_K_BYTES, &[0, 2]))
     }
 
     fn q5_k(&mut self, n: usize) -> Vec<BlockQ5K> {
-        kquant::parse_q5_k(&self.kquant_bytes(n, Q5_K_BYTES, &[0, 2]))
+        kquant::parse_q5_k(&self.block_bytes(n, Q5_K_BYTES, &[0, 2]))
     }
 
     fn q6_k(&mut self, n: usize) -> Vec<BlockQ6K> {
-        kquant::parse_q6_k(&self.kquant_bytes(n, Q6_K_BYTES, &[208]))
+        kquant::parse_q6_k(&self.block_bytes(n, Q6_K_BYTES, &[208]))
+    }
+
+    fn q5_0(&mut self, n: usize) -> Vec<BlockQ5_0> {
+        quant::parse_q5_0(&self.block_bytes(n, Q5_0_BYTES, &[0]))
+    }
+
+    fn q5_1(&mut self, n: usize) -> Vec<BlockQ5_1> {
+        quant::parse_q5_1(&self.block_bytes(n, Q5_1_BYTES, &[0, 2]))
     }
 }
 
@@ -725,51 +735,59 @@ type RowDot = dyn Fn(&Kernels, usize, &[BlockQ8Act]) -> f32;
 /// The first weight-row group · every activation row, with a kernel set's kernel.
 type GroupDot = dyn Fn(&Kernels, &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]>;
 
-/// One k-quant format's kernels and dequantised values on random blocks, by name.
-struct KquantCase {
+/// One GGUF block format's kernels and dequantised values on random blocks, by name.
+struct BlockCase {
     name: &'static str,
+    /// Values per block: a column range keeps the blocks only when aligned to it.
+    block_values: usize,
     dequantized: Vec<f32>,
     dot: Box<RowDot>,
     group: Box<GroupDot>,
     matrix: Matrix,
 }
 
-/// The three k-quant formats on `rows` random rows of `supers` super-blocks each.
-fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
+/// The three k-quant formats, and the Q5_0 / Q5_1 blocks the k-quant files mix in, on
+/// `rows` random rows of `supers` × 256 columns each.
+fn gguf_block_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<BlockCase> {
+    #[allow(clippy::too_many_arguments)]
     fn case<B: Copy + 'static>(
         name: &'static str,
+        block_values: usize,
         blocks: Vec<B>,
         rows: usize,
         dequantize: fn(&[B], &mut [f32]),
         dot: fn(&Kernels) -> DotKernel<B>,
         group: fn(&Kernels) -> GroupKernel<B>,
         data: fn(Vec<B>) -> WeightData,
-    ) -> KquantCase {
+    ) -> BlockCase {
         let nb = blocks.len() / rows;
-        let mut dequantized = vec![0f32; blocks.len() * QK_K];
+        let mut dequantized = vec![0f32; blocks.len() * block_values];
         dequantize(&blocks, &mut dequantized);
         let (b1, b2) = (blocks.clone(), blocks.clone());
-        KquantCase {
+        BlockCase {
             name,
+            block_values,
             dequantized,
             dot: Box::new(move |k, r, x| dot(k)(&b1[r * nb..(r + 1) * nb], x)),
             group: Box::new(move |k, x| {
                 let w = &b2[..GROUP_ROWS * nb];
-                let mut out = vec![[0f32; GROUP_ROWS]; x.len() / (nb * ACT_BLOCKS)];
+                let mut out = vec![[0f32; GROUP_ROWS]; x.len() * QK / (nb * block_values)];
                 group(k)(w, x, &mut out);
                 out
             }),
             matrix: Matrix {
                 rows,
-                cols: nb * QK_K,
+                cols: nb * block_values,
                 data: data(blocks),
             },
         }
     }
     let n = rows * supers;
+    let n5 = n * QK_K / QK;
     vec![
         case(
             "q4_k",
+            QK_K,
             rng.q4_k(n),
             rows,
             kquant::dequantize_q4_k,
@@ -779,6 +797,7 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
         ),
         case(
             "q5_k",
+            QK_K,
             rng.q5_k(n),
             rows,
             kquant::dequantize_q5_k,
@@ -788,6 +807,7 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
         ),
         case(
             "q6_k",
+            QK_K,
             rng.q6_k(n),
             rows,
             kquant::dequantize_q6_k,
@@ -795,22 +815,48 @@ fn kquant_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<KquantCase> {
             |k| k.gemm_q6_k_group,
             |b| WeightData::Q6K(b.into()),
         ),
+        case(
+            "q5_0",
+            QK,
+            rng.q5_0(n5),
+            rows,
+            quant::dequantize_q5_0,
+            |k| k.dot_q5_0,
+            |k| k.gemm_q5_0_group,
+            |b| WeightData::Q5_0(b.into()),
+        ),
+        case(
+            "q5_1",
+            QK,
+            rng.q5_1(n5),
+            rows,
+            quant::dequantize_q5_1,
+            |k| k.dot_q5_1,
+            |k| k.gemm_q5_1_group,
+            |b| WeightData::Q5_1(b.into()),
+        ),
     ]
 }
 
 #[test]
-fn kquant_blocks_round_trip_through_their_bytes() {
+fn gguf_blocks_round_trip_through_their_bytes() {
     let mut rng = Rng(31);
-    let q4 = rng.kquant_bytes(5, Q4_K_BYTES, &[0, 2]);
-    let q5 = rng.kquant_bytes(5, Q5_K_BYTES, &[0, 2]);
-    let q6 = rng.kquant_bytes(5, Q6_K_BYTES, &[208]);
+    let q4 = rng.block_bytes(5, Q4_K_BYTES, &[0, 2]);
+    let q5 = rng.block_bytes(5, Q5_K_BYTES, &[0, 2]);
+    let q6 = rng.block_bytes(5, Q6_K_BYTES, &[208]);
     assert_eq!(kquant::q4_k_bytes(&kquant::parse_q4_k(&q4)), q4);
     assert_eq!(kquant::q5_k_bytes(&kquant::parse_q5_k(&q5)), q5);
     assert_eq!(kquant::q6_k_bytes(&kquant::parse_q6_k(&q6)), q6);
+    let q50 = rng.block_bytes(5, Q5_0_BYTES, &[0]);
+    let q51 = rng.block_bytes(5, Q5_1_BYTES, &[0, 2]);
+    assert_eq!(quant::q5_0_bytes(&quant::parse_q5_0(&q50)), q50);
+    assert_eq!(quant::q5_1_bytes(&quant::parse_q5_1(&q51)), q51);
     // The struct layouts are the GGUF ones, size for size.
     assert_eq!(std::mem::size_of::<BlockQ4K>(), Q4_K_BYTES);
     assert_eq!(std::mem::size_of::<BlockQ5K>(), Q5_K_BYTES);
     assert_eq!(std::mem::size_of::<BlockQ6K>(), Q6_K_BYTES);
+    assert_eq!(std::mem::size_of::<BlockQ5_0>(), Q5_0_BYTES);
+    assert_eq!(std::mem::size_of::<BlockQ5_1>(), Q5_1_BYTES);
 }
 
 #[test]
@@ -826,14 +872,14 @@ fn kquant_scale_packing_is_ggmls() {
 }
 
 #[test]
-fn kquant_dot_products_match_scalar_and_the_dequantised_weights() {
+fn gguf_block_dot_products_match_scalar_and_the_dequantised_weights() {
     let (scalar, simd) = kernel_sets();
     let mut rng = Rng(37);
     for supers in [1, 2, 3, 6] {
         let cols = supers * QK_K;
         let x = rng.vec(cols, 2.0);
         let xq = quantize(&scalar, &x);
-        for case in kquant_cases(&mut rng, 3, supers) {
+        for case in gguf_block_cases(&mut rng, 3, supers) {
             for r in 0..3 {
                 let s = (case.dot)(&scalar, r, &xq);
                 // Against the exact product with the same weights, only activation rounding
@@ -865,7 +911,7 @@ fn kquant_dot_products_match_scalar_and_the_dequantised_weights() {
 }
 
 #[test]
-fn kquant_grouped_kernels_match_scalar_for_every_batch_size() {
+fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
     let (scalar, simd) = kernel_sets();
     let mut rng = Rng(41);
     // Up to 20 super-blocks: past one kernel pass a group is expanded in spans.
@@ -873,7 +919,7 @@ fn kquant_grouped_kernels_match_scalar_for_every_batch_size() {
         let cols = supers * QK_K;
         let x = rng.vec(19 * cols, 2.0);
         let xq = quantize(&scalar, &x);
-        for case in kquant_cases(&mut rng, GROUP_ROWS, supers) {
+        for case in gguf_block_cases(&mut rng, GROUP_ROWS, supers) {
             let want = (case.group)(&scalar, &xq);
             for (j, row) in want.iter().enumerate() {
                 for (r, &v) in row.iter().enumerate() {
@@ -904,7 +950,7 @@ fn kquant_grouped_kernels_match_scalar_for_every_batch_size() {
 }
 
 #[test]
-fn kquant_matmuls_match_the_dequantised_weights_on_every_backend() {
+fn gguf_block_matmuls_match_the_dequantised_weights_on_every_backend() {
     let mut rng = Rng(43);
     // 21 rows: two whole groups and a remainder the one-row kernel takes.
     let (rows, cols) = (21, 2 * QK_K);
@@ -912,7 +958,7 @@ fn kquant_matmuls_match_the_dequantised_weights_on_every_backend() {
         .into_iter()
         .map(|k| CpuBackend::with_kernels(2, k).unwrap())
         .collect();
-    let cases = kquant_cases(&mut rng, rows, cols / QK_K);
+    let cases = gguf_block_cases(&mut rng, rows, cols / QK_K);
     for n in [1, 4, 9] {
         let x = rng.vec(n * cols, 1.0);
         for case in &cases {
@@ -949,7 +995,7 @@ fn kquant_matmuls_match_the_dequantised_weights_on_every_backend() {
             }
         }
         // Q/K/V of a Q4_K_M file mix formats in one shared-input pass.
-        let mixed = [&cases[0].matrix, &cases[2].matrix, &cases[1].matrix];
+        let mixed = [&cases[0].matrix, &cases[3].matrix, &cases[2].matrix];
         for be in &backends {
             let mut outs: Vec<Vec<f32>> = mixed.iter().map(|_| vec![0f32; n * rows]).collect();
             let mut parts: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
@@ -964,15 +1010,16 @@ fn kquant_matmuls_match_the_dequantised_weights_on_every_backend() {
 }
 
 #[test]
-fn kquant_column_slices_keep_super_blocks_only_when_aligned() {
+fn block_column_slices_keep_blocks_only_when_aligned() {
     let mut rng = Rng(47);
-    let cases = kquant_cases(&mut rng, 4, 3);
+    let cases = gguf_block_cases(&mut rng, 4, 3);
     for case in &cases {
         let w = &case.matrix;
         let full = w.to_f32();
         for range in [256..512, 0..768, 128..384, 32..256] {
             let part = w.select_cols(range.clone());
-            let aligned = range.start % QK_K == 0 && range.end % QK_K == 0;
+            let unit = case.block_values;
+            let aligned = range.start % unit == 0 && range.end % unit == 0;
             assert_eq!(part.is_quantized(), aligned, "{} {range:?}", case.name);
             let want: Vec<f32> = (0..w.rows)
                 .flat_map(|r| full[r * w.cols + range.start..r * w.cols + range.end].to_vec())

@@ -115,6 +115,8 @@ impl WeightKey {
             WeightData::F16(v) => v.as_ptr() as usize,
             WeightData::Q4_0(v) => v.as_ptr() as usize,
             WeightData::Q4_1(v) => v.as_ptr() as usize,
+            WeightData::Q5_0(v) => v.as_ptr() as usize,
+            WeightData::Q5_1(v) => v.as_ptr() as usize,
             WeightData::Q8_0(v) => v.as_ptr() as usize,
             WeightData::Q4K(v) => v.as_ptr() as usize,
             WeightData::Q5K(v) => v.as_ptr() as usize,

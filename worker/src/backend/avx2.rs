@@ -10,7 +10,9 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
-use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows};
+use super::quant::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
+};
 
 /// Whether this CPU can run the kernels in this module.
 pub fn available() -> bool {
@@ -238,13 +240,12 @@ fn f16x8(h: [f16; GROUP_ROWS]) -> __m256 {
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(bits.as_ptr() as *const __m128i) })
 }
 
-/// `d` and `m` of eight `Q4_1` blocks as f32 lanes: one 32-bit load per block (the two
-/// f16 fields are adjacent), then the halves are sorted apart and widened.
+/// `d` and `m` of eight `Q4_1`/`Q5_1` blocks as f32 lanes: one 32-bit word per block (the
+/// two f16 fields are adjacent), then the halves are sorted apart and widened.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1_scales(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> (__m256, __m256) {
-    let word =
-        |r: usize| (blocks[r].d.to_bits() as u32 | (blocks[r].m.to_bits() as u32) << 16) as i32;
+fn d_m_scales(d: [f16; GROUP_ROWS], m: [f16; GROUP_ROWS]) -> (__m256, __m256) {
+    let word = |r: usize| (d[r].to_bits() as u32 | (m[r].to_bits() as u32) << 16) as i32;
     let dm = _mm256_setr_epi32(
         word(0),
         word(1),
@@ -329,8 +330,96 @@ fn expand_q4_1(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> ExpandedQ4_1 {
         nibbles[k] = _mm256_and_si256(packed[k], low);
         nibbles[k + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k]), low);
     }
-    let (d, m) = q4_1_scales(blocks);
+    let (d, m) = d_m_scales(blocks.map(|b| b.d), blocks.map(|b| b.m));
     ExpandedQ4_1 { nibbles, d, m }
+}
+
+/// One block column of a `Q5_0` group: vector `k` holds values `4k..4k + 4` (0..32) of each
+/// row in its 32-bit lane, and the rows' d.
+#[derive(Clone, Copy)]
+struct ExpandedQ5_0 {
+    q: [__m256i; 8],
+    d: __m256,
+}
+
+/// As [`ExpandedQ5_0`] with the rows' m, for `Q5_1`.
+#[derive(Clone, Copy)]
+struct ExpandedQ5_1 {
+    q: [__m256i; 8],
+    d: __m256,
+    m: __m256,
+}
+
+/// The 5-bit values of a `Q5_0`/`Q5_1` block column laid out as [`ExpandedQ5_0`] holds them,
+/// from each row's 16 nibble bytes (`qs`) and 32 fifth bits (`qh`).
+///
+/// # Safety
+/// Every `qs` pointer must have 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn five_bit_values(qs: [*const u8; GROUP_ROWS], qh: [[u8; 4]; GROUP_ROWS]) -> [__m256i; 8] {
+    let low = _mm256_set1_epi8(0x0f);
+    // SAFETY: guaranteed by the caller.
+    let packed = unsafe { transpose_rows(qs) };
+    let qh = _mm256_setr_epi32(
+        i32::from_le_bytes(qh[0]),
+        i32::from_le_bytes(qh[1]),
+        i32::from_le_bytes(qh[2]),
+        i32::from_le_bytes(qh[3]),
+        i32::from_le_bytes(qh[4]),
+        i32::from_le_bytes(qh[5]),
+        i32::from_le_bytes(qh[6]),
+        i32::from_le_bytes(qh[7]),
+    );
+    // Each lane's byte of `qh` that holds the fifth bits of values 4k..4k + 4 (byte k / 2,
+    // from bit 4·(k mod 2)), copied into all four bytes of the lane.
+    let lane_bytes = _mm256_setr_epi8(
+        0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12,
+        12, 12, 12,
+    );
+    let sixteen = _mm256_set1_epi8(16);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for (k, q) in q.iter_mut().enumerate() {
+        let nibble = if k < 4 {
+            _mm256_and_si256(packed[k], low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k - 4]), low)
+        };
+        let spread = _mm256_shuffle_epi8(
+            qh,
+            _mm256_add_epi8(lane_bytes, _mm256_set1_epi8((k / 2) as i8)),
+        );
+        let bit = _mm256_set1_epi32(if k % 2 == 0 {
+            0x0804_0201
+        } else {
+            0x8040_2010_u32 as i32
+        });
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        *q = _mm256_or_si256(nibble, _mm256_and_si256(set, sixteen));
+    }
+    q
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q5_0(blocks: &[&BlockQ5_0; GROUP_ROWS]) -> ExpandedQ5_0 {
+    ExpandedQ5_0 {
+        // SAFETY: each `qs` is 16 bytes.
+        q: unsafe { five_bit_values(column_ptrs(blocks, |w| w.qs.as_ptr()), blocks.map(|b| b.qh)) },
+        d: f16x8(blocks.map(|b| b.d)),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn expand_q5_1(blocks: &[&BlockQ5_1; GROUP_ROWS]) -> ExpandedQ5_1 {
+    let (d, m) = d_m_scales(blocks.map(|b| b.d), blocks.map(|b| b.m));
+    ExpandedQ5_1 {
+        // SAFETY: each `qs` is 16 bytes.
+        q: unsafe { five_bit_values(column_ptrs(blocks, |w| w.qs.as_ptr()), blocks.map(|b| b.qh)) },
+        d,
+        m,
+    }
 }
 
 /// Accumulators of `A` activation rows over one group, read from and written back to `out`
@@ -380,12 +469,14 @@ fn over_expanded_spans<B, E>(
     }
 }
 
-/// The grouped kernels for one instruction set: `$q4_1_sum` turns one block's weight
-/// vectors and activation block into the i32 dot product of each row's lane; for `Q8_0`
-/// rows the module's own `ExpandedQ8_0`, `expand_q8_0` and `q8_0_block` do that job.
+/// The grouped kernels for one instruction set: `$q4_1_sum` and `$q5_sum` turn one block's
+/// 4-bit or 5-bit weight vectors and activation block into the i32 dot product of each
+/// row's lane; for `Q8_0` rows the module's own `ExpandedQ8_0`, `expand_q8_0` and
+/// `q8_0_block` do that job. The 5-bit kernels repeat their scalar references' arithmetic
+/// lane by lane, unfused, so they equal them bit for bit.
 macro_rules! group_kernels {
     ($features:literal, $widest:literal, [$($rest:literal),*],
-     q4_1_sum: $q4_1_sum:expr) => {
+     q4_1_sum: $q4_1_sum:expr, q5_sum: $q5_sum:expr) => {
         #[inline]
         #[target_feature(enable = $features)]
         fn q4_1_block<const A: usize>(
@@ -407,6 +498,53 @@ macro_rules! group_kernels {
             gemm_q4_1_group, BlockQ4_1,
             streamed: q4_1_group, expanded: q4_1_expanded,
             ExpandedQ4_1, expand_q4_1, q4_1_block
+        );
+        /// Σ (q − 16)·x as Σ q·x − 16·Σx, in integers.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q5_0_block<const A: usize>(
+            e: &ExpandedQ5_0,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let sum = _mm256_sub_epi32($q5_sum(&e.q, &x.qs), _mm256_set1_epi32(16 * x.sum));
+                let scaled = _mm256_mul_ps(
+                    _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)),
+                    _mm256_cvtepi32_ps(sum),
+                );
+                *acc = _mm256_add_ps(*acc, scaled);
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q5_1_block<const A: usize>(
+            e: &ExpandedQ5_1,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                let sum = _mm256_cvtepi32_ps($q5_sum(&e.q, &x.qs));
+                let scaled = _mm256_mul_ps(_mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), sum);
+                let offset = _mm256_mul_ps(e.m, _mm256_set1_ps(x.s));
+                *acc = _mm256_add_ps(*acc, _mm256_add_ps(scaled, offset));
+            }
+        }
+
+        format_kernels!(
+            $features, $widest, [$($rest),*],
+            /// As [`crate::backend::quant::gemm_q5_0_group_scalar`], bit for bit.
+            gemm_q5_0_group, BlockQ5_0,
+            streamed: q5_0_group, expanded: q5_0_expanded,
+            ExpandedQ5_0, expand_q5_0, q5_0_block
+        );
+        format_kernels!(
+            $features, $widest, [$($rest),*],
+            /// As [`crate::backend::quant::gemm_q5_1_group_scalar`], bit for bit.
+            gemm_q5_1_group, BlockQ5_1,
+            streamed: q5_1_group, expanded: q5_1_expanded,
+            ExpandedQ5_1, expand_q5_1, q5_1_block
         );
         format_kernels!(
             $features, $widest, [$($rest),*],
@@ -607,7 +745,7 @@ fn q8_0_block<const A: usize>(e: &ExpandedQ8_0, x: [&BlockQ8Act; A], acc: &mut [
     }
 }
 
-group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum);
+group_kernels!("avx2,fma,f16c", 4, [3, 2, 1], q4_1_sum: q4_1_sum, q5_sum: kq5_sum);
 
 /// One 32-value sub-block column of a `Q4_K`/`Q5_K` group: vector `k` holds values
 /// `4k..4k + 4` of each row (unsigned bytes) in its 32-bit lane, with the rows' d·sc and
@@ -1096,7 +1234,8 @@ pub mod vnni {
         "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni",
         8,
         [7, 6, 5, 4, 3, 2, 1],
-        q4_1_sum: q4_1_sum
+        q4_1_sum: q4_1_sum,
+        q5_sum: kq5_sum
     );
 
     /// `vpdpbusd` sums unsigned bytes up to 255 in 32 bits, so 4-bit and 5-bit columns

@@ -11,7 +11,10 @@ use half::f16;
 use memmap2::Mmap;
 
 use super::kquant::{BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-use super::quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+use super::quant::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES,
+    Q5_1_BYTES, Q8_0_BYTES,
+};
 
 /// A value type whose bytes in memory, on a little-endian host, are its encoding in a model
 /// file (GGUF blocks, safetensors scalars): `Pod` rules out padding, and `FILE_BYTES` is the
@@ -34,6 +37,8 @@ file_layout!(
     f16 = 2,
     BlockQ4_0 = Q4_0_BYTES,
     BlockQ4_1 = Q4_1_BYTES,
+    BlockQ5_0 = Q5_0_BYTES,
+    BlockQ5_1 = Q5_1_BYTES,
     BlockQ8_0 = Q8_0_BYTES,
     BlockQ4K = Q4_K_BYTES,
     BlockQ5K = Q5_K_BYTES,

@@ -8,7 +8,8 @@ use rayon::prelude::*;
 
 use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{
-    self, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
+    self, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK,
+    StridedRows,
 };
 use super::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
@@ -30,6 +31,10 @@ pub struct Kernels {
     pub dot_q4_0: fn(&[BlockQ4_0], &[BlockQ8Act]) -> f32,
     pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
     pub gemm_q4_1_group: GroupKernel<BlockQ4_1>,
+    pub dot_q5_0: DotKernel<BlockQ5_0>,
+    pub gemm_q5_0_group: GroupKernel<BlockQ5_0>,
+    pub dot_q5_1: DotKernel<BlockQ5_1>,
+    pub gemm_q5_1_group: GroupKernel<BlockQ5_1>,
     pub dot_q8_0: fn(&[BlockQ8_0], &[BlockQ8Act]) -> f32,
     pub gemm_q8_0_group: GroupKernel<BlockQ8_0>,
     /// The k-quant kernels take [`ACT_BLOCKS`] activation blocks per weight super-block.
@@ -62,6 +67,10 @@ impl Kernels {
             dot_q4_0: quant::dot_q4_0_scalar,
             dot_q4_1: quant::dot_q4_1_scalar,
             gemm_q4_1_group: quant::gemm_q4_1_group_scalar,
+            dot_q5_0: quant::dot_q5_0_scalar,
+            gemm_q5_0_group: quant::gemm_q5_0_group_scalar,
+            dot_q5_1: quant::dot_q5_1_scalar,
+            gemm_q5_1_group: quant::gemm_q5_1_group_scalar,
             dot_q8_0: quant::dot_q8_0_scalar,
             gemm_q8_0_group: quant::gemm_q8_0_group_scalar,
             dot_q4_k: kquant::dot_q4_k_scalar,
@@ -117,7 +126,12 @@ fn avx2_kernels() -> Kernels {
         gemm_q4_1_group: |w, x, out| unsafe { avx2::gemm_q4_1_group(w, x, out) },
         dot_q8_0: |w, x| unsafe { avx2::dot_q8_0(w, x) },
         gemm_q8_0_group: |w, x, out| unsafe { avx2::gemm_q8_0_group(w, x, out) },
-        // The one-row k-quant kernels only take the rows after a matrix's last whole group.
+        // The one-row 5-bit and k-quant kernels only take the rows after a matrix's last
+        // whole group.
+        dot_q5_0: quant::dot_q5_0_scalar,
+        gemm_q5_0_group: |w, x, out| unsafe { avx2::gemm_q5_0_group(w, x, out) },
+        dot_q5_1: quant::dot_q5_1_scalar,
+        gemm_q5_1_group: |w, x, out| unsafe { avx2::gemm_q5_1_group(w, x, out) },
         dot_q4_k: kquant::dot_q4_k_scalar,
         gemm_q4_k_group: |w, x, out| unsafe { avx2::gemm_q4_k_group(w, x, out) },
         dot_q5_k: kquant::dot_q5_k_scalar,
@@ -152,6 +166,8 @@ fn avx512_vnni_kernels() -> Kernels {
     Kernels {
         name: "avx512-vnni",
         gemm_q4_1_group: |w, x, out| unsafe { vnni::gemm_q4_1_group(w, x, out) },
+        gemm_q5_0_group: |w, x, out| unsafe { vnni::gemm_q5_0_group(w, x, out) },
+        gemm_q5_1_group: |w, x, out| unsafe { vnni::gemm_q5_1_group(w, x, out) },
         gemm_q8_0_group: |w, x, out| unsafe { vnni::gemm_q8_0_group(w, x, out) },
         gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
@@ -326,6 +342,8 @@ impl CpuBackend {
                 }
             }),
             WeightData::Q4_1(_)
+            | WeightData::Q5_0(_)
+            | WeightData::Q5_1(_)
             | WeightData::Q8_0(_)
             | WeightData::Q4K(_)
             | WeightData::Q5K(_)
@@ -411,6 +429,8 @@ impl<'a> GroupedJob<'a> {
     fn of(w: &'a Matrix, out: &mut [f32]) -> Option<GroupedJob<'a>> {
         let weights = match &w.data {
             WeightData::Q4_1(b) => GroupedWeights::Q4_1(b),
+            WeightData::Q5_0(b) => GroupedWeights::Q5_0(b),
+            WeightData::Q5_1(b) => GroupedWeights::Q5_1(b),
             WeightData::Q8_0(b) => GroupedWeights::Q8_0(b),
             WeightData::Q4K(b) => GroupedWeights::Q4K(b),
             WeightData::Q5K(b) => GroupedWeights::Q5K(b),
@@ -427,6 +447,8 @@ impl<'a> GroupedJob<'a> {
 
 enum GroupedWeights<'a> {
     Q4_1(&'a [BlockQ4_1]),
+    Q5_0(&'a [BlockQ5_0]),
+    Q5_1(&'a [BlockQ5_1]),
     Q8_0(&'a [BlockQ8_0]),
     Q4K(&'a [BlockQ4K]),
     Q5K(&'a [BlockQ5K]),
@@ -448,6 +470,8 @@ impl GroupedWeights<'_> {
         let supers = g * GROUP_ROWS * nbk..(g + 1) * GROUP_ROWS * nbk;
         match self {
             GroupedWeights::Q4_1(w) => (k.gemm_q4_1_group)(&w[blocks], acts, sums),
+            GroupedWeights::Q5_0(w) => (k.gemm_q5_0_group)(&w[blocks], acts, sums),
+            GroupedWeights::Q5_1(w) => (k.gemm_q5_1_group)(&w[blocks], acts, sums),
             GroupedWeights::Q8_0(w) => (k.gemm_q8_0_group)(&w[blocks], acts, sums),
             GroupedWeights::Q4K(w) => (k.gemm_q4_k_group)(&w[supers], acts, sums),
             GroupedWeights::Q5K(w) => (k.gemm_q5_k_group)(&w[supers], acts, sums),
@@ -460,6 +484,8 @@ impl GroupedWeights<'_> {
         let nbk = nb / ACT_BLOCKS;
         match self {
             GroupedWeights::Q4_1(w) => (k.dot_q4_1)(&w[r * nb..(r + 1) * nb], act),
+            GroupedWeights::Q5_0(w) => (k.dot_q5_0)(&w[r * nb..(r + 1) * nb], act),
+            GroupedWeights::Q5_1(w) => (k.dot_q5_1)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q8_0(w) => (k.dot_q8_0)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q4K(w) => (k.dot_q4_k)(&w[r * nbk..(r + 1) * nbk], act),
             GroupedWeights::Q5K(w) => (k.dot_q5_k)(&w[r * nbk..(r + 1) * nbk], act),

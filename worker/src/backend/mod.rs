@@ -18,7 +18,7 @@ use half::f16;
 
 pub use blocks::Blocks;
 use kquant::{BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
-use quant::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QK};
 
 /// How a weight matrix is stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +27,8 @@ pub enum WeightData {
     F16(Blocks<f16>),
     Q4_0(Blocks<BlockQ4_0>),
     Q4_1(Blocks<BlockQ4_1>),
+    Q5_0(Blocks<BlockQ5_0>),
+    Q5_1(Blocks<BlockQ5_1>),
     Q8_0(Blocks<BlockQ8_0>),
     /// Super-blocks of 256 values; rows are a whole number of them.
     Q4K(Blocks<BlockQ4K>),
@@ -59,6 +61,8 @@ impl Matrix {
             WeightData::F16(v) => v.is_mapped(),
             WeightData::Q4_0(v) => v.is_mapped(),
             WeightData::Q4_1(v) => v.is_mapped(),
+            WeightData::Q5_0(v) => v.is_mapped(),
+            WeightData::Q5_1(v) => v.is_mapped(),
             WeightData::Q8_0(v) => v.is_mapped(),
             WeightData::Q4K(v) => v.is_mapped(),
             WeightData::Q5K(v) => v.is_mapped(),
@@ -71,6 +75,8 @@ impl Matrix {
             self.data,
             WeightData::Q4_0(_)
                 | WeightData::Q4_1(_)
+                | WeightData::Q5_0(_)
+                | WeightData::Q5_1(_)
                 | WeightData::Q8_0(_)
                 | WeightData::Q4K(_)
                 | WeightData::Q5K(_)
@@ -84,6 +90,8 @@ impl Matrix {
             WeightData::F16(_) => "f16",
             WeightData::Q4_0(_) => "q4_0",
             WeightData::Q4_1(_) => "q4_1",
+            WeightData::Q5_0(_) => "q5_0",
+            WeightData::Q5_1(_) => "q5_1",
             WeightData::Q8_0(_) => "q8_0",
             WeightData::Q4K(_) => "q4_k",
             WeightData::Q5K(_) => "q5_k",
@@ -98,6 +106,8 @@ impl Matrix {
             WeightData::F16(v) => v.len() * 2,
             WeightData::Q4_0(v) => v.len() * std::mem::size_of::<BlockQ4_0>(),
             WeightData::Q4_1(v) => v.len() * std::mem::size_of::<BlockQ4_1>(),
+            WeightData::Q5_0(v) => v.len() * std::mem::size_of::<BlockQ5_0>(),
+            WeightData::Q5_1(v) => v.len() * std::mem::size_of::<BlockQ5_1>(),
             WeightData::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
             WeightData::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
             WeightData::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
@@ -118,6 +128,8 @@ impl Matrix {
             }
             WeightData::Q4_0(v) => quant::dequantize_q4_0(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q4_1(v) => quant::dequantize_q4_1(&v[r * nb..(r + 1) * nb], out),
+            WeightData::Q5_0(v) => quant::dequantize_q5_0(&v[r * nb..(r + 1) * nb], out),
+            WeightData::Q5_1(v) => quant::dequantize_q5_1(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q8_0(v) => quant::dequantize_q8_0(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q4K(v) => kquant::dequantize_q4_k(&v[r * nbk..(r + 1) * nbk], out),
             WeightData::Q5K(v) => kquant::dequantize_q5_k(&v[r * nbk..(r + 1) * nbk], out),
@@ -183,6 +195,8 @@ impl Matrix {
             WeightData::F16(v) => WeightData::F16(v.slice(per_row(1))),
             WeightData::Q4_0(v) => WeightData::Q4_0(v.slice(per_row(QK))),
             WeightData::Q4_1(v) => WeightData::Q4_1(v.slice(per_row(QK))),
+            WeightData::Q5_0(v) => WeightData::Q5_0(v.slice(per_row(QK))),
+            WeightData::Q5_1(v) => WeightData::Q5_1(v.slice(per_row(QK))),
             WeightData::Q8_0(v) => WeightData::Q8_0(v.slice(per_row(QK))),
             WeightData::Q4K(v) => WeightData::Q4K(v.slice(per_row(QK_K))),
             WeightData::Q5K(v) => WeightData::Q5K(v.slice(per_row(QK_K))),
@@ -214,6 +228,8 @@ impl Matrix {
             WeightData::F16(v) => WeightData::F16(pick(v, self.rows, c, range.start, range.end)),
             WeightData::Q4_0(v) if aligned => WeightData::Q4_0(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q4_1(v) if aligned => WeightData::Q4_1(pick(v, self.rows, nb, b0, b1)),
+            WeightData::Q5_0(v) if aligned => WeightData::Q5_0(pick(v, self.rows, nb, b0, b1)),
+            WeightData::Q5_1(v) if aligned => WeightData::Q5_1(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q8_0(v) if aligned => WeightData::Q8_0(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q4K(v) if aligned_k => WeightData::Q4K(pick(v, self.rows, nbk, k0, k1)),
             WeightData::Q5K(v) if aligned_k => WeightData::Q5K(pick(v, self.rows, nbk, k0, k1)),

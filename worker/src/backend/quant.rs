@@ -39,6 +39,40 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
+/// GGUF `Q5_0`: value = (q − 16) · d, q in 0..32: the low four bits packed as in
+/// [`BlockQ4_0`], and bit `i` of `qh` (little-endian) the fifth bit of value `i`. llama.cpp
+/// stores the matrices of k-quant files whose rows are not a multiple of 256 (all but
+/// `ffn_down` in SmolLM2's `Q4_K_M`) in this format.
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    pub d: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+/// GGUF `Q5_1`: value = q · d + m, q in 0..32, bits as in [`BlockQ5_0`] (the fallback of
+/// `Q5_K_M` files).
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ5_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+
+/// The quantised values 0..32 of a `Q5_0`/`Q5_1` block in order.
+pub fn q5_values(qh: &[u8; 4], qs: &[u8; QK / 2]) -> [u8; QK] {
+    let qh = u32::from_le_bytes(*qh);
+    let mut q = [0u8; QK];
+    for (j, &byte) in qs.iter().enumerate() {
+        q[j] = (byte & 0x0f) | (((qh >> j) & 1) << 4) as u8;
+        q[j + QK / 2] = (byte >> 4) | (((qh >> (j + QK / 2)) & 1) << 4) as u8;
+    }
+    q
+}
+
 /// A quantised activation block: value = q · d; `s` = d · Σq, which the `Q4_1` dot product
 /// needs for the weight offsets.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -124,49 +158,27 @@ pub fn parse_q8_0(bytes: &[u8]) -> Vec<BlockQ8_0> {
         .collect()
 }
 
-/// GGUF `Q5_0` blocks (d, 32 fifth bits, 16 bytes of nibbles; value = (q − 16) · d) as the
-/// `Q8_0` blocks of the same values: q − 16 fits an i8 and the scale is kept, so the values
-/// are the same bits, for 34 bytes a block instead of 22. llama.cpp stores the matrices of
-/// k-quant files whose rows are not a multiple of 256 (all but `ffn_down` in SmolLM2's
-/// `Q4_K_M`) as `Q5_0`, and the `Q8_0` kernels then serve them.
-pub fn parse_q5_0_as_q8_0(bytes: &[u8]) -> Vec<BlockQ8_0> {
+pub fn parse_q5_0(bytes: &[u8]) -> Vec<BlockQ5_0> {
     bytes
         .chunks_exact(Q5_0_BYTES)
-        .map(|b| {
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            let mut qs = [0i8; QK];
-            for (j, &byte) in b[6..22].iter().enumerate() {
-                let high0 = ((qh >> j) & 1) << 4;
-                let high1 = ((qh >> (j + 16)) & 1) << 4;
-                qs[j] = ((byte & 0x0f) as u32 | high0) as i8 - 16;
-                qs[j + QK / 2] = ((byte >> 4) as u32 | high1) as i8 - 16;
-            }
-            BlockQ8_0 {
-                d: f16_at(b, 0),
-                qs,
-            }
+        .map(|b| BlockQ5_0 {
+            d: f16_at(b, 0),
+            qh: b[2..6].try_into().expect("4 bytes"),
+            qs: b[6..22].try_into().expect("16 bytes"),
         })
         .collect()
 }
 
-/// GGUF `Q5_1` blocks (d, m, 32 fifth bits, 16 bytes of nibbles; value = q · d + m)
-/// dequantised to f32 as ggml computes them. No block format here holds five bits with an
-/// offset, so these matrices (most of a SmolLM2 `Q5_K_M` file) load as float weights.
-pub fn dequantize_q5_1_bytes(bytes: &[u8]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(bytes.len() / Q5_1_BYTES * QK);
-    for b in bytes.chunks_exact(Q5_1_BYTES) {
-        let (d, m) = (f16_at(b, 0).to_f32(), f16_at(b, 2).to_f32());
-        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        let mut values = [0f32; QK];
-        for (j, &byte) in b[8..24].iter().enumerate() {
-            let high0 = ((qh >> j) & 1) << 4;
-            let high1 = ((qh >> (j + 16)) & 1) << 4;
-            values[j] = ((byte & 0x0f) as u32 | high0) as f32 * d + m;
-            values[j + QK / 2] = ((byte >> 4) as u32 | high1) as f32 * d + m;
-        }
-        out.extend_from_slice(&values);
-    }
-    out
+pub fn parse_q5_1(bytes: &[u8]) -> Vec<BlockQ5_1> {
+    bytes
+        .chunks_exact(Q5_1_BYTES)
+        .map(|b| BlockQ5_1 {
+            d: f16_at(b, 0),
+            m: f16_at(b, 2),
+            qh: b[4..8].try_into().expect("4 bytes"),
+            qs: b[8..24].try_into().expect("16 bytes"),
+        })
+        .collect()
 }
 
 /// Serialises blocks back to their GGUF bytes (used when writing test models).
@@ -184,6 +196,27 @@ pub fn q4_1_bytes(blocks: &[BlockQ4_1]) -> Vec<u8> {
     for b in blocks {
         out.extend_from_slice(&b.d.to_bits().to_le_bytes());
         out.extend_from_slice(&b.m.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.qs);
+    }
+    out
+}
+
+pub fn q5_0_bytes(blocks: &[BlockQ5_0]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() * Q5_0_BYTES);
+    for b in blocks {
+        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.qh);
+        out.extend_from_slice(&b.qs);
+    }
+    out
+}
+
+pub fn q5_1_bytes(blocks: &[BlockQ5_1]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() * Q5_1_BYTES);
+    for b in blocks {
+        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.m.to_bits().to_le_bytes());
+        out.extend_from_slice(&b.qh);
         out.extend_from_slice(&b.qs);
     }
     out
@@ -224,6 +257,25 @@ pub fn dequantize_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
         let d = b.d.to_f32();
         for (o, &q) in o.iter_mut().zip(&b.qs) {
             *o = q as f32 * d;
+        }
+    }
+}
+
+/// As ggml computes it: the integer q − 16 times d.
+pub fn dequantize_q5_0(blocks: &[BlockQ5_0], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for (o, q) in o.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
+            *o = (q as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+pub fn dequantize_q5_1(blocks: &[BlockQ5_1], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        let (d, m) = (b.d.to_f32(), b.m.to_f32());
+        for (o, q) in o.iter_mut().zip(q5_values(&b.qh, &b.qs)) {
+            *o = q as f32 * d + m;
         }
     }
 }
@@ -351,6 +403,29 @@ pub fn dot_q8_0_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act]) -> f32 {
     acc
 }
 
+fn dot_q5_i32(q: [u8; QK], x: &[i8; QK]) -> i32 {
+    q.iter().zip(x).map(|(&q, &x)| q as i32 * x as i32).sum()
+}
+
+/// Σ (q − 16)·x is taken as Σ q·x − 16·Σx, both exact in integers.
+pub fn dot_q5_0_scalar(w: &[BlockQ5_0], x: &[BlockQ8Act]) -> f32 {
+    let mut acc = 0f32;
+    for (w, x) in w.iter().zip(x) {
+        let sum = dot_q5_i32(q5_values(&w.qh, &w.qs), &x.qs) - 16 * x.sum;
+        acc += w.d.to_f32() * x.d * sum as f32;
+    }
+    acc
+}
+
+pub fn dot_q5_1_scalar(w: &[BlockQ5_1], x: &[BlockQ8Act]) -> f32 {
+    let mut acc = 0f32;
+    for (w, x) in w.iter().zip(x) {
+        let sum = dot_q5_i32(q5_values(&w.qh, &w.qs), &x.qs);
+        acc += w.d.to_f32() * x.d * sum as f32 + w.m.to_f32() * x.s;
+    }
+    acc
+}
+
 /// Scalar reference of the grouped kernels: `out[j][r]` = row `r` of the
 /// [`GROUP_ROWS`]-row group `w` (row-major blocks) · activation row `j` of `x`, for
 /// `out.len()` activation rows of `w.len() / GROUP_ROWS` blocks each.
@@ -360,6 +435,16 @@ pub fn gemm_q4_1_group_scalar(w: &[BlockQ4_1], x: &[BlockQ8Act], out: &mut [[f32
 
 pub fn gemm_q8_0_group_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
     gemm_group_scalar(w, x, out, 1, dot_q8_0_scalar)
+}
+
+/// As [`gemm_q4_1_group_scalar`]; the SIMD kernels of both 5-bit formats repeat this
+/// arithmetic lane by lane, unfused, so they equal it bit for bit.
+pub fn gemm_q5_0_group_scalar(w: &[BlockQ5_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+    gemm_group_scalar(w, x, out, 1, dot_q5_0_scalar)
+}
+
+pub fn gemm_q5_1_group_scalar(w: &[BlockQ5_1], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+    gemm_group_scalar(w, x, out, 1, dot_q5_1_scalar)
 }
 
 /// Every row of the group · every activation row, one `dot` each; a weight block spans
