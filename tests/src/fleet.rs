@@ -170,6 +170,22 @@ impl Load {
 #[error("{0}")]
 pub struct Overloaded(String);
 
+/// The `data:` payloads of a server-sent event stream, in order.
+pub fn sse_data(text: &str) -> Vec<&str> {
+    text.split("\n\n")
+        .filter_map(|event| event.trim().strip_prefix("data:").map(str::trim))
+        .collect()
+}
+
+/// The stream's error event, if it has one. Each event's JSON is read: the generated text
+/// may well contain the word "error" itself.
+pub fn sse_error(text: &str) -> Option<serde_json::Value> {
+    sse_data(text)
+        .into_iter()
+        .filter_map(|data| serde_json::from_str::<serde_json::Value>(data).ok())
+        .find(|event| event.get("error").is_some())
+}
+
 /// One request through the router, read to the end (a stream to its `[DONE]`); the pod that
 /// answered.
 pub async fn request_once(
@@ -195,7 +211,7 @@ pub async fn request_once(
     if body["stream"] == true {
         // A stream that broke off midway still ends with [DONE], after an error event.
         anyhow::ensure!(
-            text.trim_end().ends_with("data: [DONE]") && !text.contains("\"error\""),
+            sse_data(&text).last() == Some(&"[DONE]") && sse_error(&text).is_none(),
             "the stream from {replica} did not end cleanly: {text}"
         );
     } else {
@@ -203,4 +219,22 @@ pub async fn request_once(
             .with_context(|| format!("the answer from {replica} is not JSON: {text}"))?;
     }
     Ok(replica)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_that_says_error_is_not_a_failed_stream() {
+        let said = "data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(sse_data(said).last(), Some(&"[DONE]"));
+        assert!(sse_error(said).is_none());
+        let failed = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+                      data: {\"error\":{\"message\":\"the worker went away\"}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            sse_error(failed).unwrap()["error"]["message"],
+            "the worker went away"
+        );
+    }
 }

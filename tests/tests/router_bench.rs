@@ -23,7 +23,7 @@ use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
-use npufleet_tests::fleet::{RunningRouter, serving_addresses};
+use npufleet_tests::fleet::{RunningRouter, serving_addresses, sse_error};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
@@ -159,7 +159,7 @@ async fn stream_once(
             first = Some(started.elapsed());
         }
     }
-    ensure!(!text.contains("\"error\""), "the stream failed: {text}");
+    ensure!(sse_error(&text).is_none(), "the stream failed: {text}");
     Ok((
         first.with_context(|| format!("no generated text in {text}"))?,
         started.elapsed(),

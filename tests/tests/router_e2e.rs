@@ -19,7 +19,9 @@ use npufleet_contract::proto::inference::{
     InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest,
 };
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses};
+use npufleet_tests::fleet::{
+    Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses, sse_error,
+};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
@@ -655,7 +657,7 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
             rest.push_str(std::str::from_utf8(&bytes?)?);
         }
         let stream_ended = killed.elapsed();
-        assert!(rest.contains("\"error\""), "the stream ended without an error event: {rest}");
+        assert!(sse_error(&rest).is_some(), "the stream ended without an error event: {rest}");
         assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
 
         load.wait_sent(8, "more answers after the kill").await?;
