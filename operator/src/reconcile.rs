@@ -168,6 +168,15 @@ fn failure_of(pod: &Pod) -> String {
     text
 }
 
+/// How soon a reconcile runs again while a pod is settling.
+pub const SETTLING_RECHECK: Duration = Duration::from_secs(10);
+
+/// Terminating, or placed on a node and not ready: the cluster is expected to move it on.
+fn is_settling(pod: &Pod) -> bool {
+    let placed = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+    pod.metadata.deletion_timestamp.is_some() || (placed && !pod_is_ready(pod))
+}
+
 /// Evicted by the taint manager from a node that stopped reporting (the Pod's
 /// `DisruptionTarget` condition says so) and still waiting for that node's kubelet.
 fn evicted_from_lost_node(pod: &Pod) -> bool {
@@ -419,6 +428,12 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         }
     }
 
+    // Every change reaches the reconcile through a watch, but a pod the cluster is moving on
+    // (terminating, or on a node and not ready) is looked at again soon regardless: one
+    // missed event must not leave a group unrepaired until the periodic resync.
+    if observed.pods.iter().any(is_settling) {
+        recheck_after = Some(recheck_after.map_or(SETTLING_RECHECK, |r| r.min(SETTLING_RECHECK)));
+    }
     seen.outdated_groups = outdated.len() as i32;
     // Roll one group at a time, and only while every other group (surge groups included) is
     // serving: with a surge group ready, taking an outdated one out leaves `desired` serving.

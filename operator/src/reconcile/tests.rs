@@ -1168,6 +1168,7 @@ fn a_pod_evicted_from_a_lost_node_is_removed_at_once_and_others_wait_for_their_k
         &now(),
     );
     assert_eq!(lost.force_delete_pods, vec!["llm-0-0".to_string()]);
+    assert_eq!(waiting.recheck_after, Some(super::SETTLING_RECHECK));
     assert!(
         lost.notes
             .iter()
@@ -1237,4 +1238,39 @@ fn objects_applied_unchanged_before_are_not_applied_again() {
     observed.applied.retain(|(kind, _), _| kind != "ConfigMap");
     let restored = plan(&isvc, &observed, &Settings::default(), &now());
     assert_eq!(restored.rank_tables.len(), 2);
+}
+
+#[test]
+fn a_placed_pod_that_is_not_ready_brings_the_reconcile_back_soon() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let observe = |pods: Vec<Pod>| {
+        plan(
+            &isvc,
+            &Observed {
+                pods,
+                ..Default::default()
+            },
+            &Settings::default(),
+            &now(),
+        )
+    };
+    assert_eq!(observe(running(&isvc, true)).recheck_after, None);
+    let mut not_ready = running(&isvc, false);
+    not_ready[0]
+        .spec
+        .get_or_insert_with(Default::default)
+        .node_name = Some("n1".into());
+    assert_eq!(
+        observe(not_ready.clone()).recheck_after,
+        Some(super::SETTLING_RECHECK)
+    );
+    not_ready[0]
+        .spec
+        .get_or_insert_with(Default::default)
+        .node_name = None;
+    assert_eq!(
+        observe(not_ready).recheck_after,
+        None,
+        "an unplaced pod waits for the scheduler and its progress deadline"
+    );
 }
