@@ -917,7 +917,7 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
     // Up to 20 super-blocks: past one kernel pass a group is expanded in spans.
     for supers in [1, 2, 5, 20] {
         let cols = supers * QK_K;
-        let x = rng.vec(19 * cols, 2.0);
+        let x = rng.vec(35 * cols, 2.0);
         let xq = quantize(&scalar, &x);
         for case in gguf_block_cases(&mut rng, GROUP_ROWS, supers) {
             let want = (case.group)(&scalar, &xq);
@@ -929,7 +929,8 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
             }
             for fast in &simd {
                 let all = (case.group)(fast, &xq);
-                for n in 1..=19 {
+                // Past 16 rows the AMX set takes whole tiles and the rest as VNNI does.
+                for n in (1..=19).chain([32, 35]) {
                     let got = (case.group)(fast, &xq[..n * cols / QK]);
                     for (j, (g, w)) in got.iter().zip(&want).enumerate() {
                         // A row's result does not depend on the batch it is in.

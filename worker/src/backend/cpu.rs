@@ -108,6 +108,9 @@ impl Kernels {
             if super::avx2::vnni::available() {
                 sets.push(avx512_vnni_kernels());
             }
+            if super::avx2::vnni::amx::available() {
+                sets.push(amx_kernels());
+            }
         }
         sets
     }
@@ -173,6 +176,25 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
         ..avx2_kernels()
+    }
+}
+
+/// The VNNI set with the grouped matmul kernels on AMX tiles for batches of 16 rows or more.
+#[cfg(target_arch = "x86_64")]
+fn amx_kernels() -> Kernels {
+    use super::avx2::vnni::amx;
+    // SAFETY (every closure below): these kernels are only selected after
+    // `amx::available()` confirmed the CPU features and the tile permission.
+    Kernels {
+        name: "avx512-amx",
+        gemm_q4_1_group: |w, x, out| unsafe { amx::gemm_q4_1_group(w, x, out) },
+        gemm_q5_0_group: |w, x, out| unsafe { amx::gemm_q5_0_group(w, x, out) },
+        gemm_q5_1_group: |w, x, out| unsafe { amx::gemm_q5_1_group(w, x, out) },
+        gemm_q8_0_group: |w, x, out| unsafe { amx::gemm_q8_0_group(w, x, out) },
+        gemm_q4_k_group: |w, x, out| unsafe { amx::gemm_q4_k_group(w, x, out) },
+        gemm_q5_k_group: |w, x, out| unsafe { amx::gemm_q5_k_group(w, x, out) },
+        gemm_q6_k_group: |w, x, out| unsafe { amx::gemm_q6_k_group(w, x, out) },
+        ..avx512_vnni_kernels()
     }
 }
 
