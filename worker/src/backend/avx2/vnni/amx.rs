@@ -23,7 +23,11 @@ pub fn available() -> bool {
     *AVAILABLE.get_or_init(|| {
         let leaf7 = __cpuid_count(7, 0);
         let (tile, int8) = (leaf7.edx >> 24 & 1 == 1, leaf7.edx >> 25 & 1 == 1);
-        super::available() && tile && int8 && request_tile_data()
+        super::available()
+            && is_x86_feature_detected!("avx512dq")
+            && tile
+            && int8
+            && request_tile_data()
     })
 }
 
@@ -204,10 +208,99 @@ unsafe fn half_column_sums(
     }
 }
 
-#[inline(always)]
-fn sums_lane(sums: &ColumnSums, a: usize) -> __m256i {
-    // SAFETY: each row is 8 readable i32.
-    unsafe { _mm256_loadu_si256(sums[a].as_ptr().cast()) }
+/// The sums of activation rows `a` and `a + 1`: row a's eight lanes, then row a + 1's.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sums_pair(sums: &ColumnSums, a: usize) -> __m512i {
+    // SAFETY: rows a and a + 1 are 16 readable i32, one after the other.
+    unsafe { _mm512_loadu_si512(sums[a..a + 2].as_ptr().cast()) }
+}
+
+// The float steps below take two activation rows in one 512-bit vector (lanes 0..8 the
+// first row's, 8..16 the second's): each lane's operations are the 256-bit finish
+// functions' own, in the same order, fused where they fuse, so the results are the same.
+
+/// `v` in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+fn twice(v: __m256) -> __m512 {
+    _mm512_insertf32x8::<1>(_mm512_castps256_ps512(v), v)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq")]
+fn twice_i32(v: __m256i) -> __m512i {
+    _mm512_inserti32x8::<1>(_mm512_castsi256_si512(v), v)
+}
+
+/// `first` in the low half, `second` in the high half.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pair(first: f32, second: f32) -> __m512 {
+    _mm512_mask_mov_ps(_mm512_set1_ps(first), 0xff00, _mm512_set1_ps(second))
+}
+
+/// As [`q4_1_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn q4_1_pair(e: &ExpandedQ4_1, x: [&BlockQ8Act; 2], sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    *acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)), *acc);
+    *acc = _mm512_fmadd_ps(twice(e.m), pair(x[0].s, x[1].s), *acc);
+}
+
+/// As [`q5_0_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn q5_0_pair(e: &ExpandedQ5_0, x: [&BlockQ8Act; 2], sum: __m512i, acc: &mut __m512) {
+    let scaled = _mm512_mul_ps(
+        _mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)),
+        _mm512_cvtepi32_ps(sum),
+    );
+    *acc = _mm512_add_ps(*acc, scaled);
+}
+
+/// As [`q5_1_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn q5_1_pair(e: &ExpandedQ5_1, x: [&BlockQ8Act; 2], sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    let scaled = _mm512_mul_ps(_mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)), sum);
+    let offset = _mm512_mul_ps(twice(e.m), pair(x[0].s, x[1].s));
+    *acc = _mm512_add_ps(*acc, _mm512_add_ps(scaled, offset));
+}
+
+/// As [`q8_0_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn q8_0_pair(e: &ExpandedQ8_0, x: [&BlockQ8Act; 2], sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    *acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)), *acc);
+}
+
+/// As [`kmin_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn kmin_pair(e: &ExpandedKMin, x: [&BlockQ8Act; 2], sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    let scaled = _mm512_mul_ps(_mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)), sum);
+    let offset = _mm512_mul_ps(twice(e.m), pair(x[0].s, x[1].s));
+    *acc = _mm512_add_ps(*acc, _mm512_sub_ps(scaled, offset));
+}
+
+/// As [`kq6_finish`], for two activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
+fn kq6_pair(e: &ExpandedQ6K, x: [&BlockQ8Act; 2], lo: __m512i, hi: __m512i, acc: &mut __m512) {
+    let sum = _mm512_add_epi32(
+        _mm512_mullo_epi32(lo, twice_i32(e.sc[0])),
+        _mm512_mullo_epi32(hi, twice_i32(e.sc[1])),
+    );
+    let scaled = _mm512_mul_ps(
+        _mm512_mul_ps(twice(e.d), pair(x[0].d, x[1].d)),
+        _mm512_cvtepi32_ps(sum),
+    );
+    *acc = _mm512_add_ps(*acc, scaled);
 }
 
 /// What the tile passes need of an expanded column format.
@@ -222,18 +315,19 @@ trait TileFormat: Sized {
     /// The CPU must support AVX2.
     unsafe fn signed_words(&self) -> [__m256i; 8];
 
-    /// Adds activation row `a`'s products over `span` (`row` is its blocks of the span) to
-    /// `acc`, column by column, from the span's sums.
+    /// Adds the products over `span` of activation rows `a` and `a + 1` (`rows` are their
+    /// blocks of the span) to `acc` (row a's lanes, then row a + 1's), column by column,
+    /// from the span's sums.
     ///
     /// # Safety
     /// `sums` must have been written by [`span_sums`] for this span and format; the CPU
     /// must support the module's features.
-    unsafe fn finish(
+    unsafe fn finish_pair(
         span: &[Self],
-        row: &[BlockQ8Act],
+        rows: [&[BlockQ8Act]; 2],
         sums: &SpanSums,
         a: usize,
-        acc: &mut __m256,
+        acc: &mut __m512,
     );
 }
 
@@ -269,7 +363,7 @@ unsafe fn span_sums<E: TileFormat>(
 
 /// A 32-value column format: its signed weight words and its float step.
 macro_rules! tile_format {
-    ($ty:ty, |$e:ident| $words:expr, $finish:ident) => {
+    ($ty:ty, |$e:ident| $words:expr, $pair:ident) => {
         impl TileFormat for $ty {
             const HALVES: bool = false;
 
@@ -281,10 +375,18 @@ macro_rules! tile_format {
             }
 
             #[inline(always)]
-            unsafe fn finish(span: &[Self], row: &[BlockQ8Act], sums: &SpanSums, a: usize, acc: &mut __m256) {
-                for ((e, sums), x) in span.iter().zip(sums).zip(row) {
+            unsafe fn finish_pair(
+                span: &[Self],
+                rows: [&[BlockQ8Act]; 2],
+                sums: &SpanSums,
+                a: usize,
+                acc: &mut __m512,
+            ) {
+                for (b, (e, sums)) in span.iter().zip(sums).enumerate() {
                     // SAFETY: written by `span_sums`; the caller guarantees the CPU features.
-                    unsafe { $finish(e, x, sums_lane(sums.assume_init_ref(), a), acc) };
+                    unsafe {
+                        $pair(e, [&rows[0][b], &rows[1][b]], sums_pair(sums.assume_init_ref(), a), acc)
+                    };
                 }
             }
         }
@@ -301,15 +403,11 @@ fn add_bytes(mut words: [__m256i; 8], by: i8) -> [__m256i; 8] {
     words
 }
 
-tile_format!(ExpandedQ4_1, |e| e.nibbles, q4_1_finish);
-tile_format!(ExpandedQ5_0, |e| add_bytes(e.q, -16), q5_0_finish);
-tile_format!(ExpandedQ5_1, |e| e.q, q5_1_finish);
-tile_format!(
-    ExpandedQ8_0,
-    |e| add_bytes(e.unsigned, i8::MIN),
-    q8_0_finish
-);
-tile_format!(ExpandedKMin, |e| e.q, kmin_finish);
+tile_format!(ExpandedQ4_1, |e| e.nibbles, q4_1_pair);
+tile_format!(ExpandedQ5_0, |e| add_bytes(e.q, -16), q5_0_pair);
+tile_format!(ExpandedQ5_1, |e| e.q, q5_1_pair);
+tile_format!(ExpandedQ8_0, |e| add_bytes(e.unsigned, i8::MIN), q8_0_pair);
+tile_format!(ExpandedKMin, |e| e.q, kmin_pair);
 
 impl TileFormat for ExpandedQ6K {
     const HALVES: bool = true;
@@ -321,22 +419,22 @@ impl TileFormat for ExpandedQ6K {
     }
 
     #[inline(always)]
-    unsafe fn finish(
+    unsafe fn finish_pair(
         span: &[Self],
-        row: &[BlockQ8Act],
+        rows: [&[BlockQ8Act]; 2],
         sums: &SpanSums,
         a: usize,
-        acc: &mut __m256,
+        acc: &mut __m512,
     ) {
         let (low, high) = sums.split_at(MAX_SPAN);
-        for (((e, low), high), x) in span.iter().zip(low).zip(high).zip(row) {
+        for (b, ((e, low), high)) in span.iter().zip(low).zip(high).enumerate() {
             // SAFETY: written by `span_sums`; the caller guarantees the CPU features.
             unsafe {
-                kq6_finish(
+                kq6_pair(
                     e,
-                    x,
-                    sums_lane(low.assume_init_ref(), a),
-                    sums_lane(high.assume_init_ref(), a),
+                    [&rows[0][b], &rows[1][b]],
+                    sums_pair(low.assume_init_ref(), a),
+                    sums_pair(high.assume_init_ref(), a),
                     acc,
                 )
             };
@@ -352,7 +450,7 @@ impl TileFormat for ExpandedQ6K {
 /// The tiles must be configured, the span at most [`MAX_SPAN`] columns, and the CPU must
 /// support the module's features.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
 unsafe fn tile_passes<E: TileFormat>(
     span: &[E],
     x: &[BlockQ8Act],
@@ -390,16 +488,16 @@ unsafe fn tile_passes<E: TileFormat>(
             // SAFETY: as above, for tile t + 1.
             unsafe { span_sums::<E>(words, tile_rows(t + 1), nb, blocks, next) };
         }
-        for (a, out) in out[t * TILE_ROWS..(t + 1) * TILE_ROWS]
-            .iter_mut()
-            .enumerate()
-        {
-            let row = &x[(t * TILE_ROWS + a) * nb + blocks.start..];
-            // SAFETY: each output row is 8 f32; `this` holds tile t's sums.
+        let tile = &mut out[t * TILE_ROWS..(t + 1) * TILE_ROWS];
+        for a in (0..TILE_ROWS).step_by(2) {
+            let row = |a: usize| &x[(t * TILE_ROWS + a) * nb + blocks.start..];
+            let out = tile[a..a + 2].as_mut_ptr().cast::<f32>();
+            // SAFETY: output rows a and a + 1 are 16 f32, one after the other; `this` holds
+            // tile t's sums.
             unsafe {
-                let mut acc = _mm256_loadu_ps(out.as_ptr());
-                E::finish(span, row, this, a, &mut acc);
-                _mm256_storeu_ps(out.as_mut_ptr(), acc);
+                let mut acc = _mm512_loadu_ps(out);
+                E::finish_pair(span, [row(a), row(a + 1)], this, a, &mut acc);
+                _mm512_storeu_ps(out, acc);
             }
         }
     }
@@ -415,7 +513,7 @@ macro_rules! tile_kernel {
         ///
         /// # Safety
         /// The CPU must support the module's features, and [`available`] must be true.
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
         pub unsafe fn $gemm($w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
             let $nb = x.len() / out.len().max(1);
             if out.len() < TILE_ROWS || $nb == 0 {
