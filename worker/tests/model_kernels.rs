@@ -929,7 +929,7 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
             }
             for fast in &simd {
                 let all = (case.group)(fast, &xq);
-                // Past 16 rows the AMX set takes whole tiles and the rest as VNNI does.
+                // Past 16 rows the AMX set takes whole tiles of its formats, the rest as VNNI.
                 for n in (1..=19).chain([32, 35]) {
                     let got = (case.group)(fast, &xq[..n * cols / QK]);
                     for (j, (g, w)) in got.iter().zip(&want).enumerate() {

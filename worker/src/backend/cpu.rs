@@ -179,7 +179,8 @@ fn avx512_vnni_kernels() -> Kernels {
     }
 }
 
-/// The VNNI set with the grouped matmul kernels on AMX tiles for batches of 16 rows or more.
+/// The VNNI set with the grouped matmul kernels of the 32-value block formats on AMX tiles
+/// for batches of 16 rows or more.
 #[cfg(target_arch = "x86_64")]
 fn amx_kernels() -> Kernels {
     use super::avx2::vnni::amx;
@@ -191,9 +192,6 @@ fn amx_kernels() -> Kernels {
         gemm_q5_0_group: |w, x, out| unsafe { amx::gemm_q5_0_group(w, x, out) },
         gemm_q5_1_group: |w, x, out| unsafe { amx::gemm_q5_1_group(w, x, out) },
         gemm_q8_0_group: |w, x, out| unsafe { amx::gemm_q8_0_group(w, x, out) },
-        gemm_q4_k_group: |w, x, out| unsafe { amx::gemm_q4_k_group(w, x, out) },
-        gemm_q5_k_group: |w, x, out| unsafe { amx::gemm_q5_k_group(w, x, out) },
-        gemm_q6_k_group: |w, x, out| unsafe { amx::gemm_q6_k_group(w, x, out) },
         ..avx512_vnni_kernels()
     }
 }
