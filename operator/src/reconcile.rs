@@ -177,6 +177,11 @@ fn is_settling(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_some() || (placed && !pod_is_ready(pod))
 }
 
+/// Brings the next reconcile forward to at most `within` from now.
+fn recheck_within(recheck_after: &mut Option<Duration>, within: Duration) {
+    *recheck_after = Some(recheck_after.map_or(within, |r| r.min(within)));
+}
+
 /// Evicted by the taint manager from a node that stopped reporting (the Pod's
 /// `DisruptionTarget` condition says so) and still waiting for that node's kubelet.
 fn evicted_from_lost_node(pod: &Pod) -> bool {
@@ -396,7 +401,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                     Some(deadline) => {
                         let left =
                             Duration::try_from(deadline.duration_since(now.0)).unwrap_or_default();
-                        recheck_after = Some(recheck_after.map_or(left, |r: Duration| r.min(left)));
+                        recheck_within(&mut recheck_after, left);
                     }
                     None => {}
                 }
@@ -432,7 +437,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     // (terminating, or on a node and not ready) is looked at again soon regardless: one
     // missed event must not leave a group unrepaired until the periodic resync.
     if observed.pods.iter().any(is_settling) {
-        recheck_after = Some(recheck_after.map_or(SETTLING_RECHECK, |r| r.min(SETTLING_RECHECK)));
+        recheck_within(&mut recheck_after, SETTLING_RECHECK);
     }
     seen.outdated_groups = outdated.len() as i32;
     // Roll one group at a time, and only while every other group (surge groups included) is

@@ -470,8 +470,9 @@ fn over_expanded_spans<B, E>(
 }
 
 // The float step of one expanded column for one activation row, from the column's i32
-// sums Σ q·x per row lane: every instruction set's kernels (and the tile kernels) share
-// it, so their results differ only if their integer sums do, and those are exact.
+// sums Σ q·x per row lane: the AVX2, VNNI and tile kernels share it (the tile kernels as
+// its two-row twin), so their results differ only if their integer sums do, and those are
+// exact.
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -509,49 +510,6 @@ fn kmin_finish(e: &ExpandedKMin, x: &BlockQ8Act, sum: __m256i, acc: &mut __m256)
     let scaled = _mm256_mul_ps(_mm256_mul_ps(e.d, _mm256_set1_ps(x.d)), sum);
     let offset = _mm256_mul_ps(e.m, _mm256_set1_ps(x.s));
     *acc = _mm256_add_ps(*acc, _mm256_sub_ps(scaled, offset));
-}
-
-/// `Q6_K`, from Σ q·x of the column's two 16-value halves.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn kq6_finish(e: &ExpandedQ6K, x: &BlockQ8Act, lo: __m256i, hi: __m256i, acc: &mut __m256) {
-    let sum = _mm256_add_epi32(
-        _mm256_mullo_epi32(lo, e.sc[0]),
-        _mm256_mullo_epi32(hi, e.sc[1]),
-    );
-    let scaled = _mm256_mul_ps(
-        _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)),
-        _mm256_cvtepi32_ps(sum),
-    );
-    *acc = _mm256_add_ps(*acc, scaled);
-}
-
-/// Runs `apply(span, blocks)` over a k-quant group's super-blocks, [`K_SPAN`] at a time:
-/// `expand` writes the [`ACT_BLOCKS`] sub-block columns of one super-block column, and
-/// `blocks` is the span's range of activation blocks.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn over_kquant_spans<B, E>(
-    w: &[B],
-    nbk: usize,
-    expand: impl Fn(&[&B; GROUP_ROWS], &mut [std::mem::MaybeUninit<E>; ACT_BLOCKS]),
-    mut apply: impl FnMut(&[E], std::ops::Range<usize>),
-) {
-    // Uninitialised: zeroing the scratch costs about as much as expanding it.
-    let mut scratch =
-        [const { [const { std::mem::MaybeUninit::<E>::uninit() }; ACT_BLOCKS] }; K_SPAN];
-    for s0 in (0..nbk).step_by(K_SPAN) {
-        let s1 = (s0 + K_SPAN).min(nbk);
-        for s in s0..s1 {
-            expand(&column(w, nbk, s), &mut scratch[s - s0]);
-            prefetch_share(w, s, nbk);
-        }
-        // SAFETY: the expansions just above wrote every column of s0..s1.
-        let span = unsafe {
-            std::slice::from_raw_parts(scratch.as_ptr() as *const E, (s1 - s0) * ACT_BLOCKS)
-        };
-        apply(span, s0 * ACT_BLOCKS..s1 * ACT_BLOCKS);
-    }
 }
 
 /// The grouped kernels for one instruction set: `$q4_1_sum` and `$q5_sum` turn one block's
@@ -1074,6 +1032,8 @@ macro_rules! kquant_kernels {
             }
         }
 
+        /// The values are stored as q + 32; 32·Σx of each half is taken back out in
+        /// integers before the halves' scales weight them.
         #[inline]
         #[target_feature(enable = $features)]
         fn kq6_block<const A: usize>(
@@ -1082,12 +1042,18 @@ macro_rules! kquant_kernels {
             acc: &mut [__m256; A],
         ) {
             for (acc, x) in acc.iter_mut().zip(x) {
-                // The values are stored as q + 32: 32·Σx of each half is taken back out
-                // in integers.
                 let (lo, hi) = kq6_sums(&e.q, &x.qs);
                 let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * x.low_sum));
                 let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * (x.sum - x.low_sum)));
-                kq6_finish(e, x, lo, hi, acc);
+                let sum = _mm256_add_epi32(
+                    _mm256_mullo_epi32(lo, e.sc[0]),
+                    _mm256_mullo_epi32(hi, e.sc[1]),
+                );
+                let scaled = _mm256_mul_ps(
+                    _mm256_mul_ps(e.d, _mm256_set1_ps(x.d)),
+                    _mm256_cvtepi32_ps(sum),
+                );
+                *acc = _mm256_add_ps(*acc, scaled);
             }
         }
 
@@ -1128,19 +1094,28 @@ macro_rules! kquant_kernel {
                 over_activation_rows!($streamed, w, x, nb, 0..nb, out, $widest, [$($rest),*]);
                 return;
             }
-            over_kquant_spans(
-                w,
-                nbk,
-                |blocks, columns: &mut [std::mem::MaybeUninit<$expanded_ty>; ACT_BLOCKS]| {
-                    $expand(blocks, |j, e| {
+            // Uninitialised: zeroing the scratch costs about as much as expanding it.
+            let mut scratch =
+                [[const { std::mem::MaybeUninit::<$expanded_ty>::uninit() }; ACT_BLOCKS]; K_SPAN];
+            for s0 in (0..nbk).step_by(K_SPAN) {
+                let s1 = (s0 + K_SPAN).min(nbk);
+                for s in s0..s1 {
+                    let columns = &mut scratch[s - s0];
+                    $expand(&column(w, nbk, s), |j, e| {
                         columns[j].write(*e);
-                    })
-                },
-                |span, blocks| {
-                    over_activation_rows!($pass, span, x, nb, blocks, &mut *out,
-                        $widest, [$($rest),*]);
-                },
-            );
+                    });
+                    prefetch_share(w, s, nbk);
+                }
+                // SAFETY: the expansions just above wrote every column of rows 0..s1 - s0.
+                let span = unsafe {
+                    std::slice::from_raw_parts(
+                        scratch.as_ptr() as *const $expanded_ty,
+                        (s1 - s0) * ACT_BLOCKS,
+                    )
+                };
+                over_activation_rows!($pass, span, x, nb, s0 * ACT_BLOCKS..s1 * ACT_BLOCKS,
+                    &mut *out, $widest, [$($rest),*]);
+            }
         }
 
         /// # Safety

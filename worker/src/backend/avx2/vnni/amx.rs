@@ -382,54 +382,47 @@ unsafe fn tile_passes<E: TileFormat>(
     }
 }
 
-/// A format's tile kernel: `$spans` runs its closure over spans of expanded columns
-/// (`|span, blocks|`, with `nb` activation blocks a row); whole tiles of activation rows
-/// take [`tile_passes`], the rest the VNNI `$pass`.
+/// A 32-value block format's tile kernel: each span of expanded columns takes
+/// [`tile_passes`] for its whole tiles of activation rows and the VNNI `$pass` for the rest.
 macro_rules! tile_kernel {
-    ($(#[$doc:meta])* $gemm:ident, $block_ty:ty, $pass:ident,
-     |$w:ident, $nb:ident, $apply:ident| $spans:expr) => {
+    ($(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expand:ident, $pass:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
         /// The CPU must support the module's features, and [`available`] must be true.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")]
-        pub unsafe fn $gemm($w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-            let $nb = x.len() / out.len().max(1);
-            if out.len() < TILE_ROWS || $nb == 0 {
+        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+            let nb = w.len() / GROUP_ROWS;
+            if out.len() < TILE_ROWS || nb == 0 {
                 // SAFETY: guaranteed by the caller.
-                return unsafe { super::$gemm($w, x, out) };
+                return unsafe { super::$gemm(w, x, out) };
             }
             out.fill([0.0; GROUP_ROWS]);
             let whole = out.len() / TILE_ROWS * TILE_ROWS;
             configure_tiles();
-            let $apply = |span: &[_], blocks: Range<usize>| {
+            over_expanded_spans(w, nb, |b| $expand(b), |span, blocks| {
                 // SAFETY: the tiles are configured; spans are at most EXPANDED_SPAN columns.
-                unsafe { tile_passes(span, x, $nb, &blocks, &mut out[..whole]) };
-                over_activation_rows!($pass, span, &x[whole * $nb..], $nb, blocks,
+                unsafe { tile_passes(span, x, nb, &blocks, &mut out[..whole]) };
+                over_activation_rows!($pass, span, &x[whole * nb..], nb, blocks,
                     &mut out[whole..], 8, [7, 6, 5, 4, 3, 2, 1]);
-            };
-            $spans
+            });
         }
     };
 }
 
 tile_kernel!(
     /// As [`super::gemm_q4_1_group`].
-    gemm_q4_1_group, BlockQ4_1, q4_1_expanded,
-    |w, nb, apply| over_expanded_spans(w, nb, |b| expand_q4_1(b), apply)
+    gemm_q4_1_group, BlockQ4_1, expand_q4_1, q4_1_expanded
 );
 tile_kernel!(
     /// As [`super::gemm_q5_0_group`].
-    gemm_q5_0_group, BlockQ5_0, q5_0_expanded,
-    |w, nb, apply| over_expanded_spans(w, nb, |b| expand_q5_0(b), apply)
+    gemm_q5_0_group, BlockQ5_0, expand_q5_0, q5_0_expanded
 );
 tile_kernel!(
     /// As [`super::gemm_q5_1_group`].
-    gemm_q5_1_group, BlockQ5_1, q5_1_expanded,
-    |w, nb, apply| over_expanded_spans(w, nb, |b| expand_q5_1(b), apply)
+    gemm_q5_1_group, BlockQ5_1, expand_q5_1, q5_1_expanded
 );
 tile_kernel!(
     /// As [`super::gemm_q8_0_group`].
-    gemm_q8_0_group, BlockQ8_0, q8_0_expanded,
-    |w, nb, apply| over_expanded_spans(w, nb, |b| expand_q8_0(b), apply)
+    gemm_q8_0_group, BlockQ8_0, expand_q8_0, q8_0_expanded
 );
