@@ -175,6 +175,10 @@ fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     let fp32 = load(&path, PrecisionPolicy::Fp32);
     assert_eq!(auto.weight_bytes(), int8.weight_bytes());
     assert!(fp32.weight_bytes() > 3 * auto.weight_bytes());
+    // Decode reads the int8 blocks under `auto`, and one embedding row rather than the table.
+    assert_eq!(auto.decode_weight_bytes(), int8.decode_weight_bytes());
+    assert!(auto.decode_weight_bytes() < auto.weight_bytes());
+    assert!(fp32.decode_weight_bytes() > 3 * auto.decode_weight_bytes());
     let ids = auto
         .tokenizer()
         .encode("once upon a time there was a little model");

@@ -347,6 +347,11 @@ impl Model {
         self.weights.bytes()
     }
 
+    /// Bytes of weights a decode step reads: the memory traffic that bounds batch-1 decode.
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.weights.decode_bytes(self.policy.for_prompt(1))
+    }
+
     /// A cache for this rank's KV heads.
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize, dtype: KvDtype) -> KvCache {
         KvCache::new(

@@ -130,6 +130,23 @@ impl Weights {
             .sum();
         per_layer + self.token_embd.bytes() + self.output.bytes()
     }
+
+    /// Bytes of weights one decode step at `precision` multiplies: every layer's matrices
+    /// and the output head. The embedding table contributes one row, so it is left out
+    /// (a tied head is already counted as the output).
+    pub fn decode_bytes(&self, precision: WeightPrecision) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.get(precision).bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        per_layer + self.output.get(precision).bytes()
+    }
 }
 
 /// How a source orders each head's Q/K rows (and biases) for the rotary embedding.
