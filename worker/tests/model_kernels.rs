@@ -1,9 +1,9 @@
 //! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
 //! quantisation round trips.
 
-use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels};
+use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels, PairKernel};
 use npufleet_worker::backend::kquant::{
-    self, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
+    self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
 use npufleet_worker::backend::quant::{
     self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK,
@@ -946,6 +946,60 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A set's pair kernel on two groups, against the scalar group kernel on each.
+fn pair_matches_scalar_groups<B: Copy>(
+    name: &str,
+    blocks: &[B],
+    pair: Option<PairKernel<B>>,
+    scalar_group: GroupKernel<B>,
+    x: &[BlockQ8Act],
+    set: &str,
+) {
+    let Some(pair) = pair else { return };
+    let half = blocks.len() / 2;
+    let nb = half / GROUP_ROWS * ACT_BLOCKS;
+    // Past 8 rows the pair kernels run their own 512-bit passes, eight rows at a time.
+    for n in (1..=19).chain([32, 35]) {
+        let x = &x[..n * nb];
+        let (mut first, mut second) = (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; GROUP_ROWS]; n]);
+        scalar_group(&blocks[..half], x, &mut first);
+        scalar_group(&blocks[half..], x, &mut second);
+        let mut got = vec![[0f32; 2 * GROUP_ROWS]; n];
+        pair(blocks, x, &mut got);
+        for (j, got) in got.iter().enumerate() {
+            let want: Vec<u32> = first[j]
+                .iter()
+                .chain(&second[j])
+                .map(|v| v.to_bits())
+                .collect();
+            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{name} {set} n={n} act {j}");
+        }
+    }
+}
+
+#[test]
+fn kquant_pair_kernels_equal_two_scalar_groups_for_every_batch_size() {
+    let (scalar, simd) = kernel_sets();
+    let mut rng = Rng(47);
+    for supers in [1, 2, 5] {
+        let x = rng.vec(35 * supers * QK_K, 2.0);
+        let xq = quantize(&scalar, &x);
+        let n = 2 * GROUP_ROWS * supers;
+        let (q4, q5, q6) = (rng.q4_k(n), rng.q5_k(n), rng.q6_k(n));
+        for fast in &simd {
+            let k = (
+                fast.gemm_q4_k_pair,
+                fast.gemm_q5_k_pair,
+                fast.gemm_q6_k_pair,
+            );
+            pair_matches_scalar_groups("q4_k", &q4, k.0, scalar.gemm_q4_k_group, &xq, fast.name);
+            pair_matches_scalar_groups("q5_k", &q5, k.1, scalar.gemm_q5_k_group, &xq, fast.name);
+            pair_matches_scalar_groups("q6_k", &q6, k.2, scalar.gemm_q6_k_group, &xq, fast.name);
         }
     }
 }

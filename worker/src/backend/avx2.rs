@@ -1305,6 +1305,7 @@ pub mod vnni {
         [7, 6, 5, 4, 3, 2, 1]
     );
     pub mod amx;
+    pub mod pair;
 }
 
 /// # Safety

@@ -16,6 +16,9 @@ use super::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 /// A group of [`GROUP_ROWS`] weight rows (row-major blocks) against every activation row:
 /// `out[j][r]` = weight row `r` · activation row `j`.
 pub type GroupKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; GROUP_ROWS]]);
+/// Two consecutive groups (2 × [`GROUP_ROWS`] weight rows) against every activation row:
+/// `out[j][r]` = weight row `r` · activation row `j`.
+pub type PairKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; 2 * GROUP_ROWS]]);
 /// One weight row · one activation row.
 pub type DotKernel<B> = fn(&[B], &[BlockQ8Act]) -> f32;
 /// Attention scores of query heads against strided key rows stored as `T`.
@@ -44,6 +47,11 @@ pub struct Kernels {
     pub gemm_q5_k_group: GroupKernel<BlockQ5K>,
     pub dot_q6_k: DotKernel<BlockQ6K>,
     pub gemm_q6_k_group: GroupKernel<BlockQ6K>,
+    /// Kernels over two groups at once where a set has them; groups go one at a time
+    /// otherwise.
+    pub gemm_q4_k_pair: Option<PairKernel<BlockQ4K>>,
+    pub gemm_q5_k_pair: Option<PairKernel<BlockQ5K>>,
+    pub gemm_q6_k_pair: Option<PairKernel<BlockQ6K>>,
     /// `(w, x, cols, out, out_stride)`: every weight row of `w` · every activation row of
     /// `x` into `out[j · out_stride + r]`; each product's arithmetic is fixed, whatever the
     /// row counts, so a row's result does not depend on its batch.
@@ -79,6 +87,9 @@ impl Kernels {
             gemm_q5_k_group: kquant::gemm_q5_k_group_scalar,
             dot_q6_k: kquant::dot_q6_k_scalar,
             gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
+            gemm_q4_k_pair: None,
+            gemm_q5_k_pair: None,
+            gemm_q6_k_pair: None,
             dot_f32_rows: quant::dot_f32_rows_scalar,
             axpy: quant::axpy_scalar,
             exp_sum: quant::exp_sum_scalar,
@@ -157,6 +168,9 @@ fn avx2_kernels() -> Kernels {
         axpy_strided_f16: |w, rows, stride, out| unsafe {
             avx2::axpy_strided_f16(w, rows, stride, out)
         },
+        gemm_q4_k_pair: None,
+        gemm_q5_k_pair: None,
+        gemm_q6_k_pair: None,
     }
 }
 
@@ -175,6 +189,9 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
+        gemm_q4_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q4_k_pair(w, x, out) }),
+        gemm_q5_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_k_pair(w, x, out) }),
+        gemm_q6_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q6_k_pair(w, x, out) }),
         ..avx2_kernels()
     }
 }
@@ -399,26 +416,39 @@ impl CpuBackend {
         }
         let total = first[jobs.len()];
         (0..total).into_par_iter().for_each_init(
-            || vec![[0f32; GROUP_ROWS]; n],
-            |sums, t| {
+            || (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; 2 * GROUP_ROWS]; n]),
+            |(sums, pair_sums), t| {
                 let i = first.partition_point(|&f| f <= t) - 1;
                 let job = &jobs[i];
                 let groups = job.rows / GROUP_ROWS;
                 let local = t - first[i];
-                for g in local * GROUPS_PER_TASK..((local + 1) * GROUPS_PER_TASK).min(groups) {
-                    job.weights.group(k, g, nb, acts, sums);
-                    for (j, s) in sums.iter().enumerate() {
-                        // SAFETY: columns g·8..g·8 + 8 of every output row belong to group
-                        // g of this job only, and j < n, g·8 + 8 ≤ rows keep them inside
-                        // the job's output.
+                let end = ((local + 1) * GROUPS_PER_TASK).min(groups);
+                let mut g = local * GROUPS_PER_TASK;
+                while g < end {
+                    let width = if g + 1 < end && job.weights.pair(k, g, nb, acts, pair_sums) {
+                        2
+                    } else {
+                        job.weights.group(k, g, nb, acts, sums);
+                        1
+                    };
+                    for j in 0..n {
+                        let s = if width == 2 {
+                            &pair_sums[j][..]
+                        } else {
+                            &sums[j][..]
+                        };
+                        // SAFETY: columns g·8..(g + width)·8 of every output row belong to
+                        // groups g..g + width of this job only, and j < n,
+                        // (g + width)·8 ≤ rows keep them inside the job's output.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 s.as_ptr(),
                                 job.out.ptr().add(j * job.rows + g * GROUP_ROWS),
-                                GROUP_ROWS,
+                                s.len(),
                             )
                         };
                     }
+                    g += width;
                 }
             },
         );
@@ -497,6 +527,27 @@ impl GroupedWeights<'_> {
             GroupedWeights::Q5K(w) => (k.gemm_q5_k_group)(&w[supers], acts, sums),
             GroupedWeights::Q6K(w) => (k.gemm_q6_k_group)(&w[supers], acts, sums),
         }
+    }
+
+    /// Groups `g` and `g + 1` against every activation row, when the format has a pair
+    /// kernel in `k`; `false` (nothing written) otherwise.
+    fn pair(
+        &self,
+        k: &Kernels,
+        g: usize,
+        nb: usize,
+        acts: &[BlockQ8Act],
+        sums: &mut [[f32; 2 * GROUP_ROWS]],
+    ) -> bool {
+        let nbk = nb / ACT_BLOCKS;
+        let supers = g * GROUP_ROWS * nbk..(g + 2) * GROUP_ROWS * nbk;
+        match self {
+            GroupedWeights::Q4K(w) => k.gemm_q4_k_pair.map(|pair| pair(&w[supers], acts, sums)),
+            GroupedWeights::Q5K(w) => k.gemm_q5_k_pair.map(|pair| pair(&w[supers], acts, sums)),
+            GroupedWeights::Q6K(w) => k.gemm_q6_k_pair.map(|pair| pair(&w[supers], acts, sums)),
+            _ => None,
+        }
+        .is_some()
     }
 
     /// Row `r` · one activation row.

@@ -1,0 +1,243 @@
+//! The k-quant grouped kernels over two groups at once (16 weight rows) on 512-bit vectors,
+//! for batches wider than one VNNI pass. A 512-bit `vpdpbusd` runs at the rate of a 256-bit
+//! one here, so with the first group's rows in lanes 0..8 and the second's in lanes 8..16,
+//! each instruction (its activation word broadcast to every lane) does twice the work. The
+//! columns are the VNNI kernels' expansions, joined, and every lane's arithmetic is theirs,
+//! so the results are bit-equal to theirs; smaller batches take the group kernels one group
+//! at a time.
+
+use std::mem::MaybeUninit;
+
+use super::*;
+
+/// Weight rows of a pair of groups.
+pub const PAIR_ROWS: usize = 2 * GROUP_ROWS;
+
+/// A `Q4_K`/`Q5_K` column of two groups.
+#[derive(Clone, Copy)]
+struct PairKMin {
+    q: [__m512i; 8],
+    d: __m512,
+    m: __m512,
+}
+
+/// A `Q6_K` column of two groups.
+#[derive(Clone, Copy)]
+struct PairQ6K {
+    q: [__m512i; 8],
+    d: __m512,
+    sc: [__m512i; 2],
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn join(first: __m256i, second: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(first), second)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn join_ps(first: __m256, second: __m256) -> __m512 {
+    _mm512_castsi512_ps(join(
+        _mm256_castps_si256(first),
+        _mm256_castps_si256(second),
+    ))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn join_words(first: &[__m256i; 8], second: &[__m256i; 8]) -> [__m512i; 8] {
+    let mut q = [_mm512_setzero_si512(); 8];
+    for ((q, a), b) in q.iter_mut().zip(first).zip(second) {
+        *q = join(*a, *b);
+    }
+    q
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn join_kmin(first: &ExpandedKMin, second: &ExpandedKMin) -> PairKMin {
+    PairKMin {
+        q: join_words(&first.q, &second.q),
+        d: join_ps(first.d, second.d),
+        m: join_ps(first.m, second.m),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn join_q6_k(first: &ExpandedQ6K, second: &ExpandedQ6K) -> PairQ6K {
+    PairQ6K {
+        q: join_words(&first.q, &second.q),
+        d: join_ps(first.d, second.d),
+        sc: [
+            join(first.sc[0], second.sc[0]),
+            join(first.sc[1], second.sc[1]),
+        ],
+    }
+}
+
+/// Activation bytes `4k..4k + 4` in every lane.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn broadcast_word(qs: &[i8; QK], k: usize) -> __m512i {
+    // SAFETY: 4k + 4 ≤ 32 for k < 8; the read has no alignment requirement.
+    _mm512_set1_epi32(unsafe { std::ptr::read_unaligned(qs.as_ptr().add(4 * k).cast::<i32>()) })
+}
+
+/// Σ q·x of words `words` of `q` against the same words of each activation row: the VNNI
+/// chains of the group kernels, 16 rows wide, the rows' chains interleaved.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn word_sums<const A: usize>(
+    q: &[__m512i; 8],
+    x: &[&BlockQ8Act; A],
+    words: std::ops::Range<usize>,
+) -> [__m512i; A] {
+    let mut sums = [_mm512_setzero_si512(); A];
+    for k in words {
+        for (sum, x) in sums.iter_mut().zip(x) {
+            *sum = _mm512_dpbusd_epi32(*sum, q[k], broadcast_word(&x.qs, k));
+        }
+    }
+    sums
+}
+
+/// As [`kmin_finish`], lane for lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn kmin_block<const A: usize>(e: &PairKMin, x: [&BlockQ8Act; A], acc: &mut [__m512; A]) {
+    let sums = word_sums(&e.q, &x, 0..8);
+    for ((acc, x), sum) in acc.iter_mut().zip(x).zip(sums) {
+        let sum = _mm512_cvtepi32_ps(sum);
+        let scaled = _mm512_mul_ps(_mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), sum);
+        let offset = _mm512_mul_ps(e.m, _mm512_set1_ps(x.s));
+        *acc = _mm512_add_ps(*acc, _mm512_sub_ps(scaled, offset));
+    }
+}
+
+/// As the VNNI `kq6_block`, lane for lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn q6_k_block<const A: usize>(e: &PairQ6K, x: [&BlockQ8Act; A], acc: &mut [__m512; A]) {
+    let lo = word_sums(&e.q, &x, 0..4);
+    let hi = word_sums(&e.q, &x, 4..8);
+    for (((acc, x), lo), hi) in acc.iter_mut().zip(x).zip(lo).zip(hi) {
+        let lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * x.low_sum));
+        let hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * (x.sum - x.low_sum)));
+        let sum = _mm512_add_epi32(
+            _mm512_mullo_epi32(lo, e.sc[0]),
+            _mm512_mullo_epi32(hi, e.sc[1]),
+        );
+        let scaled = _mm512_mul_ps(
+            _mm512_mul_ps(e.d, _mm512_set1_ps(x.d)),
+            _mm512_cvtepi32_ps(sum),
+        );
+        *acc = _mm512_add_ps(*acc, scaled);
+    }
+}
+
+/// One k-quant format's pair kernel: batches of more than one VNNI pass expand [`K_SPAN`]
+/// super-block columns of both groups at a time, join them, and meet every activation row
+/// with them, eight rows a pass (`$pass`, applying `$block` per column); smaller batches run
+/// the format's VNNI group kernel (`$group`) on each group.
+macro_rules! pair_kernel {
+    ($(#[$doc:meta])* $gemm:ident, $group:ident, $block_ty:ty, $expanded_ty:ty, $pair_ty:ty,
+     $expand:ident, $join:ident, $block:ident, $pass:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the module's features.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; PAIR_ROWS]]) {
+            let nbk = w.len() / PAIR_ROWS;
+            let (first, second) = w.split_at(GROUP_ROWS * nbk);
+            if out.len() <= 8 {
+                let (mut a, mut b) = ([[0f32; GROUP_ROWS]; 8], [[0f32; GROUP_ROWS]; 8]);
+                let n = out.len();
+                // SAFETY: guaranteed by the caller.
+                unsafe {
+                    super::$group(first, x, &mut a[..n]);
+                    super::$group(second, x, &mut b[..n]);
+                }
+                for ((out, a), b) in out.iter_mut().zip(&a).zip(&b) {
+                    out[..GROUP_ROWS].copy_from_slice(a);
+                    out[GROUP_ROWS..].copy_from_slice(b);
+                }
+                return;
+            }
+            out.fill([0.0; PAIR_ROWS]);
+            let nb = nbk * ACT_BLOCKS;
+            let mut halves =
+                [[const { MaybeUninit::<$expanded_ty>::uninit() }; ACT_BLOCKS]; 2];
+            let mut scratch =
+                [[const { MaybeUninit::<$pair_ty>::uninit() }; ACT_BLOCKS]; K_SPAN];
+            for s0 in (0..nbk).step_by(K_SPAN) {
+                let s1 = (s0 + K_SPAN).min(nbk);
+                for s in s0..s1 {
+                    for (half, group) in halves.iter_mut().zip([first, second]) {
+                        $expand(&column(group, nbk, s), |j, e| {
+                            half[j].write(*e);
+                        });
+                    }
+                    for (j, column) in scratch[s - s0].iter_mut().enumerate() {
+                        // SAFETY: both expansions just above wrote every column j.
+                        let (a, b) = unsafe {
+                            (halves[0][j].assume_init_ref(), halves[1][j].assume_init_ref())
+                        };
+                        column.write($join(a, b));
+                    }
+                    prefetch_share(w, s, nbk);
+                }
+                // SAFETY: the loop above wrote every column of rows 0..s1 - s0.
+                let span = unsafe {
+                    std::slice::from_raw_parts(
+                        scratch.as_ptr() as *const $pair_ty,
+                        (s1 - s0) * ACT_BLOCKS,
+                    )
+                };
+                over_activation_rows!($pass, span, x, nb, s0 * ACT_BLOCKS..s1 * ACT_BLOCKS,
+                    &mut *out, 8, [7, 6, 5, 4, 3, 2, 1]);
+            }
+        }
+
+        /// # Safety
+        /// The CPU must support the module's features.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+        unsafe fn $pass<const A: usize>(
+            span: &[$pair_ty],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; PAIR_ROWS]],
+        ) {
+            let mut acc = [_mm512_setzero_ps(); A];
+            for (acc, out) in acc.iter_mut().zip(out.iter()) {
+                // SAFETY: each row is 16 readable f32.
+                *acc = unsafe { _mm512_loadu_ps(out.as_ptr()) };
+            }
+            for (b, e) in span.iter().enumerate() {
+                $block(e, x.map(|x| &x[b]), &mut acc);
+            }
+            for (acc, out) in acc.iter().zip(out) {
+                // SAFETY: each row is 16 writable f32.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *acc) };
+            }
+        }
+    };
+}
+
+pair_kernel!(
+    /// Two groups of [`super::gemm_q4_k_group`], bit for bit.
+    gemm_q4_k_pair, gemm_q4_k_group, BlockQ4K, ExpandedKMin, PairKMin, expand_q4_k,
+    join_kmin, kmin_block, q4_k_pass
+);
+pair_kernel!(
+    /// Two groups of [`super::gemm_q5_k_group`], bit for bit.
+    gemm_q5_k_pair, gemm_q5_k_group, BlockQ5K, ExpandedKMin, PairKMin, expand_q5_k,
+    join_kmin, kmin_block, q5_k_pass
+);
+pair_kernel!(
+    /// Two groups of [`super::gemm_q6_k_group`], bit for bit.
+    gemm_q6_k_pair, gemm_q6_k_group, BlockQ6K, ExpandedQ6K, PairQ6K, expand_q6_k,
+    join_q6_k, q6_k_block, q6_k_pass
+);
