@@ -3,7 +3,7 @@
 
 use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels, PairKernel};
 use npufleet_worker::backend::kquant::{
-    self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
+    self, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
 use npufleet_worker::backend::quant::{
     self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK,
@@ -929,7 +929,6 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
             }
             for fast in &simd {
                 let all = (case.group)(fast, &xq);
-                // Past 16 rows the AMX set takes whole tiles of its formats, the rest as VNNI.
                 for n in (1..=19).chain([32, 35]) {
                     let got = (case.group)(fast, &xq[..n * cols / QK]);
                     for (j, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -950,24 +949,25 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
     }
 }
 
-/// A set's pair kernel on two groups, against the scalar group kernel on each.
-fn pair_matches_scalar_groups<B: Copy>(
+/// A set's pair kernel on two groups, against its group kernel on each (which the tests
+/// above hold to the scalar references).
+fn pair_matches_groups<B: Copy>(
     name: &str,
     blocks: &[B],
     pair: Option<PairKernel<B>>,
-    scalar_group: GroupKernel<B>,
+    group: GroupKernel<B>,
     x: &[BlockQ8Act],
     set: &str,
 ) {
     let Some(pair) = pair else { return };
     let half = blocks.len() / 2;
-    let nb = half / GROUP_ROWS * ACT_BLOCKS;
+    let nb = x.len() / 35;
     // Past 8 rows the pair kernels run their own 512-bit passes, eight rows at a time.
     for n in (1..=19).chain([32, 35]) {
         let x = &x[..n * nb];
         let (mut first, mut second) = (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; GROUP_ROWS]; n]);
-        scalar_group(&blocks[..half], x, &mut first);
-        scalar_group(&blocks[half..], x, &mut second);
+        group(&blocks[..half], x, &mut first);
+        group(&blocks[half..], x, &mut second);
         let mut got = vec![[0f32; 2 * GROUP_ROWS]; n];
         pair(blocks, x, &mut got);
         for (j, got) in got.iter().enumerate() {
@@ -977,29 +977,38 @@ fn pair_matches_scalar_groups<B: Copy>(
                 .map(|v| v.to_bits())
                 .collect();
             let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-            assert_eq!(got, want, "{name} {set} n={n} act {j}");
+            assert_eq!(got, want, "{name} {set} {nb} blocks n={n} act {j}");
         }
     }
 }
 
 #[test]
-fn kquant_pair_kernels_equal_two_scalar_groups_for_every_batch_size() {
+fn pair_kernels_equal_two_groups_for_every_batch_size() {
     let (scalar, simd) = kernel_sets();
     let mut rng = Rng(47);
+    let rows = 2 * GROUP_ROWS;
+    // 1 to 40 blocks of 32: past 16 the 32-value formats expand a pair in spans.
     for supers in [1, 2, 5] {
-        let x = rng.vec(35 * supers * QK_K, 2.0);
-        let xq = quantize(&scalar, &x);
-        let n = 2 * GROUP_ROWS * supers;
-        let (q4, q5, q6) = (rng.q4_k(n), rng.q5_k(n), rng.q6_k(n));
-        for fast in &simd {
-            let k = (
-                fast.gemm_q4_k_pair,
-                fast.gemm_q5_k_pair,
-                fast.gemm_q6_k_pair,
-            );
-            pair_matches_scalar_groups("q4_k", &q4, k.0, scalar.gemm_q4_k_group, &xq, fast.name);
-            pair_matches_scalar_groups("q5_k", &q5, k.1, scalar.gemm_q5_k_group, &xq, fast.name);
-            pair_matches_scalar_groups("q6_k", &q6, k.2, scalar.gemm_q6_k_group, &xq, fast.name);
+        let cols = supers * QK_K;
+        let xq = quantize(&scalar, &rng.vec(35 * cols, 2.0));
+        let w = rng.vec(rows * cols, 0.5);
+        let (q41, q80) = (quant::quantize_q4_1(&w), quant::quantize_q8_0(&w));
+        let blocks = rows * cols / QK;
+        let (q50, q51) = (rng.q5_0(blocks), rng.q5_1(blocks));
+        let (q4k, q5k, q6k) = (
+            rng.q4_k(rows * supers),
+            rng.q5_k(rows * supers),
+            rng.q6_k(rows * supers),
+        );
+        for k in &simd {
+            let set = k.name;
+            pair_matches_groups("q4_1", &q41, k.gemm_q4_1_pair, k.gemm_q4_1_group, &xq, set);
+            pair_matches_groups("q5_0", &q50, k.gemm_q5_0_pair, k.gemm_q5_0_group, &xq, set);
+            pair_matches_groups("q5_1", &q51, k.gemm_q5_1_pair, k.gemm_q5_1_group, &xq, set);
+            pair_matches_groups("q8_0", &q80, k.gemm_q8_0_pair, k.gemm_q8_0_group, &xq, set);
+            pair_matches_groups("q4_k", &q4k, k.gemm_q4_k_pair, k.gemm_q4_k_group, &xq, set);
+            pair_matches_groups("q5_k", &q5k, k.gemm_q5_k_pair, k.gemm_q5_k_group, &xq, set);
+            pair_matches_groups("q6_k", &q6k, k.gemm_q6_k_pair, k.gemm_q6_k_group, &xq, set);
         }
     }
 }

@@ -470,9 +470,9 @@ fn over_expanded_spans<B, E>(
 }
 
 // The float step of one expanded column for one activation row, from the column's i32
-// sums Σ q·x per row lane: the AVX2, VNNI and tile kernels share it (the tile kernels as
-// its two-row twin), so their results differ only if their integer sums do, and those are
-// exact.
+// sums Σ q·x per row lane: the AVX2 and VNNI kernels share it, and the pair kernels repeat
+// it lane for lane on 512-bit vectors, so their results differ only if their integer sums
+// do, and those are exact.
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1304,7 +1304,6 @@ pub mod vnni {
         8,
         [7, 6, 5, 4, 3, 2, 1]
     );
-    pub mod amx;
     pub mod pair;
 }
 

@@ -49,6 +49,10 @@ pub struct Kernels {
     pub gemm_q6_k_group: GroupKernel<BlockQ6K>,
     /// Kernels over two groups at once where a set has them; groups go one at a time
     /// otherwise.
+    pub gemm_q4_1_pair: Option<PairKernel<BlockQ4_1>>,
+    pub gemm_q5_0_pair: Option<PairKernel<BlockQ5_0>>,
+    pub gemm_q5_1_pair: Option<PairKernel<BlockQ5_1>>,
+    pub gemm_q8_0_pair: Option<PairKernel<BlockQ8_0>>,
     pub gemm_q4_k_pair: Option<PairKernel<BlockQ4K>>,
     pub gemm_q5_k_pair: Option<PairKernel<BlockQ5K>>,
     pub gemm_q6_k_pair: Option<PairKernel<BlockQ6K>>,
@@ -87,6 +91,10 @@ impl Kernels {
             gemm_q5_k_group: kquant::gemm_q5_k_group_scalar,
             dot_q6_k: kquant::dot_q6_k_scalar,
             gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
+            gemm_q4_1_pair: None,
+            gemm_q5_0_pair: None,
+            gemm_q5_1_pair: None,
+            gemm_q8_0_pair: None,
             gemm_q4_k_pair: None,
             gemm_q5_k_pair: None,
             gemm_q6_k_pair: None,
@@ -118,9 +126,6 @@ impl Kernels {
             }
             if super::avx2::vnni::available() {
                 sets.push(avx512_vnni_kernels());
-            }
-            if super::avx2::vnni::amx::available() {
-                sets.push(amx_kernels());
             }
         }
         sets
@@ -168,6 +173,10 @@ fn avx2_kernels() -> Kernels {
         axpy_strided_f16: |w, rows, stride, out| unsafe {
             avx2::axpy_strided_f16(w, rows, stride, out)
         },
+        gemm_q4_1_pair: None,
+        gemm_q5_0_pair: None,
+        gemm_q5_1_pair: None,
+        gemm_q8_0_pair: None,
         gemm_q4_k_pair: None,
         gemm_q5_k_pair: None,
         gemm_q6_k_pair: None,
@@ -189,27 +198,14 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
+        gemm_q4_1_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q4_1_pair(w, x, out) }),
+        gemm_q5_0_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_0_pair(w, x, out) }),
+        gemm_q5_1_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_1_pair(w, x, out) }),
+        gemm_q8_0_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q8_0_pair(w, x, out) }),
         gemm_q4_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q4_k_pair(w, x, out) }),
         gemm_q5_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_k_pair(w, x, out) }),
         gemm_q6_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q6_k_pair(w, x, out) }),
         ..avx2_kernels()
-    }
-}
-
-/// The VNNI set with the grouped matmul kernels of the 32-value block formats on AMX tiles
-/// for batches of 16 rows or more.
-#[cfg(target_arch = "x86_64")]
-fn amx_kernels() -> Kernels {
-    use super::avx2::vnni::amx;
-    // SAFETY (every closure below): these kernels are only selected after
-    // `amx::available()` confirmed the CPU features and the tile permission.
-    Kernels {
-        name: "avx512-amx",
-        gemm_q4_1_group: |w, x, out| unsafe { amx::gemm_q4_1_group(w, x, out) },
-        gemm_q5_0_group: |w, x, out| unsafe { amx::gemm_q5_0_group(w, x, out) },
-        gemm_q5_1_group: |w, x, out| unsafe { amx::gemm_q5_1_group(w, x, out) },
-        gemm_q8_0_group: |w, x, out| unsafe { amx::gemm_q8_0_group(w, x, out) },
-        ..avx512_vnni_kernels()
     }
 }
 
@@ -540,12 +536,16 @@ impl GroupedWeights<'_> {
         sums: &mut [[f32; 2 * GROUP_ROWS]],
     ) -> bool {
         let nbk = nb / ACT_BLOCKS;
+        let blocks = g * GROUP_ROWS * nb..(g + 2) * GROUP_ROWS * nb;
         let supers = g * GROUP_ROWS * nbk..(g + 2) * GROUP_ROWS * nbk;
         match self {
+            GroupedWeights::Q4_1(w) => k.gemm_q4_1_pair.map(|pair| pair(&w[blocks], acts, sums)),
+            GroupedWeights::Q5_0(w) => k.gemm_q5_0_pair.map(|pair| pair(&w[blocks], acts, sums)),
+            GroupedWeights::Q5_1(w) => k.gemm_q5_1_pair.map(|pair| pair(&w[blocks], acts, sums)),
+            GroupedWeights::Q8_0(w) => k.gemm_q8_0_pair.map(|pair| pair(&w[blocks], acts, sums)),
             GroupedWeights::Q4K(w) => k.gemm_q4_k_pair.map(|pair| pair(&w[supers], acts, sums)),
             GroupedWeights::Q5K(w) => k.gemm_q5_k_pair.map(|pair| pair(&w[supers], acts, sums)),
             GroupedWeights::Q6K(w) => k.gemm_q6_k_pair.map(|pair| pair(&w[supers], acts, sums)),
-            _ => None,
         }
         .is_some()
     }

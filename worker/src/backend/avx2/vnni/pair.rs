@@ -1,7 +1,7 @@
-//! The k-quant grouped kernels over two groups at once (16 weight rows) on 512-bit vectors,
-//! for batches wider than one VNNI pass. A 512-bit `vpdpbusd` runs at the rate of a 256-bit
-//! one here, so with the first group's rows in lanes 0..8 and the second's in lanes 8..16,
-//! each instruction (its activation word broadcast to every lane) does twice the work. The
+//! The grouped kernels over two groups at once (16 weight rows) on 512-bit vectors, for
+//! batches wider than one VNNI pass. A 512-bit `vpdpbusd` runs at the rate of a 256-bit one
+//! here, so with the first group's rows in lanes 0..8 and the second's in lanes 8..16, each
+//! instruction (its activation word broadcast to every lane) does twice the work. The
 //! columns are the VNNI kernels' expansions, joined, and every lane's arithmetic is theirs,
 //! so the results are bit-equal to theirs; smaller batches take the group kernels one group
 //! at a time.
@@ -13,9 +13,9 @@ use super::*;
 /// Weight rows of a pair of groups.
 pub const PAIR_ROWS: usize = 2 * GROUP_ROWS;
 
-/// A `Q4_K`/`Q5_K` column of two groups.
+/// A column of two groups: the format's weight words, its d and, where it has one, its m.
 #[derive(Clone, Copy)]
-struct PairKMin {
+struct PairColumn {
     q: [__m512i; 8],
     d: __m512,
     m: __m512,
@@ -54,13 +54,51 @@ fn join_words(first: &[__m256i; 8], second: &[__m256i; 8]) -> [__m512i; 8] {
     q
 }
 
+/// What a pair takes from an expanded 32-value column: its weight words, d, and m where
+/// the format has one.
+trait ColumnParts {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>);
+}
+
+impl ColumnParts for ExpandedKMin {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>) {
+        (&self.q, self.d, Some(self.m))
+    }
+}
+
+impl ColumnParts for ExpandedQ4_1 {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>) {
+        (&self.nibbles, self.d, Some(self.m))
+    }
+}
+
+impl ColumnParts for ExpandedQ5_0 {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>) {
+        (&self.q, self.d, None)
+    }
+}
+
+impl ColumnParts for ExpandedQ5_1 {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>) {
+        (&self.q, self.d, Some(self.m))
+    }
+}
+
+impl ColumnParts for ExpandedQ8_0 {
+    fn parts(&self) -> (&[__m256i; 8], __m256, Option<__m256>) {
+        (&self.unsigned, self.d, None)
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn join_kmin(first: &ExpandedKMin, second: &ExpandedKMin) -> PairKMin {
-    PairKMin {
-        q: join_words(&first.q, &second.q),
-        d: join_ps(first.d, second.d),
-        m: join_ps(first.m, second.m),
+fn join_columns<E: ColumnParts>(first: &E, second: &E) -> PairColumn {
+    let ((q0, d0, m0), (q1, d1, m1)) = (first.parts(), second.parts());
+    let none = _mm256_setzero_ps();
+    PairColumn {
+        q: join_words(q0, q1),
+        d: join_ps(d0, d1),
+        m: join_ps(m0.unwrap_or(none), m1.unwrap_or(none)),
     }
 }
 
@@ -103,18 +141,78 @@ fn word_sums<const A: usize>(
     sums
 }
 
-/// As [`kmin_finish`], lane for lane.
+// The float steps of the 32-value columns, each the 256-bit finish of its format lane for
+// lane, from the column's i32 sums Σ q·x.
+
+/// As [`kmin_finish`].
 #[inline]
-#[target_feature(enable = "avx512f,avx512vnni")]
-fn kmin_block<const A: usize>(e: &PairKMin, x: [&BlockQ8Act; A], acc: &mut [__m512; A]) {
-    let sums = word_sums(&e.q, &x, 0..8);
-    for ((acc, x), sum) in acc.iter_mut().zip(x).zip(sums) {
-        let sum = _mm512_cvtepi32_ps(sum);
-        let scaled = _mm512_mul_ps(_mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), sum);
-        let offset = _mm512_mul_ps(e.m, _mm512_set1_ps(x.s));
-        *acc = _mm512_add_ps(*acc, _mm512_sub_ps(scaled, offset));
-    }
+#[target_feature(enable = "avx512f")]
+fn kmin_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    let scaled = _mm512_mul_ps(_mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), sum);
+    let offset = _mm512_mul_ps(e.m, _mm512_set1_ps(x.s));
+    *acc = _mm512_add_ps(*acc, _mm512_sub_ps(scaled, offset));
 }
+
+/// As [`q4_1_finish`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q4_1_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    *acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), *acc);
+    *acc = _mm512_fmadd_ps(e.m, _mm512_set1_ps(x.s), *acc);
+}
+
+/// As [`q5_0_finish`], after Σ (q − 16)·x is taken as Σ q·x − 16·Σx in integers.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q5_0_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(16 * x.sum));
+    let scaled = _mm512_mul_ps(
+        _mm512_mul_ps(e.d, _mm512_set1_ps(x.d)),
+        _mm512_cvtepi32_ps(sum),
+    );
+    *acc = _mm512_add_ps(*acc, scaled);
+}
+
+/// As [`q5_1_finish`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q5_1_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(sum);
+    let scaled = _mm512_mul_ps(_mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), sum);
+    let offset = _mm512_mul_ps(e.m, _mm512_set1_ps(x.s));
+    *acc = _mm512_add_ps(*acc, _mm512_add_ps(scaled, offset));
+}
+
+/// As the VNNI `q8_0_finish`: the weights are q + 128, so 128·Σx comes out first.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q8_0_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.sum)));
+    *acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(e.d, _mm512_set1_ps(x.d)), *acc);
+}
+
+/// `$block::<A>`: one 32-value column against `A` activation rows, their chains
+/// interleaved, each row's sum then taken by `$finish`.
+macro_rules! column_block {
+    ($block:ident, $finish:ident) => {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512vnni")]
+        fn $block<const A: usize>(e: &PairColumn, x: [&BlockQ8Act; A], acc: &mut [__m512; A]) {
+            let sums = word_sums(&e.q, &x, 0..8);
+            for ((acc, x), sum) in acc.iter_mut().zip(x).zip(sums) {
+                $finish(e, x, sum, acc);
+            }
+        }
+    };
+}
+
+column_block!(kmin_block, kmin_finish_wide);
+column_block!(q4_1_block, q4_1_finish_wide);
+column_block!(q5_0_block, q5_0_finish_wide);
+column_block!(q5_1_block, q5_1_finish_wide);
+column_block!(q8_0_block, q8_0_finish_wide);
 
 /// As the VNNI `kq6_block`, lane for lane.
 #[inline]
@@ -137,11 +235,97 @@ fn q6_k_block<const A: usize>(e: &PairQ6K, x: [&BlockQ8Act; A], acc: &mut [__m51
     }
 }
 
+/// The two-group fallback for batches of at most one VNNI pass: the format's VNNI group
+/// kernel `$group` on each group of `$first`, `$second`, into the halves of `$out`.
+macro_rules! one_group_at_a_time {
+    ($group:ident, $first:expr, $second:expr, $x:expr, $out:expr) => {{
+        let (mut a, mut b) = ([[0f32; GROUP_ROWS]; 8], [[0f32; GROUP_ROWS]; 8]);
+        let n = $out.len();
+        // SAFETY: the caller's target features are the group kernels'.
+        unsafe {
+            super::$group($first, $x, &mut a[..n]);
+            super::$group($second, $x, &mut b[..n]);
+        }
+        for ((out, a), b) in $out.iter_mut().zip(&a).zip(&b) {
+            out[..GROUP_ROWS].copy_from_slice(a);
+            out[GROUP_ROWS..].copy_from_slice(b);
+        }
+    }};
+}
+
+/// `$pass::<A>`: a span of joined columns (`$column_ty`) against `A` activation rows, added
+/// to `out`, applying `$block` per column.
+macro_rules! pair_pass {
+    ($pass:ident, $column_ty:ty, $block:ident) => {
+        /// # Safety
+        /// The CPU must support the module's features.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+        unsafe fn $pass<const A: usize>(
+            span: &[$column_ty],
+            x: [&[BlockQ8Act]; A],
+            out: &mut [[f32; PAIR_ROWS]],
+        ) {
+            let mut acc = [_mm512_setzero_ps(); A];
+            for (acc, out) in acc.iter_mut().zip(out.iter()) {
+                // SAFETY: each row is 16 readable f32.
+                *acc = unsafe { _mm512_loadu_ps(out.as_ptr()) };
+            }
+            for (b, e) in span.iter().enumerate() {
+                $block(e, x.map(|x| &x[b]), &mut acc);
+            }
+            for (acc, out) in acc.iter().zip(out) {
+                // SAFETY: each row is 16 writable f32.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *acc) };
+            }
+        }
+    };
+}
+
+/// A 32-value block format's pair kernel: batches of more than one VNNI pass expand spans
+/// of block columns of both groups (as [`over_expanded_spans`] sizes them), join them, and
+/// meet every activation row with them, eight rows a pass.
+macro_rules! block_pair_kernel {
+    ($(#[$doc:meta])* $gemm:ident, $group:ident, $block_ty:ty, $expand:ident, $block:ident,
+     $pass:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the module's features.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; PAIR_ROWS]]) {
+            let nb = w.len() / PAIR_ROWS;
+            let (first, second) = w.split_at(GROUP_ROWS * nb);
+            if out.len() <= 8 || nb == 0 {
+                return one_group_at_a_time!($group, first, second, x, out);
+            }
+            out.fill([0.0; PAIR_ROWS]);
+            let len = nb.div_ceil(nb.div_ceil(EXPANDED_SPAN));
+            let mut scratch = [const { MaybeUninit::<PairColumn>::uninit() }; EXPANDED_SPAN];
+            for start in (0..nb).step_by(len) {
+                let end = (start + len).min(nb);
+                for b in start..end {
+                    let (a, c) = ($expand(&column(first, nb, b)), $expand(&column(second, nb, b)));
+                    scratch[b - start].write(join_columns(&a, &c));
+                    prefetch_share(w, b, nb);
+                }
+                // SAFETY: entries 0..end - start were written just above.
+                let span = unsafe {
+                    std::slice::from_raw_parts(scratch.as_ptr() as *const PairColumn, end - start)
+                };
+                over_activation_rows!($pass, span, x, nb, start..end, &mut *out,
+                    8, [7, 6, 5, 4, 3, 2, 1]);
+            }
+        }
+
+        pair_pass!($pass, PairColumn, $block);
+    };
+}
+
 /// One k-quant format's pair kernel: batches of more than one VNNI pass expand [`K_SPAN`]
 /// super-block columns of both groups at a time, join them, and meet every activation row
-/// with them, eight rows a pass (`$pass`, applying `$block` per column); smaller batches run
-/// the format's VNNI group kernel (`$group`) on each group.
-macro_rules! pair_kernel {
+/// with them, eight rows a pass.
+macro_rules! kquant_pair_kernel {
     ($(#[$doc:meta])* $gemm:ident, $group:ident, $block_ty:ty, $expanded_ty:ty, $pair_ty:ty,
      $expand:ident, $join:ident, $block:ident, $pass:ident) => {
         $(#[$doc])*
@@ -152,19 +336,8 @@ macro_rules! pair_kernel {
         pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; PAIR_ROWS]]) {
             let nbk = w.len() / PAIR_ROWS;
             let (first, second) = w.split_at(GROUP_ROWS * nbk);
-            if out.len() <= 8 {
-                let (mut a, mut b) = ([[0f32; GROUP_ROWS]; 8], [[0f32; GROUP_ROWS]; 8]);
-                let n = out.len();
-                // SAFETY: guaranteed by the caller.
-                unsafe {
-                    super::$group(first, x, &mut a[..n]);
-                    super::$group(second, x, &mut b[..n]);
-                }
-                for ((out, a), b) in out.iter_mut().zip(&a).zip(&b) {
-                    out[..GROUP_ROWS].copy_from_slice(a);
-                    out[GROUP_ROWS..].copy_from_slice(b);
-                }
-                return;
+            if out.len() <= 8 || nbk == 0 {
+                return one_group_at_a_time!($group, first, second, x, out);
             }
             out.fill([0.0; PAIR_ROWS]);
             let nb = nbk * ACT_BLOCKS;
@@ -201,42 +374,37 @@ macro_rules! pair_kernel {
             }
         }
 
-        /// # Safety
-        /// The CPU must support the module's features.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-        unsafe fn $pass<const A: usize>(
-            span: &[$pair_ty],
-            x: [&[BlockQ8Act]; A],
-            out: &mut [[f32; PAIR_ROWS]],
-        ) {
-            let mut acc = [_mm512_setzero_ps(); A];
-            for (acc, out) in acc.iter_mut().zip(out.iter()) {
-                // SAFETY: each row is 16 readable f32.
-                *acc = unsafe { _mm512_loadu_ps(out.as_ptr()) };
-            }
-            for (b, e) in span.iter().enumerate() {
-                $block(e, x.map(|x| &x[b]), &mut acc);
-            }
-            for (acc, out) in acc.iter().zip(out) {
-                // SAFETY: each row is 16 writable f32.
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *acc) };
-            }
-        }
+        pair_pass!($pass, $pair_ty, $block);
     };
 }
 
-pair_kernel!(
+block_pair_kernel!(
+    /// Two groups of [`super::gemm_q4_1_group`], bit for bit.
+    gemm_q4_1_pair, gemm_q4_1_group, BlockQ4_1, expand_q4_1, q4_1_block, q4_1_pass
+);
+block_pair_kernel!(
+    /// Two groups of [`super::gemm_q5_0_group`], bit for bit.
+    gemm_q5_0_pair, gemm_q5_0_group, BlockQ5_0, expand_q5_0, q5_0_block, q5_0_pass
+);
+block_pair_kernel!(
+    /// Two groups of [`super::gemm_q5_1_group`], bit for bit.
+    gemm_q5_1_pair, gemm_q5_1_group, BlockQ5_1, expand_q5_1, q5_1_block, q5_1_pass
+);
+block_pair_kernel!(
+    /// Two groups of [`super::gemm_q8_0_group`], bit for bit.
+    gemm_q8_0_pair, gemm_q8_0_group, BlockQ8_0, expand_q8_0, q8_0_block, q8_0_pass
+);
+kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q4_k_group`], bit for bit.
-    gemm_q4_k_pair, gemm_q4_k_group, BlockQ4K, ExpandedKMin, PairKMin, expand_q4_k,
-    join_kmin, kmin_block, q4_k_pass
+    gemm_q4_k_pair, gemm_q4_k_group, BlockQ4K, ExpandedKMin, PairColumn, expand_q4_k,
+    join_columns, kmin_block, q4_k_pass
 );
-pair_kernel!(
+kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q5_k_group`], bit for bit.
-    gemm_q5_k_pair, gemm_q5_k_group, BlockQ5K, ExpandedKMin, PairKMin, expand_q5_k,
-    join_kmin, kmin_block, q5_k_pass
+    gemm_q5_k_pair, gemm_q5_k_group, BlockQ5K, ExpandedKMin, PairColumn, expand_q5_k,
+    join_columns, kmin_block, q5_k_pass
 );
-pair_kernel!(
+kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q6_k_group`], bit for bit.
     gemm_q6_k_pair, gemm_q6_k_group, BlockQ6K, ExpandedQ6K, PairQ6K, expand_q6_k,
     join_q6_k, q6_k_block, q6_k_pass
