@@ -1419,6 +1419,45 @@ unsafe fn dot_block<const A: usize, const W: usize>(
     }
 }
 
+/// A KV cache element as the attention kernels read it, widened to f32: an f16 cache
+/// widens with F16C, so on the same values both element types give the same bits.
+pub trait CacheValue: Copy {
+    /// Eight values from `p`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C ([`available`]); `p..p + 8` must be readable.
+    unsafe fn load8(p: *const Self) -> __m256;
+
+    fn widen(self) -> f32;
+}
+
+impl CacheValue for f32 {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: guaranteed by the caller; loadu has no alignment requirement.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl CacheValue for f16 {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const f16) -> __m256 {
+        // SAFETY: guaranteed by the caller; loadu has no alignment requirement.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    fn widen(self) -> f32 {
+        // Exact, as every f16 is an f32.
+        self.to_f32()
+    }
+}
+
 /// As [`super::quant::dot_strided_scalar`], bit for bit: eight rows at a time, one row per
 /// lane, each lane a single fused multiply-add chain over the values in order. Blocks of
 /// 8 × 8 values are transposed so that one vector holds value `d` of the eight rows, and
@@ -1427,10 +1466,10 @@ unsafe fn dot_block<const A: usize, const W: usize>(
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_strided(
+pub unsafe fn dot_strided<T: CacheValue>(
     q: &[f32],
     heads: usize,
-    rows: StridedRows<'_>,
+    rows: StridedRows<'_, T>,
     scale: f32,
     out: &mut [f32],
     out_stride: usize,
@@ -1439,13 +1478,13 @@ pub unsafe fn dot_strided(
     let mut i = 0;
     if n.is_multiple_of(8) {
         while i + 8 <= rows.count {
-            let r: [&[f32]; 8] = std::array::from_fn(|j| rows.row(i + j, n));
+            let r: [&[T]; 8] = std::array::from_fn(|j| rows.row(i + j, n));
             for h0 in (0..heads).step_by(HEADS_PER_PASS) {
                 let pass = (heads - h0).min(HEADS_PER_PASS);
                 let mut acc = [_mm256_setzero_ps(); HEADS_PER_PASS];
                 for c in (0..n).step_by(8) {
                     // SAFETY: `c + 8 ≤ n` and every row is `n` long.
-                    let v = r.map(|r| unsafe { _mm256_loadu_ps(r.as_ptr().add(c)) });
+                    let v = r.map(|r| unsafe { T::load8(r.as_ptr().add(c)) });
                     let columns = transpose_8x8(v);
                     for (h, acc) in acc[..pass].iter_mut().enumerate() {
                         let qh = &q[(h0 + h) * n + c..(h0 + h) * n + c + 8];
@@ -1475,7 +1514,7 @@ pub unsafe fn dot_strided(
         for h in 0..heads {
             let mut acc = _mm_setzero_ps();
             for (a, b) in q[h * n..(h + 1) * n].iter().zip(keys) {
-                acc = _mm_fmadd_ss(_mm_set_ss(*a), _mm_set_ss(*b), acc);
+                acc = _mm_fmadd_ss(_mm_set_ss(*a), _mm_set_ss(b.widen()), acc);
             }
             out[h * out_stride + row] = _mm_cvtss_f32(acc) * scale;
         }
@@ -1523,116 +1562,12 @@ fn transpose_8x8(v: [__m256; 8]) -> [__m256; 8] {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_strided(weights: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    const BLOCK: usize = 64;
-    let n = out.len();
-    let mut c0 = 0;
-    while c0 + BLOCK <= n {
-        let mut acc = [_mm256_setzero_ps(); BLOCK / 8];
-        // SAFETY: every access is within `c0..c0 + BLOCK` of `out` or of a row's slice.
-        unsafe {
-            for (j, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * j));
-            }
-            for (i, &w) in weights.iter().enumerate() {
-                let row = &rows[i * stride + c0..i * stride + c0 + BLOCK];
-                let wv = _mm256_set1_ps(w);
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.as_ptr().add(8 * j)), *acc);
-                }
-            }
-            for (j, acc) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *acc);
-            }
-        }
-        c0 += BLOCK;
-    }
-    if c0 < n {
-        for (i, &w) in weights.iter().enumerate() {
-            // SAFETY: the features are this function's own.
-            unsafe { axpy(w, &rows[i * stride + c0..i * stride + n], &mut out[c0..]) };
-        }
-    }
-}
-
-/// Eight f16 values from `p`, widened.
-///
-/// # Safety
-/// The CPU must support the features; `p..p + 8` must be readable.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_f16x8(p: *const f16) -> __m256 {
-    // SAFETY: guaranteed by the caller; loadu has no alignment requirement.
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
-}
-
-/// As [`dot_strided`] on f16 rows widened with F16C, so on the same values it gives the
-/// same bits as [`super::quant::dot_strided_scalar`].
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_strided_f16(
-    q: &[f32],
-    heads: usize,
-    rows: StridedRows<'_, f16>,
-    scale: f32,
+pub unsafe fn axpy_strided<T: CacheValue>(
+    weights: &[f32],
+    rows: &[T],
+    stride: usize,
     out: &mut [f32],
-    out_stride: usize,
 ) {
-    let n = q.len() / heads.max(1);
-    let mut i = 0;
-    if n.is_multiple_of(8) {
-        while i + 8 <= rows.count {
-            let r: [&[f16]; 8] = std::array::from_fn(|j| rows.row(i + j, n));
-            for h0 in (0..heads).step_by(HEADS_PER_PASS) {
-                let pass = (heads - h0).min(HEADS_PER_PASS);
-                let mut acc = [_mm256_setzero_ps(); HEADS_PER_PASS];
-                for c in (0..n).step_by(8) {
-                    // SAFETY: `c + 8 ≤ n` and every row is `n` long.
-                    let v = r.map(|r| unsafe { load_f16x8(r.as_ptr().add(c)) });
-                    let columns = transpose_8x8(v);
-                    for (h, acc) in acc[..pass].iter_mut().enumerate() {
-                        let qh = &q[(h0 + h) * n + c..(h0 + h) * n + c + 8];
-                        for (j, column) in columns.iter().enumerate() {
-                            *acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[j]), *column, *acc);
-                        }
-                    }
-                }
-                for (h, acc) in acc[..pass].iter().enumerate() {
-                    let at = (h0 + h) * out_stride + i;
-                    assert!(at + 8 <= out.len(), "dot_strided_f16 output");
-                    // SAFETY: checked just above.
-                    unsafe {
-                        _mm256_storeu_ps(
-                            out.as_mut_ptr().add(at),
-                            _mm256_mul_ps(*acc, _mm256_set1_ps(scale)),
-                        )
-                    };
-                }
-            }
-            i += 8;
-        }
-    }
-    for row in i..rows.count {
-        let keys = rows.row(row, n);
-        for h in 0..heads {
-            let mut acc = _mm_setzero_ps();
-            for (a, b) in q[h * n..(h + 1) * n].iter().zip(keys) {
-                acc = _mm_fmadd_ss(_mm_set_ss(*a), _mm_set_ss(f16_to_f32(*b)), acc);
-            }
-            out[h * out_stride + row] = _mm_cvtss_f32(acc) * scale;
-        }
-    }
-}
-
-/// As [`axpy_strided`] on f16 rows widened with F16C: the same bits as [`axpy_strided`]
-/// on the widened values.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_strided_f16(weights: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
     const BLOCK: usize = 64;
     let n = out.len();
     let mut c0 = 0;
@@ -1647,7 +1582,7 @@ pub unsafe fn axpy_strided_f16(weights: &[f32], rows: &[f16], stride: usize, out
                 let row = &rows[i * stride + c0..i * stride + c0 + BLOCK];
                 let wv = _mm256_set1_ps(w);
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(wv, load_f16x8(row.as_ptr().add(8 * j)), *acc);
+                    *acc = _mm256_fmadd_ps(wv, T::load8(row.as_ptr().add(8 * j)), *acc);
                 }
             }
             for (j, acc) in acc.iter().enumerate() {
@@ -1667,13 +1602,13 @@ pub unsafe fn axpy_strided_f16(weights: &[f32], rows: &[f16], stride: usize, out
             unsafe {
                 while c + 8 <= row.len() {
                     let yv = _mm256_loadu_ps(y.as_ptr().add(c));
-                    let r = _mm256_fmadd_ps(wv, load_f16x8(row.as_ptr().add(c)), yv);
+                    let r = _mm256_fmadd_ps(wv, T::load8(row.as_ptr().add(c)), yv);
                     _mm256_storeu_ps(y.as_mut_ptr().add(c), r);
                     c += 8;
                 }
             }
             for (y, x) in y[c..].iter_mut().zip(&row[c..]) {
-                *y += w * f16_to_f32(*x);
+                *y += w * x.widen();
             }
         }
     }

@@ -168,10 +168,10 @@ fn avx2_kernels() -> Kernels {
         },
         axpy_strided: |w, rows, stride, out| unsafe { avx2::axpy_strided(w, rows, stride, out) },
         dot_strided_f16: |q, heads, rows, scale, out, out_stride| unsafe {
-            avx2::dot_strided_f16(q, heads, rows, scale, out, out_stride)
+            avx2::dot_strided::<f16>(q, heads, rows, scale, out, out_stride)
         },
         axpy_strided_f16: |w, rows, stride, out| unsafe {
-            avx2::axpy_strided_f16(w, rows, stride, out)
+            avx2::axpy_strided::<f16>(w, rows, stride, out)
         },
         gemm_q4_1_pair: None,
         gemm_q5_0_pair: None,
