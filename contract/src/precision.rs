@@ -6,9 +6,12 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// Under [`Precision::Auto`], prompts up to this many tokens run at int8; longer ones through
-/// full-precision GEMM, where prefill is compute-bound.
-pub const AUTO_INT8_MAX_PROMPT_TOKENS: usize = 512;
+/// Under [`Precision::Auto`], prompts up to this many tokens run at int8, longer ones at full
+/// precision. By default no prompt is longer: with two weight groups per 512-bit
+/// multiply-add, int8 prefill measured faster than full precision at every length tried
+/// (1.7× at 2000 tokens and 1.4× at 4000 on SmolLM2 `Q4_K_M`, 2 cores), so a lower limit
+/// only serves a deployment that wants long prompts at full precision.
+pub const AUTO_INT8_MAX_PROMPT_TOKENS: usize = usize::MAX;
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

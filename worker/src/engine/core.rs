@@ -37,7 +37,10 @@ pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
 /// Every precision the policy can pick for some prompt.
 fn precisions_of(policy: PrecisionPolicy) -> Vec<WeightPrecision> {
     match policy {
-        PrecisionPolicy::Int8 => vec![WeightPrecision::Int8],
+        PrecisionPolicy::Int8
+        | PrecisionPolicy::Auto {
+            int8_max_prompt_tokens: usize::MAX,
+        } => vec![WeightPrecision::Int8],
         PrecisionPolicy::Fp32 | PrecisionPolicy::Fp16 => vec![WeightPrecision::Full],
         PrecisionPolicy::Auto { .. } => vec![WeightPrecision::Int8, WeightPrecision::Full],
     }

@@ -30,7 +30,7 @@ pub struct PrecisionArgs {
     /// and for decode, full precision above.
     #[arg(long, env = env::PRECISION, default_value_t = Precision::Auto)]
     pub precision: Precision,
-    /// With `--precision auto`: the longest prompt served at int8.
+    /// With `--precision auto`: the longest prompt served at int8 (by default, every prompt).
     #[arg(long, env = env::AUTO_INT8_MAX_PROMPT_TOKENS, default_value_t = AUTO_INT8_MAX_PROMPT_TOKENS)]
     pub auto_int8_max_prompt_tokens: usize,
 }
