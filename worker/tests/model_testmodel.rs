@@ -188,6 +188,39 @@ fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     );
 }
 
+/// Under the default `auto`, every prompt runs at int8, so a float file's layers that have
+/// an int8 copy drop their float storage; a limit on int8 prompts keeps it for the longer
+/// ones.
+#[test]
+fn default_auto_holds_no_float_copy_it_never_reads() {
+    let d = tempfile::tempdir().unwrap();
+    let path = write_into(
+        d.path(),
+        GenTestModelArgs {
+            weight_type: TestWeightType::F32,
+            ..spec(TestModelFormat::Gguf)
+        },
+    )
+    .unwrap();
+    let every_prompt_int8 = PrecisionPolicy::Auto {
+        int8_max_prompt_tokens: usize::MAX,
+    };
+    assert_eq!(every_prompt_int8.precisions(), [WeightPrecision::Int8]);
+    let default = load(&path, every_prompt_int8);
+    let limited = load(
+        &path,
+        PrecisionPolicy::Auto {
+            int8_max_prompt_tokens: 4,
+        },
+    );
+    assert!(default.weight_bytes() < limited.weight_bytes());
+    let ids = default.tokenizer().encode("once upon a time");
+    assert_eq!(
+        prompt_logits(&default, &ids, WeightPrecision::Int8),
+        prompt_logits(&limited, &ids, WeightPrecision::Int8)
+    );
+}
+
 #[test]
 fn command_line_writes_a_loadable_model() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@ use super::blocks::{BlockManager, SequenceBlocks};
 use super::stream::SequenceOutput;
 use super::{EngineConfig, Sequence, Shared, SharedState, check_config};
 use crate::api::{FinishReason, LoadSnapshot, RequestTimings, Usage};
-use crate::model::{KvCache, Model, PrecisionPolicy, SequenceChunk, StepBuffers, WeightPrecision};
+use crate::model::{KvCache, Model, SequenceChunk, StepBuffers, WeightPrecision};
 
 /// Sizes derived from the model and the configuration before the engine starts.
 #[derive(Debug, Clone)]
@@ -31,18 +31,6 @@ pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
     match precision {
         WeightPrecision::Int8 => 0,
         WeightPrecision::Full => 1,
-    }
-}
-
-/// Every precision the policy can pick for some prompt.
-fn precisions_of(policy: PrecisionPolicy) -> Vec<WeightPrecision> {
-    match policy {
-        PrecisionPolicy::Int8
-        | PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: usize::MAX,
-        } => vec![WeightPrecision::Int8],
-        PrecisionPolicy::Fp32 | PrecisionPolicy::Fp16 => vec![WeightPrecision::Full],
-        PrecisionPolicy::Auto { .. } => vec![WeightPrecision::Int8, WeightPrecision::Full],
     }
 }
 
@@ -113,7 +101,7 @@ impl EngineCore {
             .filter(|template| !template.is_empty())
             .map(|template| model.tokenizer().encode_prompt(config, template))
             .collect();
-        let precisions = precisions_of(model.policy()).len();
+        let precisions = model.policy().precisions().len();
         let pinned_blocks: usize = templates
             .iter()
             .map(|tokens| tokens.len().div_ceil(cfg.block_size) * precisions)
@@ -246,7 +234,7 @@ impl EngineCore {
 
         let templates = std::mem::take(&mut self.limits.templates);
         for tokens in &templates {
-            for precision in precisions_of(self.model.policy()) {
+            for precision in self.model.policy().precisions() {
                 if self.shared.lock().shutdown {
                     return false;
                 }

@@ -126,6 +126,18 @@ impl PrecisionPolicy {
         }
     }
 
+    /// Every precision the policy can pick for some prompt.
+    pub fn precisions(&self) -> Vec<WeightPrecision> {
+        match *self {
+            PrecisionPolicy::Int8
+            | PrecisionPolicy::Auto {
+                int8_max_prompt_tokens: usize::MAX,
+            } => vec![WeightPrecision::Int8],
+            PrecisionPolicy::Fp32 | PrecisionPolicy::Fp16 => vec![WeightPrecision::Full],
+            PrecisionPolicy::Auto { .. } => vec![WeightPrecision::Int8, WeightPrecision::Full],
+        }
+    }
+
     /// The policy for a configured precision; `auto_int8_max_prompt_tokens` only matters under
     /// [`Precision::Auto`].
     pub fn new(precision: Precision, auto_int8_max_prompt_tokens: usize) -> Self {

@@ -81,8 +81,14 @@ impl Linear {
                 None => (None, Some(m.to_f32_matrix())),
             },
             // Block-quantised weights are widened per tile when a chunk runs in f32, so no
-            // full-precision copy is held; float weights stay in their own storage.
-            PrecisionPolicy::Auto { .. } => (int8(&m), Some(m)),
+            // full-precision copy is held; float weights stay in their own storage while some
+            // prompt can run at full precision, or while they have no int8 copy.
+            PrecisionPolicy::Auto { .. } => {
+                let quant = int8(&m);
+                let full_runs = policy.precisions().contains(&WeightPrecision::Full);
+                let full = (full_runs || quant.is_none()).then_some(m);
+                (quant, full)
+            }
         };
         Linear { full, quant }
     }
