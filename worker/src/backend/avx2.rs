@@ -444,14 +444,15 @@ fn store_rows<const A: usize>(acc: [__m256; A], out: &mut [[f32; GROUP_ROWS]]) {
     }
 }
 
-/// Runs `apply(span, blocks)` over a group's blocks in spans of equal length (at most
-/// [`EXPANDED_SPAN`]), each block column expanded once by `expand`.
+/// Runs `apply(span, blocks)` over the `nb` block columns of `w` (one group, or more) in
+/// spans of equal length (at most [`EXPANDED_SPAN`]), each column `b` expanded once by
+/// `expand(b)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn over_expanded_spans<B, E>(
     w: &[B],
     nb: usize,
-    expand: impl Fn(&[&B; GROUP_ROWS]) -> E,
+    expand: impl Fn(usize) -> E,
     mut apply: impl FnMut(&[E], std::ops::Range<usize>),
 ) {
     let len = nb.div_ceil(nb.div_ceil(EXPANDED_SPAN));
@@ -460,7 +461,7 @@ fn over_expanded_spans<B, E>(
     for start in (0..nb).step_by(len) {
         let end = (start + len).min(nb);
         for b in start..end {
-            scratch[b - start].write(expand(&column(w, nb, b)));
+            scratch[b - start].write(expand(b));
             prefetch_share(w, b, nb);
         }
         // SAFETY: entries 0..end - start were written just above.
@@ -619,7 +620,7 @@ macro_rules! format_kernels {
                 over_activation_rows!($streamed, w, x, nb, 0..nb, out, $widest, [$($rest),*]);
                 return;
             }
-            over_expanded_spans(w, nb, |b| $expand(b), |span, blocks| {
+            over_expanded_spans(w, nb, |b| $expand(&column(w, nb, b)), |span, blocks| {
                 over_activation_rows!($expanded, span, x, nb, blocks, &mut *out,
                     $widest, [$($rest),*]);
             });

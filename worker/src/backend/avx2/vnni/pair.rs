@@ -283,8 +283,8 @@ macro_rules! pair_pass {
 }
 
 /// A 32-value block format's pair kernel: batches of more than one VNNI pass expand spans
-/// of block columns of both groups (as [`over_expanded_spans`] sizes them), join them, and
-/// meet every activation row with them, eight rows a pass.
+/// of block columns of both groups ([`over_expanded_spans`]), join them, and meet every
+/// activation row with them, eight rows a pass.
 macro_rules! block_pair_kernel {
     ($(#[$doc:meta])* $gemm:ident, $group:ident, $block_ty:ty, $expand:ident, $block:ident,
      $pass:ident) => {
@@ -300,22 +300,11 @@ macro_rules! block_pair_kernel {
                 return one_group_at_a_time!($group, first, second, x, out);
             }
             out.fill([0.0; PAIR_ROWS]);
-            let len = nb.div_ceil(nb.div_ceil(EXPANDED_SPAN));
-            let mut scratch = [const { MaybeUninit::<PairColumn>::uninit() }; EXPANDED_SPAN];
-            for start in (0..nb).step_by(len) {
-                let end = (start + len).min(nb);
-                for b in start..end {
-                    let (a, c) = ($expand(&column(first, nb, b)), $expand(&column(second, nb, b)));
-                    scratch[b - start].write(join_columns(&a, &c));
-                    prefetch_share(w, b, nb);
-                }
-                // SAFETY: entries 0..end - start were written just above.
-                let span = unsafe {
-                    std::slice::from_raw_parts(scratch.as_ptr() as *const PairColumn, end - start)
-                };
-                over_activation_rows!($pass, span, x, nb, start..end, &mut *out,
+            let join = |b| join_columns(&$expand(&column(first, nb, b)), &$expand(&column(second, nb, b)));
+            over_expanded_spans(w, nb, join, |span, blocks| {
+                over_activation_rows!($pass, span, x, nb, blocks, &mut *out,
                     8, [7, 6, 5, 4, 3, 2, 1]);
-            }
+            });
         }
 
         pair_pass!($pass, PairColumn, $block);
