@@ -124,16 +124,7 @@ pub struct Weights {
 
 impl Weights {
     pub fn bytes(&self) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .map(|w| w.bytes())
-                    .sum::<usize>()
-            })
-            .sum();
+        let per_layer: usize = self.linears().map(Linear::bytes).sum();
         per_layer + self.token_embd.bytes() + self.output.bytes()
     }
 
@@ -141,17 +132,15 @@ impl Weights {
     /// and the output head. The embedding table contributes one row, so it is left out
     /// (a tied head is already counted as the output).
     pub fn decode_bytes(&self, precision: WeightPrecision) -> usize {
-        let per_layer: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .map(|w| w.get(precision).bytes())
-                    .sum::<usize>()
-            })
-            .sum();
+        let per_layer: usize = self.linears().map(|w| w.get(precision).bytes()).sum();
         per_layer + self.output.get(precision).bytes()
+    }
+
+    /// Every layer's linear layers.
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
     }
 }
 
