@@ -962,7 +962,7 @@ fn pair_matches_groups<B: Copy>(
     let Some(pair) = pair else { return };
     let half = blocks.len() / 2;
     let nb = x.len() / 35;
-    // Past 8 rows the pair kernels run their own 512-bit passes, eight rows at a time.
+    // The pair kernels run their 512-bit passes at any batch size, eight rows at a time.
     for n in (1..=19).chain([32, 35]) {
         let x = &x[..n * nb];
         let (mut first, mut second) = (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; GROUP_ROWS]; n]);
@@ -1001,14 +1001,14 @@ fn pair_kernels_equal_two_groups_for_every_batch_size() {
             rng.q6_k(rows * supers),
         );
         for k in &simd {
-            let set = k.name;
-            pair_matches_groups("q4_1", &q41, k.gemm_q4_1_pair, k.gemm_q4_1_group, &xq, set);
-            pair_matches_groups("q5_0", &q50, k.gemm_q5_0_pair, k.gemm_q5_0_group, &xq, set);
-            pair_matches_groups("q5_1", &q51, k.gemm_q5_1_pair, k.gemm_q5_1_group, &xq, set);
-            pair_matches_groups("q8_0", &q80, k.gemm_q8_0_pair, k.gemm_q8_0_group, &xq, set);
-            pair_matches_groups("q4_k", &q4k, k.gemm_q4_k_pair, k.gemm_q4_k_group, &xq, set);
-            pair_matches_groups("q5_k", &q5k, k.gemm_q5_k_pair, k.gemm_q5_k_group, &xq, set);
-            pair_matches_groups("q6_k", &q6k, k.gemm_q6_k_pair, k.gemm_q6_k_group, &xq, set);
+            let (set, p) = (k.name, k.pairs);
+            pair_matches_groups("q4_1", &q41, p.map(|p| p.q4_1), k.gemm_q4_1_group, &xq, set);
+            pair_matches_groups("q5_0", &q50, p.map(|p| p.q5_0), k.gemm_q5_0_group, &xq, set);
+            pair_matches_groups("q5_1", &q51, p.map(|p| p.q5_1), k.gemm_q5_1_group, &xq, set);
+            pair_matches_groups("q8_0", &q80, p.map(|p| p.q8_0), k.gemm_q8_0_group, &xq, set);
+            pair_matches_groups("q4_k", &q4k, p.map(|p| p.q4_k), k.gemm_q4_k_group, &xq, set);
+            pair_matches_groups("q5_k", &q5k, p.map(|p| p.q5_k), k.gemm_q5_k_group, &xq, set);
+            pair_matches_groups("q6_k", &q6k, p.map(|p| p.q6_k), k.gemm_q6_k_group, &xq, set);
         }
     }
 }

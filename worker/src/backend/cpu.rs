@@ -19,6 +19,19 @@ pub type GroupKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; GROUP_ROWS]]);
 /// Two consecutive groups (2 × [`GROUP_ROWS`] weight rows) against every activation row:
 /// `out[j][r]` = weight row `r` · activation row `j`.
 pub type PairKernel<B> = fn(&[B], &[BlockQ8Act], &mut [[f32; 2 * GROUP_ROWS]]);
+/// Pair kernels of every grouped format, for batches of at least `min_batch` activation
+/// rows; smaller batches take the group kernels, one group at a time.
+#[derive(Clone, Copy)]
+pub struct PairKernels {
+    pub min_batch: usize,
+    pub q4_1: PairKernel<BlockQ4_1>,
+    pub q5_0: PairKernel<BlockQ5_0>,
+    pub q5_1: PairKernel<BlockQ5_1>,
+    pub q8_0: PairKernel<BlockQ8_0>,
+    pub q4_k: PairKernel<BlockQ4K>,
+    pub q5_k: PairKernel<BlockQ5K>,
+    pub q6_k: PairKernel<BlockQ6K>,
+}
 /// One weight row · one activation row.
 pub type DotKernel<B> = fn(&[B], &[BlockQ8Act]) -> f32;
 /// Attention scores of query heads against strided key rows stored as `T`.
@@ -47,15 +60,8 @@ pub struct Kernels {
     pub gemm_q5_k_group: GroupKernel<BlockQ5K>,
     pub dot_q6_k: DotKernel<BlockQ6K>,
     pub gemm_q6_k_group: GroupKernel<BlockQ6K>,
-    /// Kernels over two groups at once where a set has them; groups go one at a time
-    /// otherwise.
-    pub gemm_q4_1_pair: Option<PairKernel<BlockQ4_1>>,
-    pub gemm_q5_0_pair: Option<PairKernel<BlockQ5_0>>,
-    pub gemm_q5_1_pair: Option<PairKernel<BlockQ5_1>>,
-    pub gemm_q8_0_pair: Option<PairKernel<BlockQ8_0>>,
-    pub gemm_q4_k_pair: Option<PairKernel<BlockQ4K>>,
-    pub gemm_q5_k_pair: Option<PairKernel<BlockQ5K>>,
-    pub gemm_q6_k_pair: Option<PairKernel<BlockQ6K>>,
+    /// Kernels over two groups at once, where a set has them.
+    pub pairs: Option<PairKernels>,
     /// `(w, x, cols, out, out_stride)`: every weight row of `w` · every activation row of
     /// `x` into `out[j · out_stride + r]`; each product's arithmetic is fixed, whatever the
     /// row counts, so a row's result does not depend on its batch.
@@ -91,13 +97,7 @@ impl Kernels {
             gemm_q5_k_group: kquant::gemm_q5_k_group_scalar,
             dot_q6_k: kquant::dot_q6_k_scalar,
             gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
-            gemm_q4_1_pair: None,
-            gemm_q5_0_pair: None,
-            gemm_q5_1_pair: None,
-            gemm_q8_0_pair: None,
-            gemm_q4_k_pair: None,
-            gemm_q5_k_pair: None,
-            gemm_q6_k_pair: None,
+            pairs: None,
             dot_f32_rows: quant::dot_f32_rows_scalar,
             axpy: quant::axpy_scalar,
             exp_sum: quant::exp_sum_scalar,
@@ -173,13 +173,7 @@ fn avx2_kernels() -> Kernels {
         axpy_strided_f16: |w, rows, stride, out| unsafe {
             avx2::axpy_strided::<f16>(w, rows, stride, out)
         },
-        gemm_q4_1_pair: None,
-        gemm_q5_0_pair: None,
-        gemm_q5_1_pair: None,
-        gemm_q8_0_pair: None,
-        gemm_q4_k_pair: None,
-        gemm_q5_k_pair: None,
-        gemm_q6_k_pair: None,
+        pairs: None,
     }
 }
 
@@ -198,13 +192,16 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
-        gemm_q4_1_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q4_1_pair(w, x, out) }),
-        gemm_q5_0_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_0_pair(w, x, out) }),
-        gemm_q5_1_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_1_pair(w, x, out) }),
-        gemm_q8_0_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q8_0_pair(w, x, out) }),
-        gemm_q4_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q4_k_pair(w, x, out) }),
-        gemm_q5_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q5_k_pair(w, x, out) }),
-        gemm_q6_k_pair: Some(|w, x, out| unsafe { vnni::pair::gemm_q6_k_pair(w, x, out) }),
+        pairs: Some(PairKernels {
+            min_batch: vnni::pair::MIN_BATCH,
+            q4_1: |w, x, out| unsafe { vnni::pair::gemm_q4_1_pair(w, x, out) },
+            q5_0: |w, x, out| unsafe { vnni::pair::gemm_q5_0_pair(w, x, out) },
+            q5_1: |w, x, out| unsafe { vnni::pair::gemm_q5_1_pair(w, x, out) },
+            q8_0: |w, x, out| unsafe { vnni::pair::gemm_q8_0_pair(w, x, out) },
+            q4_k: |w, x, out| unsafe { vnni::pair::gemm_q4_k_pair(w, x, out) },
+            q5_k: |w, x, out| unsafe { vnni::pair::gemm_q5_k_pair(w, x, out) },
+            q6_k: |w, x, out| unsafe { vnni::pair::gemm_q6_k_pair(w, x, out) },
+        }),
         ..avx2_kernels()
     }
 }
@@ -411,6 +408,7 @@ impl CpuBackend {
             first.push(first[first.len() - 1] + tasks);
         }
         let total = first[jobs.len()];
+        let pairs = k.pairs.filter(|p| n >= p.min_batch);
         (0..total).into_par_iter().for_each_init(
             || (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; 2 * GROUP_ROWS]; n]),
             |(sums, pair_sums), t| {
@@ -421,11 +419,15 @@ impl CpuBackend {
                 let end = ((local + 1) * GROUPS_PER_TASK).min(groups);
                 let mut g = local * GROUPS_PER_TASK;
                 while g < end {
-                    let width = if g + 1 < end && job.weights.pair(k, g, nb, acts, pair_sums) {
-                        2
-                    } else {
-                        job.weights.group(k, g, nb, acts, sums);
-                        1
+                    let width = match pairs {
+                        Some(pairs) if g + 1 < end => {
+                            job.weights.pair(&pairs, g, nb, acts, pair_sums);
+                            2
+                        }
+                        _ => {
+                            job.weights.group(k, g, nb, acts, sums);
+                            1
+                        }
                     };
                     for j in 0..n {
                         let s = if width == 2 {
@@ -525,29 +527,27 @@ impl GroupedWeights<'_> {
         }
     }
 
-    /// Groups `g` and `g + 1` against every activation row, when the format has a pair
-    /// kernel in `k`; `false` (nothing written) otherwise.
+    /// Groups `g` and `g + 1` against every activation row.
     fn pair(
         &self,
-        k: &Kernels,
+        k: &PairKernels,
         g: usize,
         nb: usize,
         acts: &[BlockQ8Act],
         sums: &mut [[f32; 2 * GROUP_ROWS]],
-    ) -> bool {
+    ) {
         let nbk = nb / ACT_BLOCKS;
         let blocks = g * GROUP_ROWS * nb..(g + 2) * GROUP_ROWS * nb;
         let supers = g * GROUP_ROWS * nbk..(g + 2) * GROUP_ROWS * nbk;
         match self {
-            GroupedWeights::Q4_1(w) => k.gemm_q4_1_pair.map(|pair| pair(&w[blocks], acts, sums)),
-            GroupedWeights::Q5_0(w) => k.gemm_q5_0_pair.map(|pair| pair(&w[blocks], acts, sums)),
-            GroupedWeights::Q5_1(w) => k.gemm_q5_1_pair.map(|pair| pair(&w[blocks], acts, sums)),
-            GroupedWeights::Q8_0(w) => k.gemm_q8_0_pair.map(|pair| pair(&w[blocks], acts, sums)),
-            GroupedWeights::Q4K(w) => k.gemm_q4_k_pair.map(|pair| pair(&w[supers], acts, sums)),
-            GroupedWeights::Q5K(w) => k.gemm_q5_k_pair.map(|pair| pair(&w[supers], acts, sums)),
-            GroupedWeights::Q6K(w) => k.gemm_q6_k_pair.map(|pair| pair(&w[supers], acts, sums)),
+            GroupedWeights::Q4_1(w) => (k.q4_1)(&w[blocks], acts, sums),
+            GroupedWeights::Q5_0(w) => (k.q5_0)(&w[blocks], acts, sums),
+            GroupedWeights::Q5_1(w) => (k.q5_1)(&w[blocks], acts, sums),
+            GroupedWeights::Q8_0(w) => (k.q8_0)(&w[blocks], acts, sums),
+            GroupedWeights::Q4K(w) => (k.q4_k)(&w[supers], acts, sums),
+            GroupedWeights::Q5K(w) => (k.q5_k)(&w[supers], acts, sums),
+            GroupedWeights::Q6K(w) => (k.q6_k)(&w[supers], acts, sums),
         }
-        .is_some()
     }
 
     /// Row `r` · one activation row.
