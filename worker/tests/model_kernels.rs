@@ -6,7 +6,7 @@ use npufleet_worker::backend::kquant::{
     self, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
 use npufleet_worker::backend::quant::{
-    self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK,
+    self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK, WeightGroup,
 };
 use npufleet_worker::backend::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
 
@@ -174,7 +174,7 @@ fn quantised_dot_products_match_scalar() {
 /// One weight-row group against every activation row of `x`.
 fn group<B>(kernel: GroupKernel<B>, w: &[B], x: &[BlockQ8Act]) -> Vec<[f32; GROUP_ROWS]> {
     let mut out = vec![[0f32; GROUP_ROWS]; x.len() / (w.len() / GROUP_ROWS)];
-    kernel(w, x, &mut out);
+    kernel(WeightGroup::adjacent(w), x, &mut out);
     out
 }
 
@@ -571,6 +571,43 @@ fn matmul_every_storage_and_batch_size() {
 }
 
 #[test]
+fn a_small_batch_over_a_large_matrix_spreads_its_groups_with_the_same_results() {
+    // Over 4 MiB, so a pass of one or two rows spreads each group over the matrix: 255
+    // groups and five rows for the one-row kernel.
+    let mut rng = Rng(29);
+    let (rows, supers) = (2045, 16);
+    let cols = supers * QK_K;
+    let blocks = rng.q4_k(rows * supers);
+    let w = Matrix {
+        rows,
+        cols,
+        data: WeightData::Q4K(blocks.clone().into()),
+    };
+    assert!(w.bytes() > 4 << 20);
+    let x = rng.vec(3 * cols, 1.0);
+    for k in Kernels::supported() {
+        let be = CpuBackend::with_kernels(2, k).unwrap();
+        // Three rows take adjacent groups; one and two rows, spread ones.
+        let mut adjacent = vec![0f32; 3 * rows];
+        be.matmul(&w, &x, 3, &mut adjacent);
+        for n in [1, 2] {
+            let mut spread = vec![0f32; n * rows];
+            be.matmul(&w, &x[..n * cols], n, &mut spread);
+            assert_eq!(spread[..], adjacent[..n * rows], "n={n} ({})", be.name());
+        }
+        let xq = quantize(&Kernels::scalar(), &x[..cols]);
+        for (r, row) in blocks.chunks_exact(supers).enumerate() {
+            let (got, want) = (adjacent[r], kquant::dot_q4_k_scalar(row, &xq));
+            assert!(
+                close(got, want, 1e-5),
+                "row {r}: {got} vs {want} ({})",
+                be.name()
+            );
+        }
+    }
+}
+
+#[test]
 fn matmuls_sharing_an_input_equal_separate_matmuls() {
     let mut rng = Rng(21);
     let cols = 64;
@@ -772,7 +809,7 @@ fn gguf_block_cases(rng: &mut Rng, rows: usize, supers: usize) -> Vec<BlockCase>
             group: Box::new(move |k, x| {
                 let w = &b2[..GROUP_ROWS * nb];
                 let mut out = vec![[0f32; GROUP_ROWS]; x.len() * QK / (nb * block_values)];
-                group(k)(w, x, &mut out);
+                group(k)(WeightGroup::adjacent(w), x, &mut out);
                 out
             }),
             matrix: Matrix {
@@ -950,7 +987,8 @@ fn gguf_block_grouped_kernels_match_scalar_for_every_batch_size() {
 }
 
 /// A set's pair kernel on two groups, against its group kernel on each (which the tests
-/// above hold to the scalar references).
+/// above hold to the scalar references). The 16 rows form two groups the way the backend
+/// forms a matrix's: the even rows, and the odd ones.
 fn pair_matches_groups<B: Copy>(
     name: &str,
     blocks: &[B],
@@ -960,16 +998,20 @@ fn pair_matches_groups<B: Copy>(
     set: &str,
 ) {
     let Some(pair) = pair else { return };
-    let half = blocks.len() / 2;
+    let row_blocks = blocks.len() / (2 * GROUP_ROWS);
+    let (even, odd) = (
+        WeightGroup::new(blocks, row_blocks, 2),
+        WeightGroup::new(&blocks[row_blocks..], row_blocks, 2),
+    );
     let nb = x.len() / 35;
     // The pair kernels run their 512-bit passes at any batch size, eight rows at a time.
     for n in (1..=19).chain([32, 35]) {
         let x = &x[..n * nb];
         let (mut first, mut second) = (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; GROUP_ROWS]; n]);
-        group(&blocks[..half], x, &mut first);
-        group(&blocks[half..], x, &mut second);
+        group(even, x, &mut first);
+        group(odd, x, &mut second);
         let mut got = vec![[0f32; 2 * GROUP_ROWS]; n];
-        pair(blocks, x, &mut got);
+        pair(even, odd, x, &mut got);
         for (j, got) in got.iter().enumerate() {
             let want: Vec<u32> = first[j]
                 .iter()

@@ -12,6 +12,7 @@ use half::f16;
 use super::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, StridedRows,
+    WeightGroup,
 };
 
 /// Whether this CPU can run the kernels in this module.
@@ -191,21 +192,6 @@ unsafe fn transpose_rows(rows: [*const u8; GROUP_ROWS]) -> [__m256i; 4] {
     ]
 }
 
-/// Block `b` of each row of a group stored row-major, `nb` blocks a row.
-#[inline(always)]
-fn column<B>(w: &[B], nb: usize, b: usize) -> [&B; GROUP_ROWS] {
-    [
-        &w[b],
-        &w[nb + b],
-        &w[2 * nb + b],
-        &w[3 * nb + b],
-        &w[4 * nb + b],
-        &w[5 * nb + b],
-        &w[6 * nb + b],
-        &w[7 * nb + b],
-    ]
-}
-
 #[inline(always)]
 fn column_ptrs<B>(
     blocks: &[&B; GROUP_ROWS],
@@ -281,17 +267,22 @@ const L1_PREFETCHED_GROUP_BYTES: usize = 8 << 10;
 const L2_PREFETCHED_GROUP_BYTES: usize = 32 << 10;
 
 /// Hardware prefetchers do not pick up the eight short interleaved row streams of a small
-/// group, so while block `b` of `nb` is computed, the matching share of the next group's
-/// bytes (which follow this group's in memory) is requested explicitly. A group too large
+/// group of adjacent rows, so while block `b` is computed, the matching share of the next
+/// `groups` groups' bytes (which follow `group` in memory) is requested explicitly. Groups
+/// of rows spaced apart need nothing: each row runs on into the next group's. A group too large
 /// to sit in L1 twice goes to L2, where it waits without evicting the group being read
 /// (batch-1 `Q4_K` and `Q6_K` on a 7B model's 3584-wide projections, 16 and 23 KiB a group,
 /// ran 5–25% faster than with L1 as the target; SmolLM2's groups of 3 to 8 KiB ran faster
 /// with L1). Prefetches never fault, so the share past the end of the matrix is harmless.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_share<B>(group: &[B], b: usize, nb: usize) {
-    let bytes = std::mem::size_of_val(group);
-    let next = group.as_ptr().wrapping_add(group.len()) as *const i8;
+fn prefetch_share<B>(group: WeightGroup<'_, B>, b: usize, groups: usize) {
+    let Some(blocks) = group.contiguous() else {
+        return;
+    };
+    let bytes = groups * std::mem::size_of_val(blocks);
+    let next = blocks.as_ptr().wrapping_add(blocks.len()) as *const i8;
+    let nb = group.row_blocks();
     let (start, end) = (b * bytes / nb, (b + 1) * bytes / nb);
     if bytes <= L1_PREFETCHED_GROUP_BYTES {
         for offset in (start..end).step_by(64) {
@@ -449,8 +440,7 @@ fn store_rows<const A: usize>(acc: [__m256; A], out: &mut [[f32; GROUP_ROWS]]) {
 /// `expand(b)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn over_expanded_spans<B, E>(
-    w: &[B],
+fn over_expanded_spans<E>(
     nb: usize,
     expand: impl Fn(usize) -> E,
     mut apply: impl FnMut(&[E], std::ops::Range<usize>),
@@ -462,7 +452,6 @@ fn over_expanded_spans<B, E>(
         let end = (start + len).min(nb);
         for b in start..end {
             scratch[b - start].write(expand(b));
-            prefetch_share(w, b, nb);
         }
         // SAFETY: entries 0..end - start were written just above.
         let span = unsafe { std::slice::from_raw_parts(scratch.as_ptr() as *const E, end - start) };
@@ -610,8 +599,8 @@ macro_rules! format_kernels {
         /// # Safety
         /// The CPU must support the module's target features.
         #[target_feature(enable = $features)]
-        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-            let nb = w.len() / GROUP_ROWS;
+        pub unsafe fn $gemm(w: WeightGroup<'_, $block_ty>, x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+            let nb = w.row_blocks();
             out.fill([0.0; GROUP_ROWS]);
             if nb == 0 {
                 return;
@@ -620,7 +609,11 @@ macro_rules! format_kernels {
                 over_activation_rows!($streamed, w, x, nb, 0..nb, out, $widest, [$($rest),*]);
                 return;
             }
-            over_expanded_spans(w, nb, |b| $expand(&column(w, nb, b)), |span, blocks| {
+            let expand = |b| {
+                prefetch_share(w, b, 1);
+                $expand(&w.column(b))
+            };
+            over_expanded_spans(nb, expand, |span, blocks| {
                 over_activation_rows!($expanded, span, x, nb, blocks, &mut *out,
                     $widest, [$($rest),*]);
             });
@@ -631,15 +624,15 @@ macro_rules! format_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $streamed<const A: usize>(
-            w: &[$block_ty],
+            w: WeightGroup<'_, $block_ty>,
             x: [&[BlockQ8Act]; A],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
-            let nb = w.len() / GROUP_ROWS;
+            let nb = w.row_blocks();
             let mut acc = load_rows::<A>(out);
             for b in 0..nb {
-                let e = $expand(&column(w, nb, b));
-                prefetch_share(w, b, nb);
+                let e = $expand(&w.column(b));
+                prefetch_share(w, b, 1);
                 $block(&e, x.map(|x| &x[b]), &mut acc);
             }
             store_rows(acc, out);
@@ -1084,8 +1077,8 @@ macro_rules! kquant_kernel {
         /// # Safety
         /// The CPU must support the module's target features.
         #[target_feature(enable = $features)]
-        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
-            let nbk = w.len() / GROUP_ROWS;
+        pub unsafe fn $gemm(w: WeightGroup<'_, $block_ty>, x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+            let nbk = w.row_blocks();
             out.fill([0.0; GROUP_ROWS]);
             if nbk == 0 {
                 return;
@@ -1102,10 +1095,10 @@ macro_rules! kquant_kernel {
                 let s1 = (s0 + K_SPAN).min(nbk);
                 for s in s0..s1 {
                     let columns = &mut scratch[s - s0];
-                    $expand(&column(w, nbk, s), |j, e| {
+                    $expand(&w.column(s), |j, e| {
                         columns[j].write(*e);
                     });
-                    prefetch_share(w, s, nbk);
+                    prefetch_share(w, s, 1);
                 }
                 // SAFETY: the expansions just above wrote every column of rows 0..s1 - s0.
                 let span = unsafe {
@@ -1124,17 +1117,17 @@ macro_rules! kquant_kernel {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $streamed<const A: usize>(
-            w: &[$block_ty],
+            w: WeightGroup<'_, $block_ty>,
             x: [&[BlockQ8Act]; A],
             out: &mut [[f32; GROUP_ROWS]],
         ) {
-            let nbk = w.len() / GROUP_ROWS;
+            let nbk = w.row_blocks();
             let mut acc = load_rows::<A>(out);
             for s in 0..nbk {
-                $expand(&column(w, nbk, s), |j, e| {
+                $expand(&w.column(s), |j, e| {
                     $block(e, x.map(|x| &x[s * ACT_BLOCKS + j]), &mut acc)
                 });
-                prefetch_share(w, s, nbk);
+                prefetch_share(w, s, 1);
             }
             store_rows(acc, out);
         }

@@ -7,7 +7,7 @@
 
 use half::f16;
 
-use super::quant::{BlockQ8Act, GROUP_ROWS, QK, gemm_group_scalar};
+use super::quant::{BlockQ8Act, GROUP_ROWS, QK, WeightGroup, gemm_group_scalar};
 
 /// Values per super-block.
 pub const QK_K: usize = 256;
@@ -294,14 +294,26 @@ pub fn dot_q6_k_scalar(w: &[BlockQ6K], x: &[BlockQ8Act]) -> f32 {
 /// Scalar reference of the grouped kernels (as `quant::gemm_q4_1_group_scalar`): `w` is
 /// [`GROUP_ROWS`] rows of super-blocks, `x` holds `out.len()` activation rows of
 /// [`ACT_BLOCKS`] blocks per super-block.
-pub fn gemm_q4_k_group_scalar(w: &[BlockQ4K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q4_k_group_scalar(
+    w: WeightGroup<'_, BlockQ4K>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q4_k_scalar)
 }
 
-pub fn gemm_q5_k_group_scalar(w: &[BlockQ5K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q5_k_group_scalar(
+    w: WeightGroup<'_, BlockQ5K>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q5_k_scalar)
 }
 
-pub fn gemm_q6_k_group_scalar(w: &[BlockQ6K], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q6_k_group_scalar(
+    w: WeightGroup<'_, BlockQ6K>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, ACT_BLOCKS, dot_q6_k_scalar)
 }

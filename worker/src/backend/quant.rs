@@ -426,44 +426,115 @@ pub fn dot_q5_1_scalar(w: &[BlockQ5_1], x: &[BlockQ8Act]) -> f32 {
     acc
 }
 
-/// Scalar reference of the grouped kernels: `out[j][r]` = row `r` of the
-/// [`GROUP_ROWS`]-row group `w` (row-major blocks) · activation row `j` of `x`, for
-/// `out.len()` activation rows of `w.len() / GROUP_ROWS` blocks each.
-pub fn gemm_q4_1_group_scalar(w: &[BlockQ4_1], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+/// The [`GROUP_ROWS`] weight rows a grouped kernel reads together: row `r` of the group
+/// starts `r · stride` rows into `blocks`, and each row is `row_blocks` blocks long. For a
+/// small batch over a large matrix `CpuBackend` spaces a group's rows an eighth of the
+/// matrix apart; otherwise they are adjacent.
+#[derive(Clone, Copy)]
+pub struct WeightGroup<'a, B> {
+    blocks: &'a [B],
+    row_blocks: usize,
+    stride: usize,
+}
+
+impl<'a, B> WeightGroup<'a, B> {
+    /// # Panics
+    /// If `blocks` ends before the group's last row does.
+    pub fn new(blocks: &'a [B], row_blocks: usize, stride: usize) -> Self {
+        let end = ((GROUP_ROWS - 1) * stride + 1) * row_blocks;
+        assert!(
+            blocks.len() >= end,
+            "a group of {GROUP_ROWS} rows of {row_blocks} blocks, {stride} rows apart, needs \
+             {end} blocks; {} given",
+            blocks.len()
+        );
+        WeightGroup {
+            blocks,
+            row_blocks,
+            stride,
+        }
+    }
+
+    /// `GROUP_ROWS` rows stored one after another.
+    pub fn adjacent(blocks: &'a [B]) -> Self {
+        Self::new(blocks, blocks.len() / GROUP_ROWS, 1)
+    }
+
+    pub fn row_blocks(&self) -> usize {
+        self.row_blocks
+    }
+
+    pub fn row(&self, r: usize) -> &'a [B] {
+        &self.blocks[r * self.stride * self.row_blocks..][..self.row_blocks]
+    }
+
+    /// The group's blocks, when its rows are stored one after another.
+    pub fn contiguous(&self) -> Option<&'a [B]> {
+        (self.stride == 1).then(|| &self.blocks[..GROUP_ROWS * self.row_blocks])
+    }
+
+    /// Block `b` of each row.
+    #[inline(always)]
+    pub fn column(&self, b: usize) -> [&'a B; GROUP_ROWS] {
+        let step = self.stride * self.row_blocks;
+        std::array::from_fn(|r| &self.blocks[r * step + b])
+    }
+}
+
+/// Scalar reference of the grouped kernels: `out[j][r]` = row `r` of the group `w` ·
+/// activation row `j` of `x`, for `out.len()` activation rows of `w.row_blocks()` blocks
+/// each.
+pub fn gemm_q4_1_group_scalar(
+    w: WeightGroup<'_, BlockQ4_1>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, 1, dot_q4_1_scalar)
 }
 
-pub fn gemm_q8_0_group_scalar(w: &[BlockQ8_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q8_0_group_scalar(
+    w: WeightGroup<'_, BlockQ8_0>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, 1, dot_q8_0_scalar)
 }
 
 /// As [`gemm_q4_1_group_scalar`]; the SIMD kernels of both 5-bit formats repeat this
 /// arithmetic lane by lane, unfused, so they equal it bit for bit.
-pub fn gemm_q5_0_group_scalar(w: &[BlockQ5_0], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q5_0_group_scalar(
+    w: WeightGroup<'_, BlockQ5_0>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, 1, dot_q5_0_scalar)
 }
 
-pub fn gemm_q5_1_group_scalar(w: &[BlockQ5_1], x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+pub fn gemm_q5_1_group_scalar(
+    w: WeightGroup<'_, BlockQ5_1>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
     gemm_group_scalar(w, x, out, 1, dot_q5_1_scalar)
 }
 
 /// Every row of the group · every activation row, one `dot` each; a weight block spans
 /// `acts_per_block` activation blocks.
 pub(super) fn gemm_group_scalar<B>(
-    w: &[B],
+    w: WeightGroup<'_, B>,
     x: &[BlockQ8Act],
     out: &mut [[f32; GROUP_ROWS]],
     acts_per_block: usize,
     dot: fn(&[B], &[BlockQ8Act]) -> f32,
 ) {
-    let nb = w.len() / GROUP_ROWS;
+    let nb = w.row_blocks();
     if nb == 0 {
         out.fill([0.0; GROUP_ROWS]);
         return;
     }
     for (o, x) in out.iter_mut().zip(x.chunks_exact(nb * acts_per_block)) {
-        for (o, w) in o.iter_mut().zip(w.chunks_exact(nb)) {
-            *o = dot(w, x);
+        for (r, o) in o.iter_mut().enumerate() {
+            *o = dot(w.row(r), x);
         }
     }
 }

@@ -277,15 +277,22 @@ macro_rules! block_pair_kernel {
         /// # Safety
         /// The CPU must support the module's features.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; PAIR_ROWS]]) {
-            let nb = w.len() / PAIR_ROWS;
-            let (first, second) = w.split_at(GROUP_ROWS * nb);
+        pub unsafe fn $gemm(
+            first: WeightGroup<'_, $block_ty>,
+            second: WeightGroup<'_, $block_ty>,
+            x: &[BlockQ8Act],
+            out: &mut [[f32; PAIR_ROWS]],
+        ) {
+            let nb = first.row_blocks();
             out.fill([0.0; PAIR_ROWS]);
             if nb == 0 {
                 return;
             }
-            let join = |b| join_columns(&$expand(&column(first, nb, b)), &$expand(&column(second, nb, b)));
-            over_expanded_spans(w, nb, join, |span, blocks| {
+            let join = |b| {
+                prefetch_share(second, b, 2);
+                join_columns(&$expand(&first.column(b)), &$expand(&second.column(b)))
+            };
+            over_expanded_spans(nb, join, |span, blocks| {
                 over_activation_rows!($pass, span, x, nb, blocks, &mut *out,
                     8, [7, 6, 5, 4, 3, 2, 1]);
             });
@@ -306,9 +313,13 @@ macro_rules! kquant_pair_kernel {
         /// # Safety
         /// The CPU must support the module's features.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
-        pub unsafe fn $gemm(w: &[$block_ty], x: &[BlockQ8Act], out: &mut [[f32; PAIR_ROWS]]) {
-            let nbk = w.len() / PAIR_ROWS;
-            let (first, second) = w.split_at(GROUP_ROWS * nbk);
+        pub unsafe fn $gemm(
+            first: WeightGroup<'_, $block_ty>,
+            second: WeightGroup<'_, $block_ty>,
+            x: &[BlockQ8Act],
+            out: &mut [[f32; PAIR_ROWS]],
+        ) {
+            let nbk = first.row_blocks();
             out.fill([0.0; PAIR_ROWS]);
             let nb = nbk * ACT_BLOCKS;
             let mut halves =
@@ -319,7 +330,7 @@ macro_rules! kquant_pair_kernel {
                 let s1 = (s0 + K_SPAN).min(nbk);
                 for s in s0..s1 {
                     for (half, group) in halves.iter_mut().zip([first, second]) {
-                        $expand(&column(group, nbk, s), |j, e| {
+                        $expand(&group.column(s), |j, e| {
                             half[j].write(*e);
                         });
                     }
@@ -330,7 +341,7 @@ macro_rules! kquant_pair_kernel {
                         };
                         column.write($join(a, b));
                     }
-                    prefetch_share(w, s, nbk);
+                    prefetch_share(second, s, 2);
                 }
                 // SAFETY: the loop above wrote every column of rows 0..s1 - s0.
                 let span = unsafe {
