@@ -276,17 +276,10 @@ const L2_PREFETCHED_GROUP_BYTES: usize = 32 << 10;
 /// 1: 18 GB/s without, 22 to 26 with; `Q4_K` ran as fast either way).
 ///
 /// Prefetches never fault, so a share past the end of the matrix is harmless.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 fn prefetch_share<B>(group: WeightGroup<'_, B>, b: usize, groups: usize) {
     let Some(blocks) = group.contiguous() else {
-        for r in 0..GROUP_ROWS {
-            let row = group.row(r);
-            let next = row.as_ptr().wrapping_add(row.len() + b) as *const i8;
-            for offset in (0..std::mem::size_of::<B>()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(offset));
-            }
-        }
+        prefetch_next_rows(group, b);
         return;
     };
     let bytes = groups * std::mem::size_of_val(blocks);
@@ -295,11 +288,27 @@ fn prefetch_share<B>(group: WeightGroup<'_, B>, b: usize, groups: usize) {
     let (start, end) = (b * bytes / nb, (b + 1) * bytes / nb);
     if bytes <= L1_PREFETCHED_GROUP_BYTES {
         for offset in (start..end).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(offset));
+            // SAFETY: SSE, which `_mm_prefetch` needs, is part of every x86-64 CPU.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(offset)) };
         }
     } else if bytes <= L2_PREFETCHED_GROUP_BYTES {
         for offset in (start..end).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(offset));
+            // SAFETY: SSE, which `_mm_prefetch` needs, is part of every x86-64 CPU.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(offset)) };
+        }
+    }
+}
+
+/// Block `b` of the row after each of a spread group's rows, into L2 (see [`prefetch_share`]).
+/// Kept out of line so the adjacent groups' prefetch stays small enough to inline.
+#[inline(never)]
+fn prefetch_next_rows<B>(group: WeightGroup<'_, B>, b: usize) {
+    for r in 0..GROUP_ROWS {
+        let row = group.row(r);
+        let next = row.as_ptr().wrapping_add(row.len() + b) as *const i8;
+        for offset in (0..std::mem::size_of::<B>()).step_by(64) {
+            // SAFETY: SSE, which `_mm_prefetch` needs, is part of every x86-64 CPU.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(offset)) };
         }
     }
 }
