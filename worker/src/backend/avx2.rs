@@ -453,9 +453,8 @@ fn store_rows<const A: usize>(acc: [__m256; A], out: &mut [[f32; GROUP_ROWS]]) {
     }
 }
 
-/// Runs `apply(span, blocks)` over the `nb` block columns of `w` (one group, or more) in
-/// spans of equal length (at most [`EXPANDED_SPAN`]), each column `b` expanded once by
-/// `expand(b)`.
+/// Runs `apply(span, blocks)` over `nb` block columns in spans of equal length (at most
+/// [`EXPANDED_SPAN`]), each column `b` expanded once by `expand(b)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn over_expanded_spans<E>(

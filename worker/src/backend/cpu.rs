@@ -384,7 +384,7 @@ impl CpuBackend {
             | WeightData::Q4K(_)
             | WeightData::Q5K(_)
             | WeightData::Q6K(_) => {
-                let job = GroupedJob::of(w, out).expect("grouped block format");
+                let job = GroupedJob::of(w, n, out).expect("grouped block format");
                 self.grouped(&[job], n, acts)
             }
             WeightData::F32(_) | WeightData::F16(_) => {
@@ -415,17 +415,13 @@ impl CpuBackend {
         }
         let total = first[jobs.len()];
         let pairs = k.pairs.filter(|p| n >= p.min_batch);
-        let groupings: Vec<Grouping> = jobs
-            .iter()
-            .map(|job| Grouping::of(job.rows, job.weights.bytes(), n))
-            .collect();
         (0..total).into_par_iter().for_each_init(
             || (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; 2 * GROUP_ROWS]; n]),
             |(sums, pair_sums), t| {
                 let i = first.partition_point(|&f| f <= t) - 1;
                 let job = &jobs[i];
                 let groups = job.rows / GROUP_ROWS;
-                let grouping = groupings[i];
+                let grouping = job.grouping;
                 let local = t - first[i];
                 let end = ((local + 1) * GROUPS_PER_TASK).min(groups);
                 let mut g = local * GROUPS_PER_TASK;
@@ -541,16 +537,18 @@ impl Grouping {
     }
 }
 
-/// One matrix of a [`CpuBackend::grouped`] pass and where its `n × rows` output goes.
+/// One matrix of a [`CpuBackend::grouped`] pass over `n` activation rows, which rows form
+/// its groups for that pass, and where its `n × rows` output goes.
 struct GroupedJob<'a> {
     weights: GroupedWeights<'a>,
     rows: usize,
+    grouping: Grouping,
     out: SharedOut,
 }
 
 impl<'a> GroupedJob<'a> {
     /// `None` for formats without grouped kernels.
-    fn of(w: &'a Matrix, out: &mut [f32]) -> Option<GroupedJob<'a>> {
+    fn of(w: &'a Matrix, n: usize, out: &mut [f32]) -> Option<GroupedJob<'a>> {
         let weights = match &w.data {
             WeightData::Q4_1(b) => GroupedWeights::Q4_1(b),
             WeightData::Q5_0(b) => GroupedWeights::Q5_0(b),
@@ -564,6 +562,7 @@ impl<'a> GroupedJob<'a> {
         Some(GroupedJob {
             weights,
             rows: w.rows,
+            grouping: Grouping::of(w.rows, w.bytes(), n),
             out: SharedOut(out.as_mut_ptr()),
         })
     }
@@ -619,18 +618,6 @@ impl GroupedWeights<'_> {
             GroupedWeights::Q4K(w) => grouping.pair(k.q4_k, w, g, nbk, acts, sums),
             GroupedWeights::Q5K(w) => grouping.pair(k.q5_k, w, g, nbk, acts, sums),
             GroupedWeights::Q6K(w) => grouping.pair(k.q6_k, w, g, nbk, acts, sums),
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            GroupedWeights::Q4_1(w) => size_of_val(*w),
-            GroupedWeights::Q5_0(w) => size_of_val(*w),
-            GroupedWeights::Q5_1(w) => size_of_val(*w),
-            GroupedWeights::Q8_0(w) => size_of_val(*w),
-            GroupedWeights::Q4K(w) => size_of_val(*w),
-            GroupedWeights::Q5K(w) => size_of_val(*w),
-            GroupedWeights::Q6K(w) => size_of_val(*w),
         }
     }
 
@@ -702,7 +689,9 @@ impl Backend for CpuBackend {
             .zip(outs.iter_mut())
             .map(|(w, out)| {
                 assert_eq!(out.len(), n * w.rows, "matmul output shape");
-                (w.cols == cols).then(|| GroupedJob::of(w, out)).flatten()
+                (w.cols == cols)
+                    .then(|| GroupedJob::of(w, n, out))
+                    .flatten()
             })
             .collect();
         match jobs {

@@ -268,8 +268,9 @@ macro_rules! pair_pass {
     };
 }
 
-/// A 32-value block format's pair kernel: it expands spans of block columns of both groups ([`over_expanded_spans`]), join them, and meet every
-/// activation row with them, eight rows a pass.
+/// A 32-value block format's pair kernel: it expands spans of block columns of both groups
+/// ([`over_expanded_spans`]), joins them, and meets every activation row with them, eight
+/// rows a pass.
 macro_rules! block_pair_kernel {
     ($(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expand:ident, $block:ident, $pass:ident) => {
         $(#[$doc])*
@@ -303,8 +304,8 @@ macro_rules! block_pair_kernel {
 }
 
 /// One k-quant format's pair kernel: it expands [`K_SPAN`] super-block columns of both
-/// groups at a time, join them, and meet every activation row
-/// with them, eight rows a pass.
+/// groups at a time, joins them, and meets every activation row with them, eight rows a
+/// pass.
 macro_rules! kquant_pair_kernel {
     ($(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expanded_ty:ty, $pair_ty:ty,
      $expand:ident, $join:ident, $block:ident, $pass:ident) => {
