@@ -15,6 +15,15 @@ use npufleet_worker::tools::testmodel::{
     GenTestModelArgs, TestModelFormat, TestWeightType, write_into,
 };
 
+/// A GGUF file of [`spec`]'s model with `weight_type` weights, written into `dir`.
+fn gguf_model(dir: &std::path::Path, weight_type: TestWeightType) -> std::path::PathBuf {
+    let args = GenTestModelArgs {
+        weight_type,
+        ..spec(TestModelFormat::Gguf)
+    };
+    write_into(dir, args).unwrap()
+}
+
 fn spec(format: TestModelFormat) -> GenTestModelArgs {
     GenTestModelArgs {
         layers: 2,
@@ -157,14 +166,7 @@ fn every_weight_storage_loads_and_tracks_f32() {
 #[test]
 fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     let d = tempfile::tempdir().unwrap();
-    let path = write_into(
-        d.path(),
-        GenTestModelArgs {
-            weight_type: TestWeightType::Q4_1,
-            ..spec(TestModelFormat::Gguf)
-        },
-    )
-    .unwrap();
+    let path = gguf_model(d.path(), TestWeightType::Q4_1);
     let auto = load(
         &path,
         PrecisionPolicy::Auto {
@@ -194,14 +196,7 @@ fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
 #[test]
 fn default_auto_holds_no_float_copy_it_never_reads() {
     let d = tempfile::tempdir().unwrap();
-    let path = write_into(
-        d.path(),
-        GenTestModelArgs {
-            weight_type: TestWeightType::F32,
-            ..spec(TestModelFormat::Gguf)
-        },
-    )
-    .unwrap();
+    let path = gguf_model(d.path(), TestWeightType::F32);
     let every_prompt_int8 = PrecisionPolicy::Auto {
         int8_max_prompt_tokens: usize::MAX,
     };
@@ -348,14 +343,7 @@ impl Collective for LocalRank {
 #[test]
 fn tensor_parallel_shards_reproduce_the_whole_model() {
     let dir = tempfile::tempdir().unwrap();
-    let path = write_into(
-        dir.path(),
-        GenTestModelArgs {
-            weight_type: TestWeightType::Q8_0,
-            ..spec(TestModelFormat::Gguf)
-        },
-    )
-    .unwrap();
+    let path = gguf_model(dir.path(), TestWeightType::Q8_0);
     let whole = load(
         &path,
         PrecisionPolicy::Auto {
