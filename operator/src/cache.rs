@@ -3,26 +3,42 @@
 //! ConfigMaps, Volcano PodGroups), shared by the
 //! controller, which is triggered from the same watches, and by the autoscaler. A reconcile
 //! reads these stores and never LISTs. Every watch covers the operator's [`WatchScope`].
+//!
+//! Each store announces what changed on a [`Changes`] stream of its own rather than through
+//! kube-runtime's shared reflector: that one makes the store wait for its slowest subscriber,
+//! and its subscriber looks each announced object up in the store and, when the object has
+//! been deleted since, yields `Pending` without arranging to be woken. After a burst in which
+//! pods came and went faster than the controller read (a large service deleted), the store
+//! waited forever on a subscriber nothing would wake: every store went stale until a restart.
+//! Here a store never waits, and an announcement carries the object itself.
 
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::sync::{Arc, Mutex};
 
+use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
 use kube::core::{DynamicResourceScope, NamespaceResourceScope};
-use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
+use kube::runtime::reflector::{self, Lookup, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource};
+use kube::{Client, Resource, ResourceExt};
 use npufleet_crds::InferenceService;
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
 use crate::labels::{self, FIELD_MANAGER};
+use crate::replica_group;
 use crate::resources::pod_group;
 
-/// Events a slow subscriber may fall behind before the reflector waits for it.
-const SUBSCRIBER_BUFFER: usize = 1024;
+/// Every object a store's watch applied or deleted, in order, carried whole. Unbounded so
+/// that the store never waits for its reader: the controller drains its triggers as they come
+/// (its scheduler keeps one entry per object), so what queues here is at most one burst of
+/// pointers.
+pub type Changes<K> = mpsc::UnboundedReceiver<Arc<K>>;
 
 /// The namespaces the operator watches and writes in: every one, or one for a namespaced
 /// install, where RBAC grants a Role in that namespace only and any cluster-wide list or watch
@@ -70,6 +86,46 @@ impl std::str::FromStr for WatchScope {
     }
 }
 
+/// How long an eviction is remembered: past [`crate::reconcile::EVICTED_PEER_GRACE`], the
+/// longest the reconcile asks about one.
+const EVICTION_MEMORY: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Which replica groups lost a pod to the Eviction API, and when. A pod that a drain evicts
+/// may be gone from the pod store before a reconcile looks, so the watch remembers it.
+#[derive(Clone, Default)]
+pub struct Evictions(Arc<Mutex<HashMap<(String, String, i32), Time>>>);
+
+impl Evictions {
+    fn note(&self, pod: &Pod) {
+        let (Some(when), Some((group, _)), Some(service), Some(namespace)) = (
+            replica_group::evicted_at(pod),
+            replica_group::group_and_rank(pod),
+            pod.labels().get(labels::INFERENCE_SERVICE),
+            ResourceExt::namespace(pod),
+        ) else {
+            return;
+        };
+        let Ok(mut evictions) = self.0.lock() else {
+            return;
+        };
+        let horizon = when.0 - EVICTION_MEMORY;
+        evictions.retain(|_, at| at.0 > horizon);
+        evictions.insert((namespace, service.clone(), group), when);
+    }
+
+    /// The replica groups of the InferenceService `service` evicted from, by group number.
+    pub fn of(&self, namespace: &str, service: &str) -> BTreeMap<i32, Time> {
+        let Ok(evictions) = self.0.lock() else {
+            return BTreeMap::new();
+        };
+        evictions
+            .iter()
+            .filter(|((ns, name, _), _)| ns == namespace && name == service)
+            .map(|((_, _, group), at)| (*group, at.clone()))
+            .collect()
+    }
+}
+
 /// Readers of every store. Cloning a [`Store`] shares it.
 #[derive(Clone)]
 pub struct Stores {
@@ -80,6 +136,7 @@ pub struct Stores {
     pub rank_tables: Store<PartialObjectMeta<ConfigMap>>,
     /// Empty until the PodGroup API is found to be served.
     pub pod_groups: Store<DynamicObject>,
+    pub evictions: Evictions,
     /// Turns true once every store but the PodGroups' holds what the cluster had when its
     /// watch started.
     synced: watch::Receiver<bool>,
@@ -106,6 +163,14 @@ struct Writers {
     synced: watch::Sender<bool>,
 }
 
+/// Where a store's writer tells its reader what changed.
+type Announcer<K> = mpsc::UnboundedSender<Arc<K>>;
+
+fn announce<K>() -> (Changes<K>, Announcer<K>) {
+    let (announcer, changes) = mpsc::unbounded();
+    (changes, announcer)
+}
+
 pub struct Cache {
     pub stores: Stores,
     /// Taken once by [`Cache::start`].
@@ -115,11 +180,11 @@ pub struct Cache {
 /// The change streams of the shared stores that trigger reconciles, and the futures that keep
 /// the stores filled (they must be polled for anything to arrive).
 pub struct Started {
-    pub inference_services: ReflectHandle<InferenceService>,
-    pub pods: ReflectHandle<Pod>,
-    pub services: ReflectHandle<PartialObjectMeta<Service>>,
-    pub disruption_budgets: ReflectHandle<PartialObjectMeta<PodDisruptionBudget>>,
-    pub rank_tables: ReflectHandle<PartialObjectMeta<ConfigMap>>,
+    pub inference_services: Changes<InferenceService>,
+    pub pods: Changes<Pod>,
+    pub services: Changes<PartialObjectMeta<Service>>,
+    pub disruption_budgets: Changes<PartialObjectMeta<PodDisruptionBudget>>,
+    pub rank_tables: Changes<PartialObjectMeta<ConfigMap>>,
     pub watches: futures::future::BoxFuture<'static, ()>,
     /// Fills the PodGroup store; run once the PodGroup API is served.
     pub pod_group_watch: futures::future::BoxFuture<'static, ()>,
@@ -144,6 +209,65 @@ where
     })
 }
 
+/// Keeps `writer`'s store filled from `events` and announces every change on `changes`
+/// once the store holds it.
+fn reflect<K, S>(
+    events: S,
+    mut writer: Writer<K>,
+    changes: Announcer<K>,
+) -> impl std::future::Future<Output = ()> + Send + 'static
+where
+    K: Lookup + Clone + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone + Default + Send + Sync,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    let store = writer.as_reader();
+    drive(events.map(move |event| {
+        let event = event?;
+        let before = matches!(event, watcher::Event::InitDone).then(|| store.state());
+        writer.apply_watcher_event(&event);
+        for object in changed(&event, before, &store) {
+            // Only a dropped controller stops reading, and then nothing needs telling.
+            let _ = changes.unbounded_send(object);
+        }
+        Ok::<_, watcher::Error>(())
+    }))
+}
+
+/// What `event`, just applied to `store`, changed. A completed (re)list changed everything the
+/// store holds and everything it held `before` that the list no longer has: those were deleted
+/// while the watch was away, and their owners must hear of it as of any deletion.
+fn changed<K>(
+    event: &watcher::Event<K>,
+    before: Option<Vec<Arc<K>>>,
+    store: &Store<K>,
+) -> Vec<Arc<K>>
+where
+    K: Lookup + Clone + 'static,
+    K::DynamicType: Eq + Hash + Clone + Default,
+{
+    match event {
+        watcher::Event::Apply(object) | watcher::Event::Delete(object) => {
+            vec![Arc::new(object.clone())]
+        }
+        watcher::Event::InitDone => {
+            let now = store.state();
+            let gone = before.into_iter().flatten().filter(|object| {
+                store
+                    .get(&ObjectRef::from_obj_with(
+                        object.as_ref(),
+                        Default::default(),
+                    ))
+                    .is_none()
+            });
+            let mut all: Vec<_> = gone.collect();
+            all.extend(now);
+            all
+        }
+        watcher::Event::Init | watcher::Event::InitApply(_) => Vec::new(),
+    }
+}
+
 impl Default for Cache {
     fn default() -> Self {
         Self::new()
@@ -152,13 +276,11 @@ impl Default for Cache {
 
 impl Cache {
     pub fn new() -> Self {
-        let (inference_services, inference_services_writer) =
-            reflector::store_shared(SUBSCRIBER_BUFFER);
-        let (pods, pods_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
-        let (services, services_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
-        let (disruption_budgets, disruption_budgets_writer) =
-            reflector::store_shared(SUBSCRIBER_BUFFER);
-        let (rank_tables, rank_tables_writer) = reflector::store_shared(SUBSCRIBER_BUFFER);
+        let (inference_services, inference_services_writer) = reflector::store();
+        let (pods, pods_writer) = reflector::store();
+        let (services, services_writer) = reflector::store();
+        let (disruption_budgets, disruption_budgets_writer) = reflector::store();
+        let (rank_tables, rank_tables_writer) = reflector::store();
         let pod_groups_writer = Writer::new(pod_group::api_resource());
         let pod_groups = pod_groups_writer.as_reader();
         let (synced_writer, synced) = watch::channel(false);
@@ -170,6 +292,7 @@ impl Cache {
                 disruption_budgets,
                 rank_tables,
                 pod_groups,
+                evictions: Evictions::default(),
                 synced,
             },
             writers: Mutex::new(Some(Writers {
@@ -189,43 +312,64 @@ impl Cache {
         let writers = self.writers.lock().ok()?.take()?;
         let managed =
             watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
-        let inference_services_handle = writers.inference_services.subscribe()?;
-        let pods_handle = writers.pods.subscribe()?;
-        let services_handle = writers.services.subscribe()?;
-        let disruption_budgets_handle = writers.disruption_budgets.subscribe()?;
-        let rank_tables_handle = writers.rank_tables.subscribe()?;
-        let inference_services = watcher(
-            scope.api::<InferenceService>(client),
-            watcher::Config::default(),
-        )
-        .modify(without_managed_fields)
-        .default_backoff()
-        .reflect_shared(writers.inference_services);
-        let pods = watcher(scope.api::<Pod>(client), managed.clone())
+        let (inference_services_changes, inference_services_announcer) = announce();
+        let (pods_changes, pods_announcer) = announce();
+        let (services_changes, services_announcer) = announce();
+        let (disruption_budgets_changes, disruption_budgets_announcer) = announce();
+        let (rank_tables_changes, rank_tables_announcer) = announce();
+        let inference_services = reflect(
+            watcher(
+                scope.api::<InferenceService>(client),
+                watcher::Config::default(),
+            )
             .modify(without_managed_fields)
-            .default_backoff()
-            .reflect_shared(writers.pods);
-        let services = watcher(
-            scope.api::<PartialObjectMeta<Service>>(client),
-            managed.clone(),
-        )
-        .modify(without_managed_fields)
-        .default_backoff()
-        .reflect_shared(writers.services);
-        let disruption_budgets = watcher(
-            scope.api::<PartialObjectMeta<PodDisruptionBudget>>(client),
-            managed.clone(),
-        )
-        .modify(without_managed_fields)
-        .default_backoff()
-        .reflect_shared(writers.disruption_budgets);
-        let rank_tables = watcher(
-            scope.api::<PartialObjectMeta<ConfigMap>>(client),
-            managed.clone(),
-        )
-        .modify(without_managed_fields)
-        .default_backoff()
-        .reflect_shared(writers.rank_tables);
+            .default_backoff(),
+            writers.inference_services,
+            inference_services_announcer,
+        );
+        let evictions = self.stores.evictions.clone();
+        let pods = reflect(
+            watcher(scope.api::<Pod>(client), managed.clone())
+                .modify(without_managed_fields)
+                .default_backoff()
+                .inspect(move |event| {
+                    if let Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event {
+                        evictions.note(pod);
+                    }
+                }),
+            writers.pods,
+            pods_announcer,
+        );
+        let services = reflect(
+            watcher(
+                scope.api::<PartialObjectMeta<Service>>(client),
+                managed.clone(),
+            )
+            .modify(without_managed_fields)
+            .default_backoff(),
+            writers.services,
+            services_announcer,
+        );
+        let disruption_budgets = reflect(
+            watcher(
+                scope.api::<PartialObjectMeta<PodDisruptionBudget>>(client),
+                managed.clone(),
+            )
+            .modify(without_managed_fields)
+            .default_backoff(),
+            writers.disruption_budgets,
+            disruption_budgets_announcer,
+        );
+        let rank_tables = reflect(
+            watcher(
+                scope.api::<PartialObjectMeta<ConfigMap>>(client),
+                managed.clone(),
+            )
+            .modify(without_managed_fields)
+            .default_backoff(),
+            writers.rank_tables,
+            rank_tables_announcer,
+        );
         let pod_group_api = scope.api_with::<DynamicObject>(client, &pod_group::api_resource());
         let pod_groups = watcher(pod_group_api, managed)
             .modify(without_managed_fields)
@@ -242,20 +386,20 @@ impl Cache {
         };
         let watches = async move {
             futures::join!(
-                drive(inference_services),
-                drive(pods),
-                drive(services),
-                drive(disruption_budgets),
-                drive(rank_tables),
+                inference_services,
+                pods,
+                services,
+                disruption_budgets,
+                rank_tables,
                 synced
             );
         };
         Some(Started {
-            inference_services: inference_services_handle,
-            pods: pods_handle,
-            services: services_handle,
-            disruption_budgets: disruption_budgets_handle,
-            rank_tables: rank_tables_handle,
+            inference_services: inference_services_changes,
+            pods: pods_changes,
+            services: services_changes,
+            disruption_budgets: disruption_budgets_changes,
+            rank_tables: rank_tables_changes,
             watches: Box::pin(watches),
             pod_group_watch: Box::pin(drive(pod_groups)),
         })
@@ -289,7 +433,88 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::WatchScope;
+    use std::time::Duration;
+
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::ResourceExt;
+    use kube::runtime::{reflector, watcher::Event};
+
+    use super::{WatchScope, announce, reflect};
+
+    fn pod(name: &str) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some(name.to_string());
+        pod.metadata.namespace = Some("team-a".to_string());
+        pod
+    }
+
+    /// Runs `events` through a store whose changes nobody reads until the watch has ended, and
+    /// returns the names the store holds and the names it announced, in order.
+    async fn reflect_unread(events: Vec<Event<Pod>>) -> (Vec<String>, Vec<String>) {
+        let (store, writer) = reflector::store();
+        let (changes, announcer) = announce();
+        let watch = reflect(
+            futures::stream::iter(events.into_iter().map(Ok)),
+            writer,
+            announcer,
+        );
+        tokio::time::timeout(Duration::from_secs(30), watch)
+            .await
+            .expect("the store never waits for its reader");
+        let mut held: Vec<_> = store.state().iter().map(|p| p.name_any()).collect();
+        held.sort();
+        let announced = changes.map(|p| p.name_any()).collect().await;
+        (held, announced)
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_pods_that_come_and_go_is_all_announced_and_never_stalls_the_store() {
+        // More short-lived pods than any buffer, none read until the end: each is deleted
+        // before its reader could look at it, which is what stalled the shared reflector.
+        let mut events = vec![Event::Init, Event::InitDone];
+        for i in 0..3000 {
+            let name = format!("burst-{i}");
+            events.push(Event::Apply(pod(&name)));
+            events.push(Event::Delete(pod(&name)));
+        }
+        events.push(Event::Apply(pod("survivor")));
+        let (held, announced) = reflect_unread(events).await;
+        assert_eq!(held, ["survivor"]);
+        assert_eq!(announced.len(), 6001);
+        assert_eq!(announced[0], "burst-0");
+        assert_eq!(announced[1], "burst-0", "a deletion is announced too");
+        assert_eq!(announced.last().map(String::as_str), Some("survivor"));
+    }
+
+    #[tokio::test]
+    async fn a_relist_announces_what_was_deleted_while_the_watch_was_away() {
+        let events = vec![
+            Event::Init,
+            Event::InitApply(pod("a")),
+            Event::InitApply(pod("b")),
+            Event::InitDone,
+            // The watch broke and listed again; `a` went in the meantime.
+            Event::Init,
+            Event::InitApply(pod("b")),
+            Event::InitApply(pod("c")),
+            Event::InitDone,
+        ];
+        let (held, announced) = reflect_unread(events).await;
+        assert_eq!(held, ["b", "c"]);
+        let (first, second) = announced.split_at(2);
+        let sorted = |names: &[String]| {
+            let mut names = names.to_vec();
+            names.sort();
+            names
+        };
+        assert_eq!(sorted(first), ["a", "b"]);
+        assert_eq!(
+            sorted(second),
+            ["a", "b", "c"],
+            "the vanished pod is announced"
+        );
+    }
 
     #[test]
     fn an_empty_watch_namespace_means_every_namespace() {

@@ -73,6 +73,8 @@ pub struct Context {
     pub cache: Cache,
     /// What the cache and the controller's own watches cover.
     pub scope: WatchScope,
+    /// Reconciles of each InferenceService (namespace, name) that failed in a row.
+    failures: std::sync::Mutex<std::collections::HashMap<(String, String), u32>>,
 }
 
 impl Context {
@@ -95,6 +97,24 @@ impl Context {
             inference_pools_served: AtomicBool::new(false),
             cache: Cache::new(),
             scope: WatchScope::default(),
+            failures: Default::default(),
+        }
+    }
+
+    /// Counts a failed reconcile of `isvc` (or forgets its failures after a success) and
+    /// returns how many failed in a row.
+    fn failures_in_a_row(&self, isvc: &InferenceService, failed: bool) -> u32 {
+        let key = (isvc.namespace().unwrap_or_default(), isvc.name_any());
+        let Ok(mut failures) = self.failures.lock() else {
+            return 1;
+        };
+        if failed {
+            let count = failures.entry(key).or_default();
+            *count = count.saturating_add(1);
+            *count
+        } else {
+            failures.remove(&key);
+            0
         }
     }
 
@@ -175,10 +195,24 @@ pub async fn run(ctx: Arc<Context>) {
     }
 }
 
+/// The first retry of a failed reconcile; each failure in a row doubles it.
+const RETRY_FIRST: Duration = Duration::from_secs(5);
+/// The longest wait between retries: a refusal a user must fix (a missing PriorityClass, a
+/// quota) is still noticed within minutes of the fix, without a request every few seconds.
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// The wait before retry number `failures` (1 after the first failure).
+pub fn retry_after(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    RETRY_FIRST.saturating_mul(1 << doublings).min(RETRY_MAX)
+}
+
 fn error_policy(isvc: Arc<InferenceService>, error: &Error, ctx: Arc<Context>) -> Action {
-    tracing::warn!(name = %isvc.name_any(), namespace = ?isvc.namespace(), %error, "reconcile failed");
     ctx.metrics.reconcile_failed(CONTROLLER, error.kind());
-    Action::requeue(Duration::from_secs(5))
+    let failures = ctx.failures_in_a_row(&isvc, true);
+    let after = retry_after(failures);
+    tracing::warn!(name = %isvc.name_any(), namespace = ?isvc.namespace(), %error, failures, retry_in_seconds = after.as_secs(), "reconcile failed");
+    Action::requeue(after)
 }
 
 /// A write the apiserver refused, with its own words.
@@ -209,19 +243,19 @@ impl Failure {
     }
 
     fn describe(&self) -> String {
-        let verb = if self.verb == "delete" {
-            "deleting"
-        } else {
-            "creating"
+        let verb = match self.verb {
+            "delete" => "deleting",
+            "label" => "labelling",
+            _ => "creating",
         };
         format!("{verb} {} {}: {}", self.kind, self.name, self.message)
     }
 
     fn reason(&self) -> &'static str {
-        if self.verb == "delete" {
-            "FailedDelete"
-        } else {
-            "FailedCreate"
+        match self.verb {
+            "delete" => "FailedDelete",
+            "label" => "FailedUpdate",
+            _ => "FailedCreate",
         }
     }
 }
@@ -256,6 +290,21 @@ impl Writer<'_> {
         if let Err(error) = api.patch(&name, &params, &Patch::Apply(object)).await {
             self.failures
                 .push(Failure::new("create", kind, &name, error));
+        }
+    }
+
+    /// Sets `label` on pod `name` (gone already: nothing to label).
+    async fn label(&mut self, api: &Api<Pod>, name: &str, label: &str) {
+        let patch = serde_json::json!({"metadata": {"labels": {label: "true"}}});
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(error) => self
+                .failures
+                .push(Failure::new("label", "Pod", name, error)),
         }
     }
 
@@ -307,6 +356,7 @@ fn observe(isvc: &InferenceService, ctx: &Context, namespace: &str) -> Observed 
         volcano_served,
         inference_pools_served: ctx.inference_pools_served.load(Ordering::Relaxed),
         applied: applied_digests(isvc, ctx, namespace, volcano_served),
+        evictions: stores.evictions.of(namespace, &isvc.name_any()),
     }
 }
 
@@ -458,6 +508,9 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
         writer.delete(&inference_pools, "InferencePool", name).await;
     }
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
+    for name in &plan.make_evictable {
+        writer.label(&pods, name, labels::EVICTABLE).await;
+    }
     for name in &plan.delete_pods {
         writer.delete(&pods, "Pod", name).await;
     }
@@ -528,7 +581,15 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
             name: f.name.clone(),
         }),
     });
-    for note in plan.notes.iter().cloned().chain(refusals) {
+    // A group whose first pod was refused was not created: its refusal says so alone.
+    let refused = |note: &&Note| {
+        note.reason == reconcile::CREATING_GROUP
+            && failures
+                .iter()
+                .any(|f| f.kind == "Pod" && note.related.as_ref().is_some_and(|r| r.name == f.name))
+    };
+    let notes = plan.notes.iter().filter(|note| !refused(note)).cloned();
+    for note in notes.chain(refusals) {
         publish(&ctx, &isvc, &namespace, &note).await;
     }
     status_written?;
@@ -540,9 +601,24 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
             transient: failures.iter().all(|f| f.transient),
         });
     }
+    ctx.failures_in_a_row(&isvc, false);
     // One second past a progress deadline, so the group is seen on the other side of it.
     let next = plan
         .recheck_after
         .map_or(RESYNC, |after| (after + Duration::from_secs(1)).min(RESYNC));
     Ok(Action::requeue(next))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::retry_after;
+
+    #[test]
+    fn refused_writes_are_retried_ever_later_up_to_five_minutes() {
+        let waits: Vec<u64> = (1..=9).map(|n| retry_after(n).as_secs()).collect();
+        assert_eq!(waits, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(retry_after(u32::MAX), Duration::from_secs(300));
+    }
 }

@@ -17,6 +17,10 @@ pub const INFERENCE_SERVICE: &str = "npufleet.io/inference-service";
 pub const GROUP: &str = "npufleet.io/group";
 pub const RANK: &str = "npufleet.io/rank";
 pub const TEMPLATE_HASH: &str = "npufleet.io/template-hash";
+/// On the pods of a replica group that an eviction broke: they leave the disruption budget,
+/// so the drain that evicted one rank evicts the others itself instead of waiting on a budget
+/// only their group's return would refill.
+pub const EVICTABLE: &str = "npufleet.io/evictable";
 /// On every object the operator applies: the digest of the object as last applied, so a
 /// reconcile that would apply the same again can leave it alone (the informer cache holds
 /// the annotation; comparing it costs no request).

@@ -88,6 +88,15 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     scale_to_zero_idle_seconds: u64,
+    /// The most pods one InferenceService may run; replica groups beyond it are not made
+    /// and its status says so (`ReplicaFailure`, reason `PodLimitExceeded`).
+    #[arg(
+        long,
+        env = "NPUFLEET_MAX_PODS_PER_SERVICE",
+        default_value_t = npufleet_operator::settings::DEFAULT_MAX_PODS_PER_SERVICE,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    max_pods_per_service: u32,
 }
 
 /// A listen address, or none when given as an empty string.
@@ -210,6 +219,7 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings {
         worker_image: args.worker_image.clone(),
         cluster_domain: args.cluster_domain.clone(),
+        max_pods_per_service: args.max_pods_per_service,
     };
     let health = Health::default();
     tracing::info!(

@@ -16,7 +16,7 @@ use crate::autoscaler::SCALE_DOWN_ANNOTATION;
 use crate::labels;
 use crate::replica_group::{self, ReplicaGroup, phase, pod_is_ready};
 use crate::resources::{self, inference_pool, names, pod, pod_group, rank_table, services};
-use crate::settings::Settings;
+use crate::settings::{self, Settings};
 use crate::status::{self, Observation};
 
 /// What exists in the cluster for one InferenceService.
@@ -34,6 +34,8 @@ pub struct Observed {
     pub inference_pools_served: bool,
     /// The [`labels::APPLIED_DIGEST`] of each applied object found, by kind and name.
     pub applied: BTreeMap<(String, String), String>,
+    /// When the Eviction API last evicted a pod of each replica group, where it did lately.
+    pub evictions: BTreeMap<i32, Time>,
 }
 
 /// An object an Event is about besides the InferenceService (the Events API's `related`).
@@ -77,6 +79,8 @@ pub struct Plan {
     /// Pods that do not exist yet.
     pub create_pods: Vec<Pod>,
     pub delete_pods: Vec<String>,
+    /// Pods to label [`labels::EVICTABLE`]: the peers of an evicted rank.
+    pub make_evictable: Vec<String>,
     /// Pods evicted from a lost node: no kubelet will confirm their end, and their group
     /// cannot be made again under the same names until they are gone.
     pub force_delete_pods: Vec<String>,
@@ -168,6 +172,15 @@ fn failure_of(pod: &Pod) -> String {
     text
 }
 
+/// The event reason of a replica group being made.
+pub const CREATING_GROUP: &str = "CreatingGroup";
+
+/// How long the peers of an evicted rank wait for the drain that evicted it to evict them
+/// too (kubectl retries every 5 s) before the operator deletes them itself. Were they deleted
+/// at once, their group would be made again under the same names before the drain retried,
+/// and the drain would evict the new pods by those names: every group recreated twice.
+pub const EVICTED_PEER_GRACE: Duration = Duration::from_secs(20);
+
 /// How soon a reconcile runs again while a pod is settling.
 pub const SETTLING_RECHECK: Duration = Duration::from_secs(10);
 
@@ -222,9 +235,22 @@ pub fn kept_groups(existing: &BTreeMap<i32, bool>, desired: i32) -> BTreeSet<i32
     kept
 }
 
+/// The replica groups to run: those asked for, as far as `max_pods` pods hold them.
+pub fn groups_within_limit(asked: i32, ranks: i32, max_pods: u32) -> i32 {
+    let fit = i32::try_from(max_pods).unwrap_or(i32::MAX) / ranks.max(1);
+    asked.min(fit)
+}
+
+/// What is left of `grace` since `since`.
+fn left_of(grace: Duration, since: &Time, now: &Time) -> Duration {
+    let elapsed = Duration::try_from(now.0.duration_since(since.0)).unwrap_or_default();
+    grace.saturating_sub(elapsed)
+}
+
 pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
-    let desired = crate::autoscaler::desired_replicas(isvc);
+    let asked = crate::autoscaler::desired_replicas(isvc);
     let ranks = isvc.pods_per_replica();
+    let desired = groups_within_limit(asked, ranks, settings.max_pods_per_service);
     let hash = resources::template_hash(isvc, settings);
     let scheduler = pod::scheduler_name(isvc);
     let wants_volcano = scheduler.as_deref() == Some("volcano");
@@ -257,6 +283,30 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         volcano_missing: wants_volcano && !observed.volcano_served,
         ..Default::default()
     };
+    if desired < asked {
+        let message = format!(
+            "{asked} replica groups of {ranks} pods would be {} pods; this operator runs at most {} pods per InferenceService (--max-pods-per-service), so {desired} replica groups",
+            i64::from(asked) * i64::from(ranks),
+            settings.max_pods_per_service
+        );
+        if isvc.status.as_ref().is_none_or(|s| {
+            !s.conditions
+                .iter()
+                .any(|c| c.reason == status::POD_LIMIT_EXCEEDED && c.message == message)
+        }) {
+            notes.push(Note {
+                warning: true,
+                reason: status::POD_LIMIT_EXCEEDED,
+                message: message.clone(),
+                related: None,
+            });
+        }
+        seen.pod_limit = Some(message);
+    }
+    let mut make_evictable = Vec::new();
+    // Pods this reconcile may still create: a group is never split, so one larger than the
+    // batch is made alone.
+    let mut create_budget = settings::CREATE_BATCH_PODS.max(u32::try_from(ranks).unwrap_or(1));
     let mut rank_tables = Vec::new();
     let mut outdated = Vec::new();
     let mut in_transition = false;
@@ -344,7 +394,38 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             continue;
         }
 
-        if recreating {
+        // A rank lost to an eviction: its peers leave the disruption budget and are left for
+        // the evicting drain, for a while, rather than deleted at once.
+        let drain_grace = observed
+            .evictions
+            .get(&g)
+            .filter(|_| recreating && failed_pod.is_none())
+            .map(|at| left_of(EVICTED_PEER_GRACE, at, now))
+            .filter(|left| !left.is_zero());
+        if let Some(left) = drain_grace {
+            let newly: Vec<String> = group
+                .live
+                .values()
+                .filter(|p| !p.labels().contains_key(labels::EVICTABLE))
+                .map(|p| p.name_any())
+                .collect();
+            if !newly.is_empty() {
+                notes.push(Note {
+                    warning: true,
+                    reason: "GroupRecreating",
+                    message: format!(
+                        "recreating replica group {g}: {}; evicted, so its other pods ({}) leave the disruption budget for the eviction's drain, and are deleted in {}s if it does not evict them",
+                        failures.last().cloned().unwrap_or_default(),
+                        newly.join(", "),
+                        left.as_secs()
+                    ),
+                    related: Some(Related::pod(names::pod(isvc, g, 0))),
+                });
+            }
+            make_evictable.extend(newly);
+            recheck_within(&mut recheck_after, left);
+            in_transition = true;
+        } else if recreating {
             delete_pods.extend(group.live.values().map(|p| p.name_any()));
             notes.push(Note {
                 warning: true,
@@ -360,14 +441,21 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             in_transition = true;
         } else if group.live.is_empty() {
             in_transition = true;
-            if group.terminating == 0 {
+            let fits = u32::try_from(ranks).unwrap_or(0) <= create_budget;
+            if group.terminating == 0 && fits {
+                create_budget -= u32::try_from(ranks).unwrap_or(0);
                 create_pods.extend((0..ranks).map(|r| pod::build(isvc, settings, g, r, &hash)));
                 notes.push(Note {
                     warning: false,
-                    reason: "CreatingGroup",
+                    reason: CREATING_GROUP,
                     message: format!("creating replica group {g} ({ranks} pods)"),
                     related: Some(Related::pod(names::pod(isvc, g, 0))),
                 });
+            } else if group.terminating == 0 {
+                // Made by a later reconcile, rank table and all; this one's status shows
+                // how far it got.
+                seen.groups_to_create += 1;
+                continue;
             }
         } else {
             if group.is_ready(ranks) {
@@ -439,6 +527,9 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     if observed.pods.iter().any(is_settling) {
         recheck_within(&mut recheck_after, SETTLING_RECHECK);
     }
+    if seen.groups_to_create > 0 {
+        recheck_within(&mut recheck_after, Duration::ZERO);
+    }
     seen.outdated_groups = outdated.len() as i32;
     // Roll one group at a time, and only while every other group (surge groups included) is
     // serving: with a surge group ready, taking an outdated one out leaves `desired` serving.
@@ -497,7 +588,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             .into_iter()
             .filter_map(|s| changed.stamp(s))
             .collect(),
-        disruption_budget: changed.stamp(services::disruption_budget(isvc)),
+        disruption_budget: changed.stamp(services::disruption_budget(isvc, desired)),
         rank_tables: rank_tables
             .into_iter()
             .filter_map(|t| changed.stamp(t))
@@ -509,6 +600,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
         inference_pool,
         create_pods,
         delete_pods,
+        make_evictable,
         force_delete_pods,
         delete_rank_tables: observed
             .rank_tables

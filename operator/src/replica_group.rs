@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
 use crate::labels;
@@ -22,6 +23,20 @@ pub fn pod_is_ready(pod: &Pod) -> bool {
         && status
             .and_then(|s| s.conditions.as_ref())
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// When the Eviction API evicted `pod` (a drain, or anything else that honours disruption
+/// budgets), from the `DisruptionTarget` condition the apiserver sets before deleting it.
+pub fn evicted_at(pod: &Pod) -> Option<Time> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    conditions
+        .iter()
+        .find(|c| {
+            c.type_ == "DisruptionTarget"
+                && c.status == "True"
+                && c.reason.as_deref() == Some("EvictionByEvictionAPI")
+        })
+        .and_then(|c| c.last_transition_time.clone())
 }
 
 pub fn phase(pod: &Pod) -> &str {

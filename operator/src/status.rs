@@ -17,6 +17,8 @@ pub const DEGRADED: &str = "Degraded";
 pub const RANK_TABLE_READY: &str = "RankTableReady";
 /// Present while the operator cannot create or delete an object, as on a Deployment.
 pub const REPLICA_FAILURE: &str = "ReplicaFailure";
+/// The `ReplicaFailure` reason while a service asks for more pods than the operator runs.
+pub const POD_LIMIT_EXCEEDED: &str = "PodLimitExceeded";
 /// Longest message a condition carries here; the API allows 32 KiB, a reader far less.
 const MAX_CONDITION_MESSAGE: usize = 4096;
 
@@ -46,6 +48,10 @@ pub struct Observation {
     pub apply_failures: Vec<String>,
     /// The InferencePool kept for the service's endpoint picker.
     pub inference_pool: Option<String>,
+    /// Why fewer replica groups run than asked: the operator's pod limit.
+    pub pod_limit: Option<String>,
+    /// Desired groups not made yet because this reconcile created its batch of pods.
+    pub groups_to_create: i32,
 }
 
 /// Cuts `text` to at most `max` bytes on a character boundary.
@@ -184,6 +190,17 @@ pub fn build(
             "schedulerName is volcano but scheduling.volcano.sh/v1beta1 PodGroups are not served"
                 .to_string(),
         )
+    } else if seen.groups_to_create > 0 {
+        (
+            true,
+            "CreatingGroups",
+            format!(
+                "{} of {desired} replica groups created, {} ready; {} pods are created at a time",
+                desired - seen.groups_to_create,
+                seen.ready_groups,
+                crate::settings::CREATE_BATCH_PODS
+            ),
+        )
     } else if seen.outdated_groups > 0 {
         (
             true,
@@ -227,7 +244,14 @@ pub fn build(
         (DEGRADED, degraded.0, &degraded.1, degraded.2.clone()),
     );
 
-    if !seen.apply_failures.is_empty() {
+    let replica_failure = if !seen.apply_failures.is_empty() {
+        Some(("FailedCreate", seen.apply_failures.join("; ")))
+    } else {
+        seen.pod_limit
+            .as_ref()
+            .map(|limit| (POD_LIMIT_EXCEEDED, limit.clone()))
+    };
+    if let Some((reason, message)) = replica_failure {
         set(
             &mut conditions,
             &previous.conditions,
@@ -236,8 +260,8 @@ pub fn build(
             (
                 REPLICA_FAILURE,
                 true,
-                "FailedCreate",
-                truncate(&seen.apply_failures.join("; "), MAX_CONDITION_MESSAGE),
+                reason,
+                truncate(&message, MAX_CONDITION_MESSAGE),
             ),
         );
     }

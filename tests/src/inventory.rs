@@ -9,10 +9,10 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DynamicObject, ListParams};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource};
 use npufleet_crds::InferenceService;
 use npufleet_operator::labels;
-use npufleet_operator::resources::{names, pod_group, services};
+use npufleet_operator::resources::{names, pod_group};
 
 /// The names of the objects of each kind that carry a service's label.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -118,9 +118,7 @@ impl Inventory {
             ]
             .into_iter()
             .collect(),
-            disruption_budgets: [services::disruption_budget(service).name_any()]
-                .into_iter()
-                .collect(),
+            disruption_budgets: [names::disruption_budget(service)].into_iter().collect(),
             foreign: BTreeSet::new(),
         }
     }

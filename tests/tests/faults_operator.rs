@@ -131,10 +131,11 @@ async fn divergence(
             )));
         }
         if let Some(service) = &live {
+            let desired = npufleet_operator::autoscaler::desired_replicas(service);
             let budget = budgets
-                .get(&children::disruption_budget(service).name_any())
+                .get(&children::disruption_budget(service, desired).name_any())
                 .await?;
-            let want = children::disruption_budget(service)
+            let want = children::disruption_budget(service, desired)
                 .spec
                 .and_then(|s| s.min_available);
             let got = budget.spec.and_then(|s| s.min_available);

@@ -752,3 +752,95 @@ async fn an_endpoint_picker_gets_an_inference_pool_of_the_serving_pods() -> Resu
     .with_context(operator_log)?;
     Ok(())
 }
+
+/// Pods that come and go faster than the controller reads (a large service deleted, a node's
+/// pods evicted) once left the operator's stores waiting forever on a reader nothing would
+/// wake: every later change went unseen until a restart. After a burst of thousands of pod
+/// events the operator must still see and repair a lost pod within seconds.
+#[tokio::test]
+async fn after_a_burst_of_pod_events_a_deleted_pod_is_still_recreated() -> Result<()> {
+    const BURST_PODS: usize = 1500;
+    const CLIENTS: usize = 16;
+    operator();
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let ns = c.namespace(&client, "operator-burst").await?;
+    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
+    let isvc: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "tp2"},
+        "spec": {
+            "model": {"name": "tp2-model", "source": {"imagePath": "/models/m.gguf"}},
+            "accelerator": {"type": "ascend910", "devicesPerPod": 1},
+            "parallelism": {"tensor": 2},
+        }
+    }))?;
+    isvcs.create(&PostParams::default(), &isvc).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let ready = || async {
+        Ok((condition(&isvcs, "tp2", "Ready")
+            .await?
+            .map(|c| c.0)
+            .as_deref()
+            == Some("True"))
+        .then_some(()))
+    };
+    wait::until("tp2 Ready", TIMEOUT, ready)
+        .await
+        .with_context(operator_log)?;
+
+    // Each pod carries the label the operator watches and is deleted as soon as it exists
+    // (never scheduled, so at once): the watch delivers each creation and deletion together.
+    let started = std::time::Instant::now();
+    let burst = futures::stream::iter(0..BURST_PODS)
+        .map(|i| {
+            let pods = pods.clone();
+            async move {
+                let pod: Pod = serde_json::from_value(json!({
+                    "metadata": {
+                        "name": format!("burst-{i}"),
+                        "labels": {"app.kubernetes.io/managed-by": "npufleet-operator"},
+                    },
+                    "spec": {
+                        "schedulerName": "nobody-schedules-these",
+                        "containers": [{"name": "c", "image": "burst"}],
+                    }
+                }))?;
+                pods.create(&PostParams::default(), &pod).await?;
+                pods.delete(&format!("burst-{i}"), &Default::default())
+                    .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(CLIENTS)
+        .collect::<Vec<_>>()
+        .await;
+    for result in burst {
+        result?;
+    }
+    eprintln!(
+        "{} pod events in {:.1} s",
+        2 * BURST_PODS,
+        started.elapsed().as_secs_f64()
+    );
+
+    let old = pods.get("tp2-0-1").await?.uid();
+    pods.delete("tp2-0-1", &Default::default()).await?;
+    wait::until(
+        "tp2-0-1 recreated after the burst",
+        Duration::from_secs(30),
+        || async {
+            Ok(get_pod(&pods, "tp2-0-1")
+                .await?
+                .filter(|p| p.uid() != old)
+                .map(|_| ()))
+        },
+    )
+    .await
+    .with_context(operator_log)?;
+    wait::until("tp2 Ready again", TIMEOUT, ready)
+        .await
+        .with_context(operator_log)?;
+    Ok(())
+}

@@ -987,7 +987,7 @@ fn events_about_groups_name_the_group_so_each_keeps_its_message() {
 #[test]
 fn the_disruption_budget_counts_pods_so_one_eviction_spends_one_group() {
     let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 2);
-    let budget = resources::services::disruption_budget(&isvc);
+    let budget = resources::services::disruption_budget(&isvc, isvc.spec.replicas);
     let spec = budget.spec.unwrap();
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     assert_eq!(spec.min_available, Some(IntOrString::Int(3)));
@@ -998,7 +998,9 @@ fn the_disruption_budget_counts_pods_so_one_eviction_spends_one_group() {
     );
     isvc.spec.disruption_budget.max_unavailable = 2;
     isvc.spec.replicas = 1;
-    let spec = resources::services::disruption_budget(&isvc).spec.unwrap();
+    let spec = resources::services::disruption_budget(&isvc, isvc.spec.replicas)
+        .spec
+        .unwrap();
     assert_eq!(spec.min_available, Some(IntOrString::Int(0)));
 }
 
@@ -1273,4 +1275,152 @@ fn a_placed_pod_that_is_not_ready_brings_the_reconcile_back_soon() {
         None,
         "an unplaced pod waits for the scheduler and its progress deadline"
     );
+}
+
+#[test]
+fn a_large_service_is_created_a_batch_at_a_time_and_says_how_far_it_got() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 8, 20);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    // 64 pods a reconcile: 8 groups of 8, never part of a group.
+    assert_eq!(p.create_pods.len(), 64);
+    assert_eq!(p.notes.len(), 8);
+    assert_eq!(p.rank_tables.len(), 8, "no rank table ahead of its group");
+    let progressing = condition(&p.status, status::PROGRESSING);
+    assert_eq!(progressing.reason, "CreatingGroups");
+    assert!(
+        progressing
+            .message
+            .starts_with("8 of 20 replica groups created, 0 ready"),
+        "{}",
+        progressing.message
+    );
+    assert_eq!(p.recheck_after, Some(std::time::Duration::ZERO));
+
+    // The next reconcile sees those pods and makes the next batch.
+    let pods: Vec<Pod> = p
+        .create_pods
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| with_status(p, "Pending", false, i))
+        .collect();
+    let observed = Observed {
+        pods,
+        ..Default::default()
+    };
+    let next = plan(&isvc, &observed, &Settings::default(), &now());
+    assert_eq!(next.create_pods.len(), 64);
+    assert_eq!(next.create_pods[0].name_any(), "llm-8-0");
+}
+
+#[test]
+fn a_group_larger_than_a_batch_is_made_whole() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 128, 2);
+    let p = plan(&isvc, &Observed::default(), &Settings::default(), &now());
+    assert_eq!(p.create_pods.len(), 128);
+}
+
+#[test]
+fn a_service_beyond_the_pod_limit_runs_what_fits_and_says_why() {
+    let isvc = service(
+        AcceleratorType::Ascend910,
+        Platform::Mindcluster,
+        1,
+        64,
+        1000,
+    );
+    let settings = Settings {
+        max_pods_per_service: 256,
+        ..Settings::default()
+    };
+    let p = plan(&isvc, &Observed::default(), &settings, &now());
+    assert_eq!(p.create_pods.len(), 64, "one whole group per batch");
+    let failure = condition(&p.status, status::REPLICA_FAILURE);
+    assert_eq!(
+        (failure.status.as_str(), failure.reason.as_str()),
+        ("True", status::POD_LIMIT_EXCEEDED)
+    );
+    assert!(
+        failure
+            .message
+            .contains("1000 replica groups of 64 pods would be 64000 pods")
+            && failure.message.contains("at most 256 pods")
+            && failure.message.ends_with("so 4 replica groups"),
+        "{}",
+        failure.message
+    );
+    assert!(
+        condition(&p.status, status::READY)
+            .message
+            .starts_with("0 of 4 replica groups ready")
+    );
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.warning && n.reason == status::POD_LIMIT_EXCEEDED)
+    );
+    let budget = p.disruption_budget.unwrap().spec.unwrap();
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    assert_eq!(budget.min_available, Some(IntOrString::Int(255)));
+}
+
+/// A TP-2 group whose rank 0 a drain evicted `seconds_ago`.
+fn evicted_rank_zero(seconds_ago: i64) -> (InferenceService, Observed) {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 2, 1);
+    let mut pods = running(&isvc, true);
+    pods.remove(0);
+    let at = Time(now().0 - k8s_openapi::jiff::SignedDuration::from_secs(seconds_ago));
+    let observed = Observed {
+        pods,
+        evictions: [(0, at)].into(),
+        ..Default::default()
+    };
+    (isvc, observed)
+}
+
+#[test]
+fn the_peers_of_an_evicted_rank_are_left_to_the_drain_outside_the_budget() {
+    let (isvc, observed) = evicted_rank_zero(2);
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    assert_eq!(p.make_evictable, ["llm-0-1"]);
+    assert!(
+        p.delete_pods.is_empty(),
+        "the drain evicts it: {:?}",
+        p.delete_pods
+    );
+    assert!(p.create_pods.is_empty());
+    assert_eq!(p.recheck_after, Some(std::time::Duration::from_secs(18)));
+    assert!(p.notes.iter().any(|n| n.reason == "GroupRecreating"));
+
+    // Labelled already: nothing more to do until the drain takes it or the grace ends.
+    let mut observed = observed;
+    observed.pods[0]
+        .labels_mut()
+        .insert(labels::EVICTABLE.into(), "true".into());
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(p.make_evictable.is_empty() && p.delete_pods.is_empty());
+    assert!(p.notes.iter().all(|n| n.reason != "GroupRecreating"));
+
+    let budget = resources::services::disruption_budget(&isvc, 1)
+        .spec
+        .unwrap();
+    let exclusions = budget.selector.unwrap().match_expressions.unwrap();
+    assert_eq!(exclusions[0].key, labels::EVICTABLE);
+    assert_eq!(exclusions[0].operator, "DoesNotExist");
+}
+
+#[test]
+fn peers_no_drain_evicts_are_deleted_once_the_grace_is_over() {
+    let (isvc, observed) = evicted_rank_zero(25);
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(p.make_evictable.is_empty());
+    assert_eq!(p.delete_pods, ["llm-0-1"]);
+}
+
+#[test]
+fn a_rank_lost_without_an_eviction_has_its_group_recreated_at_once() {
+    let (isvc, mut observed) = evicted_rank_zero(2);
+    observed.evictions.clear();
+    let p = plan(&isvc, &observed, &Settings::default(), &now());
+    assert!(p.make_evictable.is_empty());
+    assert_eq!(p.delete_pods, ["llm-0-1"]);
 }

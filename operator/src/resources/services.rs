@@ -2,7 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::ObjectMeta;
 use kube::{Resource, ResourceExt};
@@ -74,9 +74,11 @@ pub fn client(isvc: &InferenceService) -> Service {
 /// peers (a group missing a rank cannot serve), which takes the group out as a whole. An
 /// integer `minAvailable` also keeps the disruption controller from counting expected pods
 /// through the scale subresource, which counts groups, not pods. Pods that are not ready may
-/// always be evicted, so a drain never waits on a group that is down anyway.
-pub fn disruption_budget(isvc: &InferenceService) -> PodDisruptionBudget {
-    let pods = crate::autoscaler::desired_replicas(isvc).max(0) * isvc.pods_per_replica();
+/// always be evicted, so a drain never waits on a group that is down anyway; nor are the
+/// peers of an evicted rank counted (labelled [`labels::EVICTABLE`]), so the drain that
+/// evicted it takes them too. `desired` is the replica groups the operator runs.
+pub fn disruption_budget(isvc: &InferenceService, desired: i32) -> PodDisruptionBudget {
+    let pods = desired.max(0) * isvc.pods_per_replica();
     let min_available = (pods - isvc.spec.disruption_budget.max_unavailable).max(0);
     PodDisruptionBudget {
         metadata: metadata(isvc, names::disruption_budget(isvc)),
@@ -84,7 +86,11 @@ pub fn disruption_budget(isvc: &InferenceService) -> PodDisruptionBudget {
             min_available: Some(IntOrString::Int(min_available)),
             selector: Some(LabelSelector {
                 match_labels: Some(labels::workers(isvc)),
-                match_expressions: None,
+                match_expressions: Some(vec![LabelSelectorRequirement {
+                    key: labels::EVICTABLE.to_string(),
+                    operator: "DoesNotExist".to_string(),
+                    values: None,
+                }]),
             }),
             unhealthy_pod_eviction_policy: Some("AlwaysAllow".to_string()),
             ..Default::default()
