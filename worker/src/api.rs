@@ -30,12 +30,33 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// 0 disables top-k.
     pub top_k: u32,
+    /// Tokens whose probability is below `min_p` times the most likely token's are never
+    /// sampled; in [0, 1], 0 disables it.
+    pub min_p: f32,
+    /// Divides positive logits and multiplies negative ones of every token already in the
+    /// prompt or the output (Hugging Face's and vLLM's definition); 1 disables it.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already in the output; in [-2, 2].
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it occurs in the output; in [-2, 2].
+    pub frequency_penalty: f32,
     /// Fixes the random stream so the same request gives the same text.
     pub seed: Option<u64>,
     /// Generation stops before any of these strings; they are not returned.
     pub stop: Vec<String>,
     /// Extra token ids that end generation (the model's end-of-sequence ids always do).
     pub stop_token_ids: Vec<u32>,
+    /// No end-of-sequence id, stop id or stop string ends generation before this many
+    /// tokens: the ids that would end it are never sampled until then, as in vLLM.
+    pub min_tokens: u32,
+    /// The model's end-of-sequence ids do not end generation (requested stop ids and
+    /// strings still do).
+    pub ignore_eos: bool,
+}
+
+impl SamplingParams {
+    /// The fewest tokens a request may ask for: asking for none is a mistake, not a no-op.
+    pub const MIN_MAX_TOKENS: u32 = 1;
 }
 
 impl Default for SamplingParams {
@@ -45,9 +66,15 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: None,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
+            min_tokens: 0,
+            ignore_eos: false,
         }
     }
 }
@@ -167,9 +194,13 @@ impl GenerationStream {
 /// Why a request was not accepted. Each maps to one protocol status.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
-    /// HTTP 400 / gRPC INVALID_ARGUMENT.
-    #[error("{0}")]
-    Invalid(String),
+    /// HTTP 400 / gRPC INVALID_ARGUMENT. `param` names the request field at fault, in the
+    /// names [`SamplingParams`] uses (`prompt` for the prompt).
+    #[error("{message}")]
+    Invalid {
+        message: String,
+        param: Option<&'static str>,
+    },
     /// HTTP 429 / gRPC RESOURCE_EXHAUSTED.
     #[error("the waiting queue is full ({limit} requests); retry later")]
     QueueFull { limit: usize },
@@ -179,6 +210,15 @@ pub enum SubmitError {
     /// HTTP 503 / gRPC UNAVAILABLE.
     #[error("the worker is draining and accepts no new requests")]
     Draining,
+}
+
+impl SubmitError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        SubmitError::Invalid {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

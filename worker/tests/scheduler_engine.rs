@@ -474,6 +474,102 @@ fn stop_strings_and_stop_tokens_end_generation() {
 }
 
 #[test]
+fn min_tokens_and_ignore_eos_hold_off_the_end() {
+    let engine = start(config());
+    let question = chat("Say hello.");
+    let answer = collect(
+        engine
+            .submit(request("eos", &question, greedy(200)))
+            .expect("submit"),
+    );
+    assert_eq!(answer.reason, FinishReason::Stop);
+    let answered = answer.tokens.len();
+
+    // The end-of-sequence id is never sampled before min_tokens: the answer goes on past it
+    // and agrees with the free answer up to where that one ended.
+    let min_tokens = answered as u32 + 10;
+    let longer = collect(
+        engine
+            .submit(request(
+                "min",
+                &question,
+                SamplingParams {
+                    min_tokens,
+                    ..greedy(200)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert!(
+        longer.usage.completion_tokens >= min_tokens,
+        "{} tokens, min_tokens {min_tokens}",
+        longer.usage.completion_tokens
+    );
+    assert_eq!(longer.tokens[..answered - 1], answer.tokens[..answered - 1]);
+    assert_ne!(longer.tokens[answered - 1], answer.tokens[answered - 1]);
+    assert!(!longer.text.contains("<|im_"), "{:?}", longer.text);
+
+    // ignore_eos: exactly max_tokens, and the special tokens it passes are no text.
+    let all = collect(
+        engine
+            .submit(request(
+                "ignore",
+                &question,
+                SamplingParams {
+                    ignore_eos: true,
+                    ..greedy(40)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert_eq!(all.reason, FinishReason::Length);
+    assert_eq!(all.usage.completion_tokens, 40);
+    assert!(answered < 40, "the free answer has {answered} tokens");
+    assert_eq!(all.tokens[answered - 1], answer.tokens[answered - 1]);
+    assert!(!all.text.contains("<|im_"), "{:?}", all.text);
+
+    // A stop id and a stop string are held off the same way.
+    let prompt = "Here is a list of fruits: apple, banana,";
+    let free = collect(
+        engine
+            .submit(request("free", prompt, greedy(24)))
+            .expect("submit"),
+    );
+    let stop_id = free.tokens[3];
+    let held = collect(
+        engine
+            .submit(request(
+                "held-id",
+                prompt,
+                SamplingParams {
+                    stop_token_ids: vec![stop_id],
+                    min_tokens: 10,
+                    ..greedy(24)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert!(held.tokens.len() > 10, "{:?}", held.tokens);
+    assert!(!held.tokens[..10].contains(&stop_id));
+    let stop: String = free.text.chars().skip(4).take(3).collect();
+    let held = collect(
+        engine
+            .submit(request(
+                "held-string",
+                prompt,
+                SamplingParams {
+                    stop: vec![stop],
+                    min_tokens: 24,
+                    ..greedy(24)
+                },
+            ))
+            .expect("submit"),
+    );
+    assert_eq!(held.reason, FinishReason::Length);
+    assert_eq!(held.text, free.text);
+}
+
+#[test]
 fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
     // Without end-of-sequence ids only the stop string can end the request before 2000
     // tokens, and it is matched outside the core, which must then drop the sequence.
@@ -564,7 +660,11 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
             ..SamplingParams::default()
         },
     });
-    let Err(SubmitError::Invalid(message)) = too_many else {
+    let Err(SubmitError::Invalid {
+        message,
+        param: Some("max_tokens"),
+    }) = too_many
+    else {
         panic!("expected Invalid, got {too_many:?}");
     };
     assert!(
@@ -577,7 +677,11 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
         prompt: Prompt::Tokens((0..32).collect()),
         params: SamplingParams::default(),
     });
-    let Err(SubmitError::Invalid(message)) = too_long else {
+    let Err(SubmitError::Invalid {
+        message,
+        param: Some("prompt"),
+    }) = too_long
+    else {
         panic!("expected Invalid, got {too_long:?}");
     };
     assert!(
@@ -644,14 +748,21 @@ fn bad_requests_are_rejected_with_the_problem_named() {
     let engine = start(config());
     let vocab = engine.model_info().vocab_size;
     let context = engine.model_info().context_length;
+    // The message, checked to name the field it blames.
     let invalid = |params: SamplingParams, prompt: Prompt| -> String {
         match engine.submit(GenerateRequest {
             id: "bad".into(),
             prompt,
             params,
         }) {
-            Err(SubmitError::Invalid(message)) => message,
-            other => panic!("expected Invalid, got {other:?}"),
+            Err(SubmitError::Invalid {
+                message,
+                param: Some(param),
+            }) => {
+                assert!(message.contains(param), "{param}: {message}");
+                message
+            }
+            other => panic!("expected Invalid naming a field, got {other:?}"),
         }
     };
     let text = || Prompt::Text("Hello".into());
@@ -707,7 +818,43 @@ fn bad_requests_are_rejected_with_the_problem_named() {
         },
         text(),
     );
-    assert!(m.contains("stop token"), "{m}");
+    assert!(m.contains("stop_token_ids"), "{m}");
+    let m = invalid(
+        SamplingParams {
+            min_tokens: 5,
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(
+        m.contains("min_tokens") && m.contains("max_tokens 4"),
+        "{m}"
+    );
+    let m = invalid(
+        SamplingParams {
+            min_tokens: context as u32,
+            max_tokens: None,
+            ..greedy(4)
+        },
+        text(),
+    );
+    assert!(m.contains("min_tokens") && m.contains("at most"), "{m}");
+    for params in [
+        SamplingParams {
+            repetition_penalty: -1.0,
+            ..greedy(4)
+        },
+        SamplingParams {
+            frequency_penalty: 3.0,
+            ..greedy(4)
+        },
+        SamplingParams {
+            min_p: -0.5,
+            ..greedy(4)
+        },
+    ] {
+        invalid(params, text());
+    }
 
     // Nothing was queued, and a good request still works.
     assert_eq!(engine.load().waiting, 0);

@@ -606,12 +606,14 @@ impl EngineCore {
     }
 }
 
-/// Appends a sampled token and says whether it is the sequence's last: a stop id, or the
-/// length limit reached.
+/// Appends a sampled token and says whether it is the sequence's last: a stop id once
+/// `min_tokens` are generated (the sampler masks them before), or the length limit reached.
 fn accept_token(sequence: &mut Sequence, token: u32) -> SequenceOutput {
     sequence.first_token.get_or_insert_with(Instant::now);
     sequence.tokens.push(token);
-    let finish = if sequence.stop_ids.binary_search(&token).is_ok() {
+    let finish = if sequence.tokens.len() > sequence.min_len
+        && sequence.stop_ids.binary_search(&token).is_ok()
+    {
         Some(FinishReason::Stop)
     } else if sequence.tokens.len() >= sequence.max_len {
         Some(FinishReason::Length)

@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{
     ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
-    Prompt, SubmitError,
+    Prompt, SamplingParams, SubmitError,
 };
 use crate::backend::KvDtype;
 use crate::model::{Model, PrecisionPolicy, WeightPrecision};
@@ -249,6 +249,8 @@ struct Sequence {
     prompt_len: usize,
     /// Length at which generation stops with [`crate::api::FinishReason::Length`].
     max_len: usize,
+    /// Length before which no stop id ends generation (the prompt plus `min_tokens`).
+    min_len: usize,
     /// Leading tokens whose K/V are in the cache.
     num_computed: usize,
     blocks: SequenceBlocks,
@@ -273,27 +275,33 @@ impl EngineHandle {
         outputs: mpsc::UnboundedSender<SequenceOutput>,
     ) -> Result<Sequence, SubmitError> {
         let params = &request.params;
-        if !params.temperature.is_finite() || params.temperature < 0.0 {
-            return Err(SubmitError::Invalid(format!(
-                "temperature must be a finite number ≥ 0, got {}",
-                params.temperature
-            )));
+        sampler::check(params)?;
+        if let Some(max) = params.max_tokens
+            && max < SamplingParams::MIN_MAX_TOKENS
+        {
+            return Err(SubmitError::invalid(
+                "max_tokens",
+                format!(
+                    "max_tokens must be at least {}, got {max}",
+                    SamplingParams::MIN_MAX_TOKENS
+                ),
+            ));
         }
-        if !(params.top_p > 0.0 && params.top_p <= 1.0) {
-            return Err(SubmitError::Invalid(format!(
-                "top_p must be in (0, 1], got {}",
-                params.top_p
-            )));
-        }
-        // A request for zero tokens is a mistake rather than a no-op.
-        if params.max_tokens == Some(0) {
-            return Err(SubmitError::Invalid(
-                "max_tokens must be at least 1, got 0".into(),
+        if let Some(max) = params.max_tokens
+            && params.min_tokens > max
+        {
+            return Err(SubmitError::invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens must not exceed max_tokens, got min_tokens {} and max_tokens {max}",
+                    params.min_tokens
+                ),
             ));
         }
         if params.stop.iter().any(String::is_empty) {
-            return Err(SubmitError::Invalid(
-                "stop strings must not be empty".into(),
+            return Err(SubmitError::invalid(
+                "stop",
+                "stop must not contain an empty string",
             ));
         }
         let config = self.model.config();
@@ -303,78 +311,109 @@ impl EngineHandle {
             .iter()
             .find(|&&id| id as usize >= vocab)
         {
-            return Err(SubmitError::Invalid(format!(
-                "stop token id {bad} is outside the vocabulary (size {vocab})"
-            )));
+            return Err(SubmitError::invalid(
+                "stop_token_ids",
+                format!("stop_token_ids holds {bad}, outside the vocabulary (size {vocab})"),
+            ));
         }
         let tokens = match &request.prompt {
             Prompt::Text(text) => {
                 if text.is_empty() {
-                    return Err(SubmitError::Invalid("the prompt is empty".into()));
+                    return Err(SubmitError::invalid("prompt", "the prompt is empty"));
                 }
                 // No token is longer than the vocabulary's longest entry, so a text this long
                 // cannot fit; refusing it here spares tokenising megabytes for nothing.
                 let fewest_tokens = text.len().div_ceil(self.longest_token_bytes);
                 if fewest_tokens >= self.max_sequence_tokens {
-                    return Err(SubmitError::Invalid(format!(
-                        "the prompt is {} bytes, at least {fewest_tokens} tokens, but {}; \
-                         it must be shorter to leave room for at least one generated token",
-                        text.len(),
-                        self.sequence_limit()
-                    )));
+                    return Err(SubmitError::invalid(
+                        "prompt",
+                        format!(
+                            "the prompt is {} bytes, at least {fewest_tokens} tokens, but {}; \
+                             it must be shorter to leave room for at least one generated token",
+                            text.len(),
+                            self.sequence_limit()
+                        ),
+                    ));
                 }
                 self.model.tokenizer().encode_prompt(config, text)
             }
             Prompt::Tokens(tokens) => {
                 if tokens.is_empty() {
-                    return Err(SubmitError::Invalid("the prompt is empty".into()));
+                    return Err(SubmitError::invalid("prompt", "the prompt is empty"));
                 }
                 if let Some((at, &bad)) = tokens
                     .iter()
                     .enumerate()
                     .find(|(_, id)| **id as usize >= vocab)
                 {
-                    return Err(SubmitError::Invalid(format!(
-                        "prompt token id {bad} at position {at} is outside the vocabulary (size {vocab})"
-                    )));
+                    return Err(SubmitError::invalid(
+                        "prompt",
+                        format!(
+                            "prompt token id {bad} at position {at} is outside the vocabulary (size {vocab})"
+                        ),
+                    ));
                 }
                 tokens.clone()
             }
         };
         let prompt_len = tokens.len();
         if prompt_len >= self.max_sequence_tokens {
-            return Err(SubmitError::Invalid(format!(
-                "the prompt has {prompt_len} tokens but {}; it must be shorter to leave room for at least one generated token",
-                self.sequence_limit()
-            )));
+            return Err(SubmitError::invalid(
+                "prompt",
+                format!(
+                    "the prompt has {prompt_len} tokens but {}; it must be shorter to leave room for at least one generated token",
+                    self.sequence_limit()
+                ),
+            ));
         }
         let room = self.max_sequence_tokens - prompt_len;
         let max_new = match params.max_tokens {
             None => room,
             Some(max) if max as usize <= room => max as usize,
             Some(max) => {
-                return Err(SubmitError::Invalid(format!(
-                    "max_tokens is {max} but the prompt has {prompt_len} tokens and {}, \
-                     so at most {room} tokens can be generated",
-                    self.sequence_limit()
-                )));
+                return Err(SubmitError::invalid(
+                    "max_tokens",
+                    format!(
+                        "max_tokens is {max} but the prompt has {prompt_len} tokens and {}, \
+                         so at most {room} tokens can be generated",
+                        self.sequence_limit()
+                    ),
+                ));
             }
         };
+        // Only reachable without max_tokens, which is checked against min_tokens above.
+        if params.min_tokens as usize > max_new {
+            return Err(SubmitError::invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens is {} but the prompt has {prompt_len} tokens and {}, \
+                     so at most {room} tokens can be generated",
+                    params.min_tokens,
+                    self.sequence_limit()
+                ),
+            ));
+        }
         let precision = self.precision.for_prompt(prompt_len);
-        let mut stop_ids = self.model_stop_ids.clone();
+        let mut stop_ids = if params.ignore_eos {
+            Vec::new()
+        } else {
+            self.model_stop_ids.clone()
+        };
         stop_ids.extend(&params.stop_token_ids);
         stop_ids.sort_unstable();
         stop_ids.dedup();
+        let sampler = Sampler::new(params, &tokens, &stop_ids);
         Ok(Sequence {
             order: 0,
             request_id: request.id.clone(),
             prompt_len,
             max_len: prompt_len + max_new,
+            min_len: prompt_len + params.min_tokens as usize,
             tokens,
             num_computed: 0,
             blocks: SequenceBlocks::in_namespace(core::precision_namespace(precision)),
             precision,
-            sampler: Sampler::new(params),
+            sampler,
             stop_ids,
             outputs,
             cached_prompt_tokens: None,
@@ -441,6 +480,7 @@ impl Engine for EngineHandle {
             received,
             Arc::clone(&self.model),
             request.params.stop,
+            request.params.min_tokens,
         )))
     }
 
@@ -483,7 +523,12 @@ impl Engine for EngineHandle {
         self.model
             .tokenizer()
             .apply_chat_template(messages, true)
-            .map_err(|err| SubmitError::Invalid(format!("cannot apply the chat template: {err:#}")))
+            .map_err(|err| {
+                SubmitError::invalid(
+                    "messages",
+                    format!("cannot apply the chat template: {err:#}"),
+                )
+            })
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError> {

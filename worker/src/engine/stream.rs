@@ -37,6 +37,8 @@ pub(super) struct RequestStream {
     model: Arc<Model>,
     decoder: StreamDecoder,
     stop: StopMatcher,
+    /// Stop strings are looked for only in the text of tokens after the first `min_tokens`.
+    min_tokens: u32,
     /// Events produced but not yet read (a last token brings its final event with it).
     ready: VecDeque<GenerationEvent>,
     /// The final event has been produced; nothing the core still sends is read.
@@ -76,12 +78,14 @@ impl RequestStream {
         outputs: mpsc::UnboundedReceiver<SequenceOutput>,
         model: Arc<Model>,
         stops: Vec<String>,
+        min_tokens: u32,
     ) -> Self {
         Self {
             outputs,
             model,
             decoder: StreamDecoder::new(),
             stop: StopMatcher::new(stops),
+            min_tokens,
             ready: VecDeque::new(),
             ended: false,
         }
@@ -111,8 +115,20 @@ impl RequestStream {
             let (text, _) = self.release_remaining();
             (text, Some(FinishReason::Stop))
         } else {
-            let piece = self.decoder.push(self.model.tokenizer(), token_id);
-            match self.stop.push(&piece) {
+            let tokenizer = self.model.tokenizer();
+            // Special tokens (an ignored end-of-sequence id, a turn marker) are not text, as
+            // with vLLM's default `skip_special_tokens`.
+            let piece = if tokenizer.is_special(token_id) {
+                String::new()
+            } else {
+                self.decoder.push(tokenizer, token_id)
+            };
+            let outcome = if usage.completion_tokens > self.min_tokens {
+                self.stop.push(&piece)
+            } else {
+                StopOutcome::Release(piece)
+            };
+            match outcome {
                 StopOutcome::Stopped(text) => (text, Some(FinishReason::Stop)),
                 StopOutcome::Release(mut text) if finish.is_some() => {
                     let (rest, stopped) = self.release_remaining();

@@ -104,7 +104,10 @@ impl ServeError {
 impl From<SubmitError> for ServeError {
     fn from(err: SubmitError) -> Self {
         match err {
-            SubmitError::Invalid(message) => ServeError::bad_request(message),
+            SubmitError::Invalid { message, param } => ServeError::BadRequest {
+                message,
+                param: param.map(str::to_string),
+            },
             SubmitError::QueueFull { limit } => ServeError::QueueFull { limit },
             SubmitError::WarmingUp { .. } | SubmitError::Draining => {
                 ServeError::Unavailable(err.to_string())
@@ -135,7 +138,7 @@ mod tests {
     fn submit_errors_map_to_protocol_statuses() {
         let cases = [
             (
-                SubmitError::Invalid("bad".into()),
+                SubmitError::invalid("top_p", "bad"),
                 http::StatusCode::BAD_REQUEST,
                 tonic::Code::InvalidArgument,
             ),
@@ -156,7 +159,9 @@ mod tests {
             ),
         ];
         for (submit, http_status, grpc_code) in cases {
+            let named = matches!(submit, SubmitError::Invalid { .. });
             let err = ServeError::from(submit);
+            assert_eq!(err.param().is_some(), named, "the field is kept");
             assert_eq!(err.http_status(), http_status);
             assert_eq!(tonic::Status::from(err).code(), grpc_code);
         }

@@ -36,6 +36,22 @@ const IGNORED_PARAMETERS: &[&str] = &[
     "binary_data_output",
 ];
 
+/// The request parameters that set sampling, each a field of [`SamplingParams`].
+const SAMPLING_PARAMETERS: &[&str] = &[
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+];
+
 /// A decoded inference request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InferRequest {
@@ -353,6 +369,45 @@ fn param_f64(name: &str, param: &InferParameter) -> Result<f64, ServeError> {
     }
 }
 
+/// A number the engine holds as an `f32`; its range is the engine's to check.
+fn param_f32(name: &str, param: &InferParameter) -> Result<f32, ServeError> {
+    let value = param_f64(name, param)?;
+    let narrowed = value as f32;
+    if narrowed.is_infinite() {
+        return Err(ServeError::bad_param(
+            name,
+            format!(
+                "parameter '{name}' must be between -{max:e} and {max:e}, got {value:e}",
+                max = f32::MAX
+            ),
+        ));
+    }
+    Ok(narrowed)
+}
+
+fn param_bool(name: &str, param: &InferParameter) -> Result<bool, ServeError> {
+    match param.parameter_choice {
+        Some(ParameterChoice::BoolParam(b)) => Ok(b),
+        _ => Err(ServeError::bad_param(
+            name,
+            format!("parameter '{name}' must be a bool"),
+        )),
+    }
+}
+
+/// vLLM's `top_k`: -1 (or 0) disables it.
+fn param_top_k(name: &str, param: &InferParameter) -> Result<u32, ServeError> {
+    if let Some(ParameterChoice::Int64Param(-1)) = param.parameter_choice {
+        return Ok(0);
+    }
+    param_u32(name, param).map_err(|_| {
+        ServeError::bad_param(
+            name,
+            format!("parameter '{name}' must be -1 (disabled) or a non-negative integer"),
+        )
+    })
+}
+
 fn param_u64(name: &str, param: &InferParameter) -> Result<u64, ServeError> {
     let not_count = || {
         ServeError::bad_param(
@@ -405,18 +460,24 @@ fn decode_parameters(
         let param = &parameters[name];
         match name.as_str() {
             "max_tokens" => params.max_tokens = Some(param_u32(name, param)?),
-            "temperature" => params.temperature = param_f64(name, param)? as f32,
-            "top_p" => params.top_p = param_f64(name, param)? as f32,
-            "top_k" => params.top_k = param_u32(name, param)?,
+            "min_tokens" => params.min_tokens = param_u32(name, param)?,
+            "temperature" => params.temperature = param_f32(name, param)?,
+            "top_p" => params.top_p = param_f32(name, param)?,
+            "top_k" => params.top_k = param_top_k(name, param)?,
+            "min_p" => params.min_p = param_f32(name, param)?,
+            "repetition_penalty" => params.repetition_penalty = param_f32(name, param)?,
+            "presence_penalty" => params.presence_penalty = param_f32(name, param)?,
+            "frequency_penalty" => params.frequency_penalty = param_f32(name, param)?,
             "seed" => params.seed = Some(param_u64(name, param)?),
             "stop" => params.stop = param_stop(param)?,
+            "ignore_eos" => params.ignore_eos = param_bool(name, param)?,
             ignored if IGNORED_PARAMETERS.contains(&ignored) => {}
             other => {
                 return Err(ServeError::bad_param(
                     other,
                     format!(
-                        "unknown parameter '{other}'; supported: max_tokens, temperature, \
-                         top_p, top_k, seed, stop"
+                        "unknown parameter '{other}'; supported: {}",
+                        SAMPLING_PARAMETERS.join(", ")
                     ),
                 ));
             }
@@ -558,6 +619,12 @@ mod tests {
         request
     }
 
+    fn double_param(value: f64) -> InferParameter {
+        InferParameter {
+            parameter_choice: Some(ParameterChoice::DoubleParam(value)),
+        }
+    }
+
     fn message(err: ServeError) -> String {
         err.to_string()
     }
@@ -593,6 +660,12 @@ mod tests {
             ("seed".into(), int_param(7)),
             ("stop".into(), string_param(r#"["\n", "END"]"#)),
             ("stream".into(), bool_param(true)),
+            ("min_tokens".into(), int_param(3)),
+            ("ignore_eos".into(), bool_param(true)),
+            ("repetition_penalty".into(), double_param(1.5)),
+            ("presence_penalty".into(), double_param(-0.5)),
+            ("frequency_penalty".into(), int_param(1)),
+            ("min_p".into(), double_param(0.25)),
         ]);
         let params = decode_infer_request(&request).unwrap().params;
         assert_eq!(params.max_tokens, Some(5));
@@ -600,6 +673,14 @@ mod tests {
         assert_eq!(params.top_k, 40);
         assert_eq!(params.seed, Some(7));
         assert_eq!(params.stop, vec!["\n".to_string(), "END".to_string()]);
+        assert_eq!(params.min_tokens, 3);
+        assert!(params.ignore_eos);
+        assert_eq!(params.repetition_penalty, 1.5);
+        assert_eq!(params.presence_penalty, -0.5);
+        assert_eq!(params.frequency_penalty, 1.0);
+        assert_eq!(params.min_p, 0.25);
+        request.parameters = HashMap::from([("top_k".into(), int_param(-1))]);
+        assert_eq!(decode_infer_request(&request).unwrap().params.top_k, 0);
     }
 
     #[test]
@@ -619,10 +700,15 @@ mod tests {
             ("temperature", string_param("hot"), "must be a number"),
             ("stop", int_param(3), "must be a string"),
             ("max_token", int_param(3), "unknown parameter 'max_token'"),
+            ("top_k", int_param(-2), "-1 (disabled)"),
+            ("ignore_eos", int_param(1), "must be a bool"),
+            ("temperature", double_param(1e39), "must be between"),
         ] {
             let mut request = text_request(b"hi");
             request.parameters = HashMap::from([(name.to_string(), param)]);
-            let err = message(decode_infer_request(&request).unwrap_err());
+            let err = decode_infer_request(&request).unwrap_err();
+            assert_eq!(err.param(), Some(name));
+            let err = message(err);
             assert!(err.contains(needle), "{name}: {err}");
         }
     }

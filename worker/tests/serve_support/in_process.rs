@@ -151,7 +151,7 @@ impl Engine for EchoEngine {
 
     fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, SubmitError> {
         if messages.is_empty() {
-            return Err(SubmitError::Invalid("no messages".into()));
+            return Err(SubmitError::invalid("messages", "no messages"));
         }
         Ok(messages.iter().map(|m| m.content.as_str()).collect())
     }
