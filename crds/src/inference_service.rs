@@ -60,6 +60,7 @@ pub const VERSION: &str = "v1alpha1";
 #[x_kube(validation = Rule::new("!has(self.rollout) || self.rollout.maxSurge > 0 || self.rollout.maxUnavailable > 0")
     .message("spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0: a rollout could never start")
     .field_path(".rollout"))]
+#[schemars(transform = crate::schema::tidy)]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceSpec {
     /// The model to serve.
@@ -260,6 +261,9 @@ pub enum ModelFormat {
 #[x_kube(validation = Rule::new("self.type != 'cpu' || !has(self.resourceName)")
     .message("spec.accelerator.resourceName must not be set when spec.accelerator.type is cpu")
     .field_path(".resourceName"))]
+#[x_kube(validation = Rule::new("self.type != 'cpu' || !has(self.chipName)")
+    .message("spec.accelerator.chipName must not be set when spec.accelerator.type is cpu: CPU workers select no NPU chip")
+    .field_path(".chipName"))]
 #[x_kube(validation = Rule::new("self.platform != 'cce' || self.type == 'cpu' || self.devicesPerPod in [1, 2, 4, 8]")
     .message("spec.accelerator.devicesPerPod must be 1, 2, 4 or 8 on CCE")
     .field_path(".devicesPerPod"))]
@@ -743,6 +747,7 @@ pub struct WorkerResources {
 
 /// Observed state, written by the operator (and `autoscaling` by the autoscaler).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[schemars(transform = crate::schema::tidy)]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
