@@ -39,7 +39,7 @@ pub const VERSION: &str = "v1alpha1";
         label_selector_path = ".status.selector"
     ),
     printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas", description = "Replica groups whose every rank is ready"),
-    printcolumn(name = "Desired", type_ = "integer", json_path = ".spec.replicas", description = "Desired replica groups"),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".status.desiredReplicas", description = "Replica groups the operator is driving toward"),
     printcolumn(name = "TP", type_ = "integer", json_path = ".spec.parallelism.tensor", description = "Tensor-parallel degree"),
     printcolumn(name = "Accelerator", type_ = "string", json_path = ".spec.accelerator.type"),
     printcolumn(name = "Queue", type_ = "number", json_path = ".status.autoscaling.queueDepth", description = "Mean waiting requests per replica, as the autoscaler last saw it"),
@@ -60,6 +60,7 @@ pub const VERSION: &str = "v1alpha1";
 #[x_kube(validation = Rule::new("!has(self.rollout) || self.rollout.maxSurge > 0 || self.rollout.maxUnavailable > 0")
     .message("spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0: a rollout could never start")
     .field_path(".rollout"))]
+#[schemars(transform = crate::schema::tidy)]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceSpec {
     /// The model to serve.
@@ -260,6 +261,9 @@ pub enum ModelFormat {
 #[x_kube(validation = Rule::new("self.type != 'cpu' || !has(self.resourceName)")
     .message("spec.accelerator.resourceName must not be set when spec.accelerator.type is cpu")
     .field_path(".resourceName"))]
+#[x_kube(validation = Rule::new("self.type != 'cpu' || !has(self.chipName)")
+    .message("spec.accelerator.chipName must not be set when spec.accelerator.type is cpu: CPU workers select no NPU chip")
+    .field_path(".chipName"))]
 #[x_kube(validation = Rule::new("self.platform != 'cce' || self.type == 'cpu' || self.devicesPerPod in [1, 2, 4, 8]")
     .message("spec.accelerator.devicesPerPod must be 1, 2, 4 or 8 on CCE")
     .field_path(".devicesPerPod"))]
@@ -743,10 +747,17 @@ pub struct WorkerResources {
 
 /// Observed state, written by the operator (and `autoscaling` by the autoscaler).
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[schemars(transform = crate::schema::tidy)]
 #[serde(rename_all = "camelCase")]
 pub struct InferenceServiceStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+
+    /// Replica groups the operator is driving toward: `spec.replicas`, or with
+    /// `spec.autoscaling.mode: builtin` the autoscaler's decision, always within
+    /// `spec.autoscaling`'s bounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<i32>,
 
     /// Replica groups that exist (the scale subresource's status path).
     #[serde(default)]
@@ -805,10 +816,16 @@ pub struct AutoscalingStatus {
     /// Mean waiting requests per ready replica group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_depth: Option<f64>,
+    /// The replica groups the built-in autoscaler decided on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired_replicas: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale_time: Option<Time>,
+    /// The autoscaler's own conditions, as a HorizontalPodAutoscaler has them: `ScalingActive`
+    /// says whether it can read the load of every serving worker.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
 }
 
 impl InferenceService {

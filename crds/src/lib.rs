@@ -1,6 +1,7 @@
 //! The `npufleet.io` API types and their CustomResourceDefinitions.
 
 mod inference_service;
+mod schema;
 
 pub use inference_service::*;
 

@@ -45,7 +45,7 @@ pub const METRICS: [&str; 2] = [QUEUE_DEPTH, KV_CACHE_USAGE];
 /// works unchanged when a prometheus-adapter serves the metric instead.
 pub const SERVICE_LABEL: &str = "inference_service";
 
-/// Readings older than this are withheld: an HPA then holds its count instead of acting on
+/// Readings older than this are refused: an HPA then holds its count instead of acting on
 /// a fleet the autoscaler no longer sees.
 pub const MAX_AGE: Duration = Duration::from_secs(15);
 
@@ -59,7 +59,8 @@ pub struct ServiceLoad {
 #[derive(Clone, Debug)]
 struct Entry {
     labels: BTreeMap<String, String>,
-    load: ServiceLoad,
+    /// The load, or why it is not known.
+    load: Result<ServiceLoad, String>,
     read_at: Instant,
     timestamp: Time,
 }
@@ -79,6 +80,15 @@ pub enum QueryError {
     UnknownMetric(String),
     #[error("invalid labelSelector {selector:?}: {problem}")]
     Selector { selector: String, problem: String },
+    /// A selected service's load is not known. Answering without it would read as no load:
+    /// an error makes an HPA hold its count and say why (`ScalingActive=False`,
+    /// `FailedGetExternalMetric`), as it does for any metric it cannot get.
+    #[error("the load of InferenceService {namespace}/{name} is not known: {why}")]
+    Unknown {
+        namespace: String,
+        name: String,
+        why: String,
+    },
 }
 
 impl MetricsStore {
@@ -89,6 +99,28 @@ impl MetricsStore {
         name: &str,
         labels: &BTreeMap<String, String>,
         load: ServiceLoad,
+    ) {
+        self.record(namespace, name, labels, Ok(load));
+    }
+
+    /// Records that a service's load is not known, and why: queries that select it fail
+    /// with that reason until its load is read again.
+    pub fn withhold(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: &BTreeMap<String, String>,
+        why: String,
+    ) {
+        self.record(namespace, name, labels, Err(why));
+    }
+
+    fn record(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: &BTreeMap<String, String>,
+        load: Result<ServiceLoad, String>,
     ) {
         let mut labels = labels.clone();
         labels.insert(SERVICE_LABEL.to_owned(), name.to_owned());
@@ -125,27 +157,37 @@ impl MetricsStore {
             problem,
         })?;
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        Ok(entries
+        entries
             .iter()
-            .filter(|((ns, _), entry)| {
-                ns == namespace
-                    && entry.read_at.elapsed() <= MAX_AGE
-                    && parsed.matches(&entry.labels)
-            })
-            .map(|(_, entry)| {
-                let value = if metric == QUEUE_DEPTH {
-                    f64::from(entry.load.queue_depth)
-                } else {
-                    entry.load.kv_cache_usage
+            .filter(|((ns, _), entry)| ns == namespace && parsed.matches(&entry.labels))
+            .map(|((namespace, name), entry)| {
+                let unknown = |why: String| QueryError::Unknown {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    why,
                 };
-                json!({
+                let age = entry.read_at.elapsed();
+                if age > MAX_AGE {
+                    return Err(unknown(format!(
+                        "last read {} s ago, more than {} s",
+                        age.as_secs(),
+                        MAX_AGE.as_secs()
+                    )));
+                }
+                let load = entry.load.as_ref().map_err(|why| unknown(why.clone()))?;
+                let value = if metric == QUEUE_DEPTH {
+                    f64::from(load.queue_depth)
+                } else {
+                    load.kv_cache_usage
+                };
+                Ok(json!({
                     "metricName": metric,
                     "metricLabels": entry.labels,
                     "timestamp": entry.timestamp,
                     "value": quantity(value),
-                })
+                }))
             })
-            .collect())
+            .collect()
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<(String, String), Entry>> {
@@ -371,6 +413,11 @@ async fn metric_values(
         Err(error @ QueryError::Selector { .. }) => {
             status(StatusCode::BAD_REQUEST, "BadRequest", &error.to_string())
         }
+        Err(error @ QueryError::Unknown { .. }) => status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            &error.to_string(),
+        ),
     }
 }
 
@@ -555,6 +602,33 @@ mod tests {
             store.query("a", QUEUE_DEPTH, "team in x"),
             Err(QueryError::Selector { .. })
         ));
+    }
+
+    #[test]
+    fn a_load_not_read_is_an_error_naming_why_never_a_zero() {
+        let store = MetricsStore::default();
+        let load = ServiceLoad {
+            queue_depth: 7,
+            kv_cache_usage: 0.25,
+        };
+        store.update("a", "llm", &labels(&[("team", "x")]), load.clone());
+        store.update("a", "other", &labels(&[("team", "y")]), load.clone());
+        let why = "the load of 3 of 3 serving workers could not be read; first: connection refused";
+        store.withhold("a", "llm", &labels(&[("team", "x")]), why.to_owned());
+        let error = store
+            .query("a", QUEUE_DEPTH, &format!("{SERVICE_LABEL}=llm"))
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!("the load of InferenceService a/llm is not known: {why}")
+        );
+        // A selector that spans it fails too: a sum without it would be too low.
+        assert!(store.query("a", KV_CACHE_USAGE, "").is_err());
+        assert_eq!(store.query("a", QUEUE_DEPTH, "team=y").unwrap().len(), 1);
+        // Read again, it is served again.
+        store.update("a", "llm", &labels(&[("team", "x")]), load);
+        let items = store.query("a", QUEUE_DEPTH, "team=x").unwrap();
+        assert_eq!(items[0]["value"], "7");
     }
 
     /// A CA that signs client certificates, as kube-apiserver's front-proxy CA does.

@@ -314,6 +314,7 @@ pub fn build(
     );
     InferenceServiceStatus {
         observed_generation: generation,
+        desired_replicas: Some(desired),
         replicas: seen.existing_groups,
         ready_replicas: seen.ready_groups,
         selector: Some(labels::selector_string(&labels::group_leaders(isvc))),

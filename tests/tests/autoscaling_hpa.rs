@@ -1,9 +1,9 @@
 //! `mode: hpa` on the real control plane: the operator's external metrics server is
 //! registered through a real `APIService`, kube-apiserver's aggregator proxies to it over
 //! TLS, and kube-controller-manager's HPA controller scales an `InferenceService` through its
-//! `scale` subresource on `npufleet_queue_depth`, up and then down. The queue depth is
-//! published straight into the server's store here (the part the autoscaler loop plays);
-//! the built-in test reads it from real workers.
+//! `scale` subresource on `npufleet_queue_depth`, up, holding while the load cannot be read,
+//! and then down. The queue depth is published straight into the server's store here (the
+//! part the autoscaler loop plays); the built-in test reads it from real workers.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -264,6 +264,39 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
         let shown = kubectl(vec!["get".into(), "hpa".into(), "chat".into(), "-n".into(), ns.clone()]).await?;
         let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
         assert!(shown.contains("/5 (avg)"), "kubectl get hpa shows no metric:\n{shown}");
+
+        // The workers cannot be read: the metric is refused with the reason, never served as
+        // zero, and the HPA holds at 4 and says why.
+        let why = "the load of 4 of 4 serving workers could not be read; first: connection refused";
+        store.withhold(&ns, "chat", &labels, why.to_owned());
+        let condition = wait::until("the HPA to report it cannot get the metric", Duration::from_secs(30), || async {
+            let status = hpas.get("chat").await?.status.context("no HPA status")?;
+            let conditions = status.conditions.unwrap_or_default();
+            let found = conditions.iter().find(|c| c.type_ == "ScalingActive" && c.status == "False").cloned();
+            match found {
+                Some(c) => Ok(Some(c)),
+                None => anyhow::bail!("HPA conditions {conditions:?}"),
+            }
+        })
+        .await?;
+        assert_eq!(condition.reason.as_deref(), Some("FailedGetExternalMetric"));
+        let message = condition.message.unwrap_or_default();
+        assert!(message.contains(why), "{message}");
+        // Past the controller's downscale stabilization (10 s) and then some syncs (2 s each):
+        // a zero would have taken it to 1 by then.
+        let held_since = Instant::now();
+        let hold = Duration::from_secs(14);
+        wait::until("the HPA to hold at 4 without the metric", hold * 2, || async {
+            let replicas = spec_replicas(&services, "chat").await?;
+            if replicas != 4 {
+                return Err(wait::fatal(anyhow::anyhow!(
+                    "spec.replicas {replicas} {:?} after the metric was refused",
+                    held_since.elapsed()
+                )));
+            }
+            Ok((held_since.elapsed() >= hold).then_some(()))
+        })
+        .await?;
 
         let started = Instant::now();
         wait::until("the HPA to scale chat back to 1", Duration::from_secs(90), || async {

@@ -1,7 +1,10 @@
 //! Who owns the replica count, on the real control plane, as a user sees it:
 //! - with built-in autoscaling, `replicas` above `maxReplicas` never creates more than the
-//!   maximum, and re-applying a manifest's `replicas` does not fight the autoscaler, whose
-//!   count lives in `status.autoscaling` under its own field manager;
+//!   maximum, and a `spec.replicas` set by hand (`kubectl scale`, a re-applied manifest) is
+//!   put back to the autoscaler's count with a warning, creating no pod; `kubectl get` shows
+//!   the count the operator drives toward;
+//! - workers whose load cannot be read hold the count (the autoscaler once read them as
+//!   idle and scaled 3 -> 1), with `ScalingActive=False` and a warning naming how many;
 //! - `minReplicas: 0` takes an idle fleet to zero, says so in status and events, and a
 //!   router's wake annotation brings one replica group back;
 //! - `mode: hpa` with `minReplicas: 0` is refused at admission naming the field, never
@@ -13,15 +16,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
-use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
-use npufleet_operator::autoscaler::FIELD_MANAGER as AUTOSCALER;
+use npufleet_operator::autoscaler::policy::Reason;
+use npufleet_operator::autoscaler::{
+    FIELD_MANAGER as AUTOSCALER, MANUAL_SCALE_REVERTED, METRICS_UNAVAILABLE, SCALING_ACTIVE,
+};
+use npufleet_tests::cluster::FakeNode;
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -85,59 +92,131 @@ fn autoscaled_count(service: &InferenceService) -> Option<i32> {
         .desired_replicas
 }
 
+/// A KWOK node whose pods get addresses from `127.78.<subnet>.0/24`, where nothing listens:
+/// workers that are Ready but that the autoscaler cannot reach, as behind a NetworkPolicy. A
+/// taint keeps other tests' pods off it; [`unreachable_service`] tolerates it.
+async fn unreachable_node(client: &Client, name: &str, subnet: u8) -> Result<()> {
+    let c = cluster::shared();
+    let mut node = FakeNode::cpu(name);
+    node.labels
+        .insert(UNREACHABLE_NODE.to_owned(), name.to_owned());
+    c.add_fake_node(client, &node).await?;
+    let cidr = format!("127.78.{subnet}.0/24");
+    let spec = json!({"spec": {
+        "podCIDR": cidr, "podCIDRs": [cidr],
+        "taints": [{"key": UNREACHABLE_NODE, "value": name, "effect": "NoSchedule"}],
+    }});
+    Api::<Node>::all(client.clone())
+        .patch(name, &PatchParams::default(), &Patch::Merge(spec))
+        .await?;
+    Ok(())
+}
+
+const UNREACHABLE_NODE: &str = "npufleet.io/unreachable-node";
+
+/// A CPU service `chat` in `namespace` under the built-in autoscaler (at least one replica
+/// group, at most `max`) asking for `replicas`, its pods on the node made by
+/// [`unreachable_node`]: KWOK runs them, Ready, with no worker behind them.
+fn unreachable_service(
+    namespace: &str,
+    node: &str,
+    replicas: i32,
+    max: i32,
+) -> Result<InferenceService> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": namespace},
+        "spec": {
+            "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
+            "replicas": replicas,
+            "accelerator": {"type": "cpu"},
+            "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": max},
+            "scheduling": {
+                "nodeSelector": {UNREACHABLE_NODE: node},
+                "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
+            },
+        }
+    }))?)
+}
+
+/// Runs `kubectl` with `args` off the async threads; its stdout, or its stderr as the error.
+async fn kubectl(args: &[&str]) -> Result<String> {
+    let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let output =
+        tokio::task::spawn_blocking(move || cluster::shared().kubectl().args(&owned).output())
+            .await??;
+    anyhow::ensure!(
+        output.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+/// The value of `column` in `kubectl get`'s one-row table.
+fn column(table: &str, column: &str) -> Option<String> {
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let row: Vec<&str> = lines.next()?.split_whitespace().collect();
+    let index = header.iter().position(|h| *h == column)?;
+    row.get(index).map(|v| (*v).to_owned())
+}
+
+/// Waits for a `ManualScaleReverted` event whose note starts as `expected` does.
+async fn reverted(client: &Client, ns: &str, expected: &str) -> Result<String> {
+    wait::until(expected, Duration::from_secs(30), || async {
+        let events =
+            npufleet_tests::operator::events(client, ns, "chat", MANUAL_SCALE_REVERTED).await?;
+        let notes: Vec<String> = events.into_iter().filter_map(|e| e.note).collect();
+        match notes.iter().find(|n| n.starts_with(expected)) {
+            Some(note) => Ok(Some(note.clone())),
+            None => anyhow::bail!("{MANUAL_SCALE_REVERTED} events: {notes:?}"),
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autoscaler() -> Result<()>
-{
+async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warning() -> Result<()> {
     let c = cluster::shared();
     let client = c.client().await?;
     let result = async {
         let ns = c.namespace(&client, "autoscaling-replicas").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let node = "unreachable-replicas";
+        unreachable_node(&client, node, 1).await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let seen = PodsSeen::start(pods.clone());
         let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
 
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        // KWOK runs these pods; without a worker behind them they never report load, so the
-        // autoscaler settles at the minimum.
-        let manifest: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-                "replicas": 10,
-                "accelerator": {"type": "cpu"},
-                "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3},
-            }
-        }))?;
+        // The autoscaler cannot read these workers, so it holds what it has.
+        let manifest = unreachable_service(&ns, node, 10, 3)?;
         npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
 
-        wait::until("three replica groups", Duration::from_secs(30), || async {
+        // The manifest's 10 is cut to the maximum, and spec.replicas says so.
+        let note = reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
+        assert!(
+            note.contains("autoscaler owns the replica count") && note.contains("maxReplicas"),
+            "{note}"
+        );
+        wait::until("three serving replica groups", Duration::from_secs(30), || async {
+            let service = services.get("chat").await?;
+            let status = service.status.clone().unwrap_or_default();
             let live = live_pods(&pods).await?;
-            Ok((live == 3).then_some(()))
+            let shown = (service.spec.replicas, status.desired_replicas, status.ready_replicas, live);
+            if shown == (3, Some(3), 3, 3) {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("spec.replicas, status.desiredReplicas, readyReplicas, live pods: {shown:?}")
+            }
         })
         .await?;
-        wait::until(
-            "the autoscaler's scale-down to one group",
-            Duration::from_secs(45),
-            || async {
-                let service = services.get("chat").await?;
-                let live = live_pods(&pods).await?;
-                let count = autoscaled_count(&service);
-                if count == Some(1) && live == 1 {
-                    Ok(Some(()))
-                } else {
-                    anyhow::bail!("status.autoscaling.desiredReplicas {count:?}, {live} pods")
-                }
-            },
-        )
-        .await?;
         let created = seen.names();
-        assert_eq!(
-            created.len(),
-            3,
-            "replicas: 10 with maxReplicas: 3 created {created:?}"
-        );
+        assert_eq!(created.len(), 3, "replicas: 10 with maxReplicas: 3 created {created:?}");
+        let table = kubectl(&["get", "infsvc", "chat", "-n", &ns]).await?;
+        assert_eq!(column(&table, "DESIRED").as_deref(), Some("3"), "{table}");
+        assert_eq!(column(&table, "READY").as_deref(), Some("3"), "{table}");
 
         // The count is written by the autoscaler's own field manager.
         let service = services.get("chat").await?;
@@ -155,37 +234,114 @@ async fn replicas_are_clamped_and_a_reapplied_manifest_does_not_fight_the_autosc
                 .any(|(m, fields)| m == AUTOSCALER && fields.contains("f:desiredReplicas")),
             "status.autoscaling.desiredReplicas is not owned by {AUTOSCALER}: {managers:?}"
         );
-        assert_eq!(
-            service.spec.replicas, 1,
-            "the decision is copied to the scale subresource"
-        );
+
+        // kubectl scale is answered, not silently dropped.
+        kubectl(&["scale", "infsvc/chat", "--replicas=4", "-n", &ns]).await?;
+        reverted(&client, &ns, "spec.replicas 4 reverted to 3: ").await?;
+        wait::until("spec.replicas back at 3", Duration::from_secs(30), || async {
+            let replicas = services.get("chat").await?.spec.replicas;
+            if replicas == 3 { Ok(Some(())) } else { anyhow::bail!("spec.replicas {replicas}") }
+        })
+        .await?;
 
         // A GitOps tool re-applies the manifest with replicas: 10.
         npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
         let reapplied = services.get("chat").await?;
-        assert_eq!(reapplied.spec.replicas, 10);
         let generation = reapplied.metadata.generation;
+        reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
         wait::until(
-            "the reconcile to see the re-applied spec",
+            "the re-applied count put back and seen by the reconcile",
             Duration::from_secs(30),
             || async {
-                let observed = services
-                    .get("chat")
-                    .await?
-                    .status
-                    .and_then(|s| s.observed_generation);
-                Ok((observed >= generation).then_some(()))
+                let service = services.get("chat").await?;
+                let status = service.status.clone().unwrap_or_default();
+                let shown = (service.spec.replicas, status.desired_replicas);
+                if shown == (3, Some(3)) && status.observed_generation > generation {
+                    Ok(Some(()))
+                } else {
+                    anyhow::bail!("spec.replicas, status.desiredReplicas: {shown:?}, observed generation {:?}", status.observed_generation)
+                }
             },
         )
         .await?;
-        let live = live_pods(&pods).await?;
-        assert_eq!(live, 1, "the re-applied replicas created groups");
-        assert_eq!(
-            seen.names(),
-            created,
-            "the re-applied replicas created pods"
+        assert_eq!(live_pods(&pods).await?, 3);
+        assert_eq!(seen.names(), created, "a count set by hand created pods");
+        assert_eq!(autoscaled_count(&services.get("chat").await?), Some(3));
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// How long the count must hold: the autoscaler that read unreachable workers as idle
+/// scaled down once the test policy's stable window (8 s) and scale-down delay (4 s) had
+/// passed since it first saw the service.
+const HOLD: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let ns = c.namespace(&client, "metrics-unavailable").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let node = "unreachable-metrics";
+        unreachable_node(&client, node, 2).await?;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+        let manifest = unreachable_service(&ns, node, 3, 5)?;
+        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+
+        let condition = wait::until("ScalingActive=False", Duration::from_secs(45), || async {
+            let service = services.get("chat").await?;
+            let conditions = service
+                .status
+                .and_then(|s| s.autoscaling)
+                .map(|a| a.conditions)
+                .unwrap_or_default();
+            let found = conditions.iter().find(|c| c.type_ == SCALING_ACTIVE && c.status == "False");
+            match found {
+                Some(c) if c.message.starts_with("the load of 3 of 3") => Ok(Some(c.clone())),
+                _ => anyhow::bail!("status.autoscaling.conditions {conditions:?}"),
+            }
+        })
+        .await?;
+        let holding_since = Instant::now();
+        assert_eq!(condition.reason, METRICS_UNAVAILABLE);
+        let message = &condition.message;
+        assert!(
+            message.starts_with("the load of 3 of 3 serving workers could not be read; first: ")
+                && message.contains("127.78.2.")
+                && message.ends_with("the replica count will not fall until every serving worker answers"),
+            "{message}"
         );
-        assert_eq!(autoscaled_count(&services.get("chat").await?), Some(1));
+        // One warning when it turned, however the count of unread workers grew after.
+        let warnings = npufleet_tests::operator::events(&client, &ns, "chat", METRICS_UNAVAILABLE).await?;
+        let note = warnings.last().and_then(|e| e.note.clone()).context("no MetricsUnavailable event")?;
+        assert!(note.contains("serving workers could not be read; first: "), "{note}");
+
+        wait::until("the count to hold through the old scale-down time", HOLD * 2, || async {
+            let service = services.get("chat").await?;
+            let live = live_pods(&pods).await?;
+            let held = (service.spec.replicas, autoscaled_count(&service), live);
+            if held != (3, Some(3), 3) {
+                return Err(wait::fatal(anyhow::anyhow!(
+                    "spec.replicas, status.autoscaling.desiredReplicas, live pods {held:?} after {:?} unread",
+                    holding_since.elapsed()
+                )));
+            }
+            Ok((holding_since.elapsed() >= HOLD).then_some(()))
+        })
+        .await?;
+        for reason in [Reason::ScaleDown, Reason::RateLimited, Reason::Idle] {
+            let reason = reason.as_str();
+            let scaled = npufleet_tests::operator::events(&client, &ns, "chat", reason).await?;
+            assert!(scaled.is_empty(), "a {reason} event: {:?}", scaled.last().and_then(|e| e.note.clone()));
+        }
+        let service = services.get("chat").await?;
+        let queue = service.status.and_then(|s| s.autoscaling).and_then(|a| a.queue_depth);
+        assert_eq!(queue, None, "a load never read is shown as a queue of {queue:?}");
         Ok(())
     }
     .await;

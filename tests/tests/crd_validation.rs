@@ -139,6 +139,19 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
             "spec.accelerator.resourceName",
         ),
         (
+            "chip name on CPU",
+            with(
+                with(
+                    base.clone(),
+                    "/spec/accelerator",
+                    json!({"type": "cpu", "chipName": "910B3"}),
+                ),
+                "/spec/parallelism/tensor",
+                json!(1),
+            ),
+            "spec.accelerator.chipName must not be set when spec.accelerator.type is cpu",
+        ),
+        (
             "malformed resource name",
             with(
                 base.clone(),
@@ -345,6 +358,65 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
         }
         other => bail!("changing the accelerator was not rejected: {other:?}"),
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_optional_enum_offers_only_its_values_and_takes_null_as_unset() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    install_crd(&client).await?;
+    let ns = c.namespace(&client, "crd-enums").await?;
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+
+    let sometimes = with(
+        valid("sometimes"),
+        "/spec/template/imagePullPolicy",
+        json!("Sometimes"),
+    );
+    let message = rejection(&api, sometimes).await?;
+    assert!(
+        message.contains(
+            r#"spec.template.imagePullPolicy: Unsupported value: "Sometimes": supported values: "Always", "IfNotPresent", "Never""#
+        ) && !message.contains(r#""null""#),
+        "{message}"
+    );
+    let message = rejection(
+        &api,
+        with(
+            valid("ring"),
+            "/spec/parallelism/hccl/algorithm",
+            json!("butterfly"),
+        ),
+    )
+    .await?;
+    assert!(
+        message
+            .contains(r#"supported values: "ring", "H-D_R", "NHR", "NB", "pipeline", "pairwise""#)
+            && !message.contains(r#""null""#),
+        "{message}"
+    );
+
+    // An explicit null means unset, as for any optional field.
+    let nulls = with(
+        with(
+            valid("nulls"),
+            "/spec/template/imagePullPolicy",
+            Value::Null,
+        ),
+        "/spec/parallelism/hccl/algorithm",
+        Value::Null,
+    );
+    let created = api
+        .create(&PostParams::default(), &serde_json::from_value(nulls)?)
+        .await
+        .context("explicit nulls refused")?;
+    let spec = &created.data["spec"];
+    assert!(spec["template"].get("imagePullPolicy").is_none(), "{spec}");
+    assert!(
+        spec["parallelism"]["hccl"].get("algorithm").is_none(),
+        "{spec}"
+    );
     Ok(())
 }
 

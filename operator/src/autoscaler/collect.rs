@@ -19,7 +19,7 @@ use npufleet_crds::InferenceService;
 
 use super::load::LoadReader;
 use super::policy::{GroupState, Observation};
-use super::{WorkerView, desired_replicas, group_loads};
+use super::{WorkerView, desired_replicas, group_loads, readings};
 use crate::cache::{WatchScope, without_managed_fields};
 use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
 use crate::labels::{self, FIELD_MANAGER};
@@ -69,10 +69,10 @@ impl Collector {
                 let views = futures::future::join_all(workers.into_iter().map(
                     |(mut view, address)| async move {
                         if let Some(address) = address {
-                            match reader.read(&address).await {
-                                Ok(report) => view.report = Some(report),
-                                Err(error) => tracing::debug!(%error, "reading worker load"),
-                            }
+                            view.report = reader.read(&address).await.map_err(|error| {
+                                tracing::debug!(%error, "reading worker load");
+                                format!("{error:#}")
+                            });
                         }
                         view
                     },
@@ -97,6 +97,7 @@ impl Collector {
                     spec_replicas: u32::try_from(desired_replicas(&service)).unwrap_or(0),
                     groups: group_loads(&workers),
                     wake_requested: false,
+                    readings: readings(&workers),
                 };
                 self.publish(&service, &observation);
                 (service, observation)
@@ -122,10 +123,22 @@ impl Collector {
         }
     }
 
+    /// Publishes the service's load, or that it is not known: a sum over the workers that
+    /// answered would read as a fall in load.
     fn publish(&self, service: &InferenceService, observation: &Observation) {
+        let (namespace, name) = (service.namespace().unwrap_or_default(), service.name_any());
+        if observation.readings.incomplete() {
+            self.metrics.withhold(
+                &namespace,
+                &name,
+                service.labels(),
+                observation.readings.to_string(),
+            );
+            return;
+        }
         self.metrics.update(
-            &service.namespace().unwrap_or_default(),
-            &service.name_any(),
+            &namespace,
+            &name,
             service.labels(),
             ServiceLoad {
                 queue_depth: observation.queue_depth(),
@@ -169,7 +182,7 @@ impl Collector {
                         rank,
                         leaving,
                         pod_ready,
-                        report: None,
+                        report: Err(format!("pod {} has no IP", pod.name_any())),
                     },
                     address,
                 ))
@@ -220,4 +233,61 @@ fn grpc_port(pod: &Pod) -> i32 {
         .flat_map(|c| c.ports.iter().flatten())
         .find(|p| p.name.as_deref() == Some(ports::GRPC_PORT_NAME))
         .map_or(i32::from(ports::GRPC_PORT), |p| p.container_port)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autoscaler::policy::{GroupLoad, Readings};
+    use crate::autoscaler::tests::service;
+    use crate::external_metrics::QUEUE_DEPTH;
+
+    #[test]
+    fn a_service_with_workers_not_read_publishes_why_instead_of_a_lower_sum() {
+        let metrics = MetricsStore::default();
+        let collector = Collector::new(
+            Duration::from_millis(100),
+            None,
+            reflector::store().0,
+            reflector::store().0,
+            metrics.clone(),
+        );
+        let service = service(serde_json::json!({}), serde_json::json!({}));
+        let group = |group, state, running| GroupLoad {
+            group,
+            state,
+            waiting: 0,
+            running,
+            kv_usage: 0.0,
+        };
+        let mut observation = Observation {
+            spec_replicas: 3,
+            groups: vec![
+                group(0, GroupState::Ready, 4),
+                group(1, GroupState::Ready, 2),
+                group(2, GroupState::Unread, 0),
+            ],
+            wake_requested: false,
+            readings: Readings {
+                asked: 3,
+                failed: 1,
+                first_error: Some("no load report from 127.0.0.3:8001 within 100ms".into()),
+            },
+        };
+        collector.publish(&service, &observation);
+        let refused = metrics.query("ml", QUEUE_DEPTH, "").unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "the load of InferenceService ml/chat is not known: the load of 1 of 3 serving workers could not be read; first: no load report from 127.0.0.3:8001 within 100ms"
+        );
+
+        observation.groups[2] = group(2, GroupState::Ready, 1);
+        observation.readings = Readings {
+            asked: 3,
+            ..Readings::default()
+        };
+        collector.publish(&service, &observation);
+        let items = metrics.query("ml", QUEUE_DEPTH, "").unwrap();
+        assert_eq!(items[0]["value"], "7");
+    }
 }

@@ -9,13 +9,19 @@
 //!
 //! One writer per count: with `mode: builtin` the reconcile follows
 //! `status.autoscaling.desiredReplicas`, which only this loop writes (under its own field
-//! manager), so a re-applied manifest's `spec.replicas` is the starting count and nothing
-//! more. The loop also copies each decision into `spec.replicas` through the scale
-//! subresource, so `kubectl get` and other readers of the scale subresource see the count;
-//! it copies only when it decides, so a GitOps tool re-applying its manifest is not fought.
-//! With `mode: hpa` the HorizontalPodAutoscaler owns `spec.replicas`, and a manifest should
-//! leave `replicas` out, as for any HPA target. Either way the count is clamped to
-//! `[minReplicas, maxReplicas]` before anything is created ([`desired_replicas`]).
+//! manager), so a re-applied manifest's `spec.replicas` is the starting count and creates
+//! nothing. The loop keeps `spec.replicas` (the scale subresource) equal to its count: it
+//! writes each decision there, and a `spec.replicas` someone else set (`kubectl scale`, a
+//! re-applied manifest) is put back at the next tick with a `ManualScaleReverted` warning,
+//! as an HPA rescales a Deployment scaled by hand. With `mode: hpa` the
+//! HorizontalPodAutoscaler owns `spec.replicas`, and a manifest should leave `replicas` out,
+//! as for any HPA target. Either way the count is clamped to `[minReplicas, maxReplicas]`
+//! before anything is created ([`desired_replicas`]).
+//!
+//! A load that cannot be read is not a low one: the policy then never lowers the count, the
+//! external metric is refused rather than summed without the missing workers, and the
+//! `ScalingActive` condition in `status.autoscaling.conditions` turns `False` with reason
+//! `MetricsUnavailable` (and a warning event) until every serving worker answers again.
 
 pub mod collect;
 pub mod hpa;
@@ -28,7 +34,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::core::SelectorExt;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -44,13 +50,22 @@ use crate::external_metrics::{MetricsStore, parse_selector};
 use crate::labels::GROUP as GROUP_LABEL;
 use collect::Collector;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
-use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig};
+use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig, Readings};
 
 /// Field manager of everything the autoscaler writes.
 pub const FIELD_MANAGER: &str = "npufleet-autoscaler";
 /// Set on every pod of a group chosen for removal just before a scale-down is written, and
 /// taken off the pods of groups not chosen; the reconcile removes marked groups first.
 pub const SCALE_DOWN_ANNOTATION: &str = "npufleet.io/scale-down";
+/// The condition in `status.autoscaling.conditions` saying whether the autoscaler reads the
+/// load it scales on, named as on a HorizontalPodAutoscaler.
+pub const SCALING_ACTIVE: &str = "ScalingActive";
+/// `ScalingActive=False`: a serving worker's load could not be read (also the warning's reason).
+pub const METRICS_UNAVAILABLE: &str = policy::Reason::MetricsUnavailable.as_str();
+/// `ScalingActive=True` again: every serving worker's load is read.
+pub const VALID_METRIC_FOUND: &str = "ValidMetricFound";
+/// The warning when a `spec.replicas` set by someone else is put back to the autoscaler's count.
+pub const MANUAL_SCALE_REVERTED: &str = "ManualScaleReverted";
 
 /// How the loop runs.
 #[derive(Clone, Debug)]
@@ -133,13 +148,21 @@ pub struct WorkerView {
     pub leaving: bool,
     /// The pod's Ready condition.
     pub pod_ready: bool,
-    /// `None` when the worker could not be read.
-    pub report: Option<LoadReport>,
+    /// The worker's load report, or why there is none.
+    pub report: Result<LoadReport, String>,
+}
+
+impl WorkerView {
+    /// A ready pod that is staying: its load is expected.
+    fn serving(&self) -> bool {
+        self.pod_ready && !self.leaving
+    }
 }
 
 /// Folds the workers of one service into replica groups. A group serves only when every
-/// rank's pod is ready and every reachable rank reports ready; its queue is the largest any
-/// rank reports (the ranks of a group share one batch).
+/// rank's pod is ready and every rank reports ready; its queue is the largest any rank
+/// reports (the ranks of a group share one batch). A group whose pods are all ready but a
+/// rank of which could not be read is `Unread`.
 pub fn group_loads(workers: &[WorkerView]) -> Vec<GroupLoad> {
     let mut groups: BTreeMap<u32, Vec<&WorkerView>> = BTreeMap::new();
     for worker in workers {
@@ -148,18 +171,17 @@ pub fn group_loads(workers: &[WorkerView]) -> Vec<GroupLoad> {
     groups
         .into_iter()
         .map(|(group, ranks)| {
-            let reported = || ranks.iter().filter_map(|w| w.report.as_ref());
+            let reported = || ranks.iter().filter_map(|w| w.report.as_ref().ok());
             let state = if ranks.iter().any(|w| w.leaving)
                 || reported()
                     .any(|r| matches!(r.state(), WorkerState::Draining | WorkerState::Drained))
             {
                 GroupState::Draining
-            } else if ranks.iter().all(|w| {
-                w.pod_ready
-                    && w.report
-                        .as_ref()
-                        .is_some_and(|r| r.state() == WorkerState::Ready)
-            }) {
+            } else if !ranks.iter().all(|w| w.pod_ready) {
+                GroupState::Warming
+            } else if ranks.iter().any(|w| w.report.is_err()) {
+                GroupState::Unread
+            } else if reported().all(|r| r.state() == WorkerState::Ready) {
                 GroupState::Ready
             } else {
                 GroupState::Warming
@@ -175,6 +197,73 @@ pub fn group_loads(workers: &[WorkerView]) -> Vec<GroupLoad> {
         .collect()
 }
 
+/// How the load reports of the serving workers went, the first failure by group and rank.
+pub fn readings(workers: &[WorkerView]) -> Readings {
+    let mut serving: Vec<&WorkerView> = workers.iter().filter(|w| w.serving()).collect();
+    serving.sort_by_key(|w| (w.group, w.rank));
+    let failures: Vec<&String> = serving
+        .iter()
+        .filter_map(|w| w.report.as_ref().err())
+        .collect();
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    Readings {
+        asked: count(serving.len()),
+        failed: count(failures.len()),
+        first_error: failures.first().map(|e| (*e).clone()),
+    }
+}
+
+/// The `ScalingActive` condition after a tick with `readings`, given the one the service has;
+/// `None` when that stays, or when there is none and every serving worker answered (a
+/// service whose load was always read carries no condition).
+fn scaling_active(
+    previous: Option<&Condition>,
+    mode: AutoscalingMode,
+    readings: &Readings,
+    generation: Option<i64>,
+    now: &Time,
+) -> Option<Condition> {
+    let (status, reason, message) = if readings.incomplete() {
+        let consequence = match mode {
+            AutoscalingMode::Builtin => {
+                "the replica count will not fall until every serving worker answers"
+            }
+            AutoscalingMode::Hpa => {
+                "the external metric is refused, so the HorizontalPodAutoscaler holds its count"
+            }
+        };
+        (
+            "False",
+            METRICS_UNAVAILABLE,
+            format!("{readings}; {consequence}"),
+        )
+    } else {
+        previous?;
+        (
+            "True",
+            VALID_METRIC_FOUND,
+            "the load of every serving worker is read".to_owned(),
+        )
+    };
+    if let Some(p) = previous
+        && (p.status.as_str(), p.reason.as_str(), p.message.as_str()) == (status, reason, &message)
+    {
+        return None;
+    }
+    let last_transition_time = match previous {
+        Some(p) if p.status == status => p.last_transition_time.clone(),
+        _ => now.clone(),
+    };
+    Some(Condition {
+        type_: SCALING_ACTIVE.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    })
+}
+
 struct ServiceState {
     policy: Policy,
     /// When `status.autoscaling` was last written, and the desired count it said.
@@ -182,6 +271,25 @@ struct ServiceState {
     last_scale_time: Option<Time>,
     /// A wake annotation already reported as unreadable.
     bad_wake_request: Option<String>,
+    /// The generation of the service as it was when this loop last wrote `spec.replicas`:
+    /// until the cache holds a later one, a `spec.replicas` that differs is the cache
+    /// lagging the write, not someone else's.
+    replicas_written_over: Option<i64>,
+}
+
+/// Events of one service with one reason. A recorder folds an event into the series of an
+/// earlier one with the same reason, keeping the earlier note, so a new note starts a series
+/// of its own on a new recorder, and only a repeated note counts up.
+struct EventSeries {
+    note: String,
+    recorder: Recorder,
+}
+
+/// The `ScalingActive` condition of one service as this loop last decided it.
+struct ScalingActive {
+    condition: Condition,
+    /// Whether the status holds it.
+    written: bool,
 }
 
 #[derive(Debug, PartialEq)]
@@ -197,7 +305,9 @@ pub struct Autoscaler {
     client: Client,
     settings: Settings,
     collector: Collector,
-    recorder: Recorder,
+    reporter: Reporter,
+    /// The event series of each service and reason.
+    events: HashMap<(ObjectRef<InferenceService>, String), EventSeries>,
     stores: Stores,
     policies: HashMap<ObjectRef<InferenceService>, ServiceState>,
     /// What this loop knows of each service's HPA.
@@ -205,6 +315,8 @@ pub struct Autoscaler {
     /// Services whose autoscaling settings were rejected, with those settings, so the
     /// warning is recorded once.
     invalid: HashMap<ObjectRef<InferenceService>, PolicyConfig>,
+    /// Each service's `ScalingActive` condition, once its load has failed to read.
+    scaling_active: HashMap<ObjectRef<InferenceService>, ScalingActive>,
     started: Instant,
 }
 
@@ -224,7 +336,8 @@ impl Autoscaler {
             instance: std::env::var("POD_NAME").ok(),
         };
         Ok(Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter,
+            events: HashMap::new(),
             collector: Collector::new(
                 settings.read_timeout,
                 namespace,
@@ -238,6 +351,7 @@ impl Autoscaler {
             policies: HashMap::new(),
             hpas: HashMap::new(),
             invalid: HashMap::new(),
+            scaling_active: HashMap::new(),
             started: Instant::now(),
         })
     }
@@ -264,6 +378,8 @@ impl Autoscaler {
         self.policies.retain(|k, _| live.contains(k));
         self.hpas.retain(|k, _| live.contains(k));
         self.invalid.retain(|k, _| live.contains(k));
+        self.scaling_active.retain(|k, _| live.contains(k));
+        self.events.retain(|(k, _), _| live.contains(k));
 
         for (service, observation) in observed {
             if let Err(error) = self.handle(&service, observation).await {
@@ -289,9 +405,14 @@ impl Autoscaler {
             self.policies.remove(&key);
             return self.forget_hpa(service, &key).await;
         };
+        self.follow_readings(service, autoscaling.mode, &observation.readings)
+            .await;
         match autoscaling.mode {
             AutoscalingMode::Hpa => {
                 self.policies.remove(&key);
+                if self.scaling_active.get(&key).is_some_and(|s| !s.written) {
+                    self.write_status(service, None).await?;
+                }
                 let generation = service.metadata.generation;
                 if self.hpas.get(&key) != Some(&HpaState::Applied(generation)) {
                     let hpa = match hpa::desired(service, autoscaling) {
@@ -336,6 +457,7 @@ impl Autoscaler {
                                         .and_then(|s| s.autoscaling.as_ref())
                                         .and_then(|a| a.last_scale_time.clone()),
                                     bad_wake_request: None,
+                                    replicas_written_over: None,
                                 },
                             );
                         }
@@ -395,7 +517,6 @@ impl Autoscaler {
     ) -> anyhow::Result<()> {
         let name = service.name_any();
         let namespace = service.namespace().unwrap_or_default();
-        let api: Api<InferenceService> = Api::namespaced(self.client.clone(), &namespace);
         let current = observation.spec_replicas;
         let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
         let key = ObjectRef::from_obj(service);
@@ -412,55 +533,144 @@ impl Autoscaler {
             state.last_scale_time = Some(Time(k8s_openapi::jiff::Timestamp::now()));
             state.last_status = None;
             // The count the reconcile follows first, then its copy for scale readers.
-            self.write_status(service, decision).await?;
-            api.patch_scale(
-                &name,
-                &Self::params(),
-                &Patch::Merge(json!({"spec": {"replicas": desired}})),
+            self.write_status(service, Some(decision)).await?;
+            self.write_replicas(service, desired).await?;
+            let message = decision.message(current);
+            self.publish(
+                service,
+                EventType::Normal,
+                decision.reason.as_str(),
+                &message,
             )
-            .await?;
-            let event = Event {
-                type_: EventType::Normal,
-                reason: decision.reason.as_str().to_owned(),
-                note: Some(decision.message(current)),
-                action: "Scale".to_owned(),
-                secondary: None,
-            };
-            if let Err(error) = self
-                .recorder
-                .publish(&event, &service.object_ref(&()))
-                .await
-            {
-                tracing::warn!(%error, service = %name, "recording a scale event");
+            .await;
+            tracing::info!(service = %name, namespace, "{message}");
+        } else if service.spec.replicas != desired {
+            let state = self.policies.get(&key).expect("present");
+            if state.replicas_written_over < service.metadata.generation {
+                self.write_replicas(service, desired).await?;
+                let message = format!(
+                    "spec.replicas {} reverted to {desired}: with spec.autoscaling.mode builtin the autoscaler owns the replica count ({}); bound it with spec.autoscaling.minReplicas and maxReplicas, or remove spec.autoscaling to set replicas by hand",
+                    service.spec.replicas,
+                    decision.message(current)
+                );
+                self.publish(service, EventType::Warning, MANUAL_SCALE_REVERTED, &message)
+                    .await;
+                tracing::info!(service = %name, namespace, "{message}");
             }
-            tracing::info!(service = %name, namespace, "{}", decision.message(current));
         }
 
         let state = self.policies.get(&key).expect("present");
-        let due = state.last_status.is_none_or(|(at, written)| {
-            written != desired || at.elapsed() >= self.settings.status_interval
-        });
+        let condition_unwritten = self.scaling_active.get(&key).is_some_and(|s| !s.written);
+        let due = condition_unwritten
+            || state.last_status.is_none_or(|(at, written)| {
+                written != desired || at.elapsed() >= self.settings.status_interval
+            });
         if due {
-            self.write_status(service, decision).await?;
+            self.write_status(service, Some(decision)).await?;
         }
         Ok(())
     }
 
-    /// Applies `status.autoscaling` under the autoscaler's field manager.
+    /// Writes the count into `spec.replicas` through the scale subresource.
+    async fn write_replicas(
+        &mut self,
+        service: &InferenceService,
+        replicas: i32,
+    ) -> anyhow::Result<()> {
+        let api: Api<InferenceService> = Api::namespaced(
+            self.client.clone(),
+            &service.namespace().unwrap_or_default(),
+        );
+        api.patch_scale(
+            &service.name_any(),
+            &Self::params(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await?;
+        let key = ObjectRef::from_obj(service);
+        if let Some(state) = self.policies.get_mut(&key) {
+            state.replicas_written_over = service.metadata.generation;
+        }
+        Ok(())
+    }
+
+    /// Keeps the service's `ScalingActive` condition in step with this tick's readings, and
+    /// records an event when it turns.
+    async fn follow_readings(
+        &mut self,
+        service: &InferenceService,
+        mode: AutoscalingMode,
+        readings: &Readings,
+    ) {
+        let key = ObjectRef::from_obj(service);
+        // After a restart (or a change of leader) the status says what was last decided.
+        let previous = match self.scaling_active.get(&key) {
+            Some(known) => Some(known.condition.clone()),
+            None => {
+                let written = service
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.autoscaling.as_ref())
+                    .and_then(|a| a.conditions.iter().find(|c| c.type_ == SCALING_ACTIVE))
+                    .cloned();
+                if let Some(condition) = &written {
+                    let known = ScalingActive {
+                        condition: condition.clone(),
+                        written: true,
+                    };
+                    self.scaling_active.insert(key.clone(), known);
+                }
+                written
+            }
+        };
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let Some(condition) = scaling_active(
+            previous.as_ref(),
+            mode,
+            readings,
+            service.metadata.generation,
+            &now,
+        ) else {
+            return;
+        };
+        if previous.is_none_or(|p| p.status != condition.status) {
+            let type_ = if condition.status == "True" {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            };
+            self.publish(service, type_, &condition.reason, &condition.message)
+                .await;
+        }
+        let known = ScalingActive {
+            condition,
+            written: false,
+        };
+        self.scaling_active.insert(key, known);
+    }
+
+    /// Applies `status.autoscaling` under the autoscaler's field manager: the decision (with
+    /// `mode: builtin`) and the `ScalingActive` condition, if the service has one.
     async fn write_status(
         &mut self,
         service: &InferenceService,
-        decision: &Decision,
+        decision: Option<&Decision>,
     ) -> anyhow::Result<()> {
         let key = ObjectRef::from_obj(service);
-        let state = self.policies.get_mut(&key).expect("present");
-        let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
-        let mut autoscaling = json!({
-            "queueDepth": (decision.queue_per_replica * 100.0).round() / 100.0,
-            "desiredReplicas": desired,
-        });
-        if let Some(at) = &state.last_scale_time {
-            autoscaling["lastScaleTime"] = json!(at);
+        let mut autoscaling = json!({});
+        if let Some(decision) = decision {
+            autoscaling["desiredReplicas"] =
+                json!(i32::try_from(decision.desired).unwrap_or(i32::MAX));
+            if let Some(queue) = decision.queue_per_replica {
+                autoscaling["queueDepth"] = json!((queue * 100.0).round() / 100.0);
+            }
+            let state = self.policies.get(&key).expect("present");
+            if let Some(at) = &state.last_scale_time {
+                autoscaling["lastScaleTime"] = json!(at);
+            }
+        }
+        if let Some(scaling_active) = self.scaling_active.get(&key) {
+            autoscaling["conditions"] = json!([scaling_active.condition]);
         }
         let status = json!({
             "apiVersion": InferenceService::api_version(&()),
@@ -477,7 +687,13 @@ impl Autoscaler {
             &Patch::Apply(status),
         )
         .await?;
-        state.last_status = Some((Instant::now(), desired));
+        if let Some(scaling_active) = self.scaling_active.get_mut(&key) {
+            scaling_active.written = true;
+        }
+        if let (Some(decision), Some(state)) = (decision, self.policies.get_mut(&key)) {
+            let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
+            state.last_status = Some((Instant::now(), desired));
+        }
         Ok(())
     }
 
@@ -547,20 +763,40 @@ impl Autoscaler {
         Ok(())
     }
 
-    async fn warn(&self, service: &InferenceService, reason: &str, note: &str) {
+    async fn warn(&mut self, service: &InferenceService, reason: &str, note: &str) {
+        self.publish(service, EventType::Warning, reason, note)
+            .await;
+    }
+
+    async fn publish(
+        &mut self,
+        service: &InferenceService,
+        type_: EventType,
+        reason: &str,
+        note: &str,
+    ) {
         let event = Event {
-            type_: EventType::Warning,
+            type_,
             reason: reason.to_owned(),
             note: Some(note.to_owned()),
             action: "Scale".to_owned(),
             secondary: None,
         };
-        if let Err(error) = self
-            .recorder
-            .publish(&event, &service.object_ref(&()))
-            .await
+        let key = (ObjectRef::from_obj(service), reason.to_owned());
+        if self
+            .events
+            .get(&key)
+            .is_none_or(|series| series.note != note)
         {
-            tracing::warn!(%error, "recording an autoscaling warning");
+            let series = EventSeries {
+                note: note.to_owned(),
+                recorder: Recorder::new(self.client.clone(), self.reporter.clone()),
+            };
+            self.events.insert(key.clone(), series);
+        }
+        let recorder = &self.events[&key].recorder;
+        if let Err(error) = recorder.publish(&event, &service.object_ref(&())).await {
+            tracing::warn!(%error, service = %service.name_any(), reason, "recording an autoscaling event");
         }
     }
 }
@@ -580,13 +816,15 @@ mod tests {
             rank,
             leaving: false,
             pod_ready,
-            report: report.map(|(state, waiting, running)| LoadReport {
-                state: state as i32,
-                waiting,
-                running,
-                kv_cache_usage: 0.1 * f64::from(running),
-                ..LoadReport::default()
-            }),
+            report: report
+                .map(|(state, waiting, running)| LoadReport {
+                    state: state as i32,
+                    waiting,
+                    running,
+                    kv_cache_usage: 0.1 * f64::from(running),
+                    ..LoadReport::default()
+                })
+                .ok_or_else(|| format!("no load report from 127.0.0.{group}:8001 within 400ms")),
         }
     }
 
@@ -599,7 +837,7 @@ mod tests {
             // Group 1: rank 1 still loading.
             worker(1, 0, true, Some((WorkerState::Ready, 0, 0))),
             worker(1, 1, false, Some((WorkerState::WarmingUp, 0, 0))),
-            // Group 2: rank 0 unreachable.
+            // Group 2: rank 0 ready but unreachable.
             worker(2, 0, true, None),
             worker(2, 1, true, Some((WorkerState::Ready, 0, 0))),
             // Group 3: draining after SIGTERM.
@@ -613,7 +851,7 @@ mod tests {
             vec![
                 (0, GroupState::Ready),
                 (1, GroupState::Warming),
-                (2, GroupState::Warming),
+                (2, GroupState::Unread),
                 (3, GroupState::Draining),
             ]
         );
@@ -622,10 +860,45 @@ mod tests {
             spec_replicas: 3,
             groups,
             wake_requested: false,
+            readings: readings(&workers),
         };
         assert_eq!(observation.ready(), 1);
-        assert_eq!(observation.warming(), 2);
+        assert_eq!(
+            observation.warming(),
+            1,
+            "an unread group is not on its way"
+        );
         assert_eq!(observation.queue_depth(), 7);
+        assert_eq!(
+            observation.readings.to_string(),
+            "the load of 1 of 5 serving workers could not be read; first: no load report from 127.0.0.2:8001 within 400ms"
+        );
+    }
+
+    #[test]
+    fn only_ready_pods_that_stay_count_as_workers_whose_load_is_missing() {
+        let mut leaving = worker(4, 0, true, None);
+        leaving.leaving = true;
+        let workers = [
+            // Loading: no answer is expected yet.
+            worker(0, 0, false, None),
+            worker(1, 1, true, None),
+            worker(1, 0, true, None),
+            worker(2, 0, true, Some((WorkerState::Ready, 0, 0))),
+            leaving,
+        ];
+        let seen = readings(&workers);
+        assert_eq!((seen.failed, seen.asked), (2, 3));
+        assert!(seen.incomplete() && !seen.none());
+        assert_eq!(
+            seen.first_error.as_deref(),
+            Some("no load report from 127.0.0.1:8001 within 400ms"),
+            "the first by group and rank"
+        );
+        let all_down = readings(&workers[1..3]);
+        assert!(all_down.none());
+        let loading = readings(&workers[..1]);
+        assert!(!loading.incomplete() && loading.asked == 0);
     }
 
     #[test]
@@ -648,7 +921,8 @@ mod tests {
         Policy::new(config).expect("minReplicas 0 scales to zero");
     }
 
-    fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
+    /// A CPU InferenceService `ml/chat` with `spec` over the required fields, and `status`.
+    pub(super) fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
         let mut object = serde_json::json!({
             "apiVersion": "npufleet.io/v1alpha1",
             "kind": "InferenceService",
@@ -729,6 +1003,77 @@ mod tests {
                 && error.contains("\"soon\"")
                 && error.contains("RFC 3339"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn scaling_active_turns_false_while_load_is_missing_and_back_when_it_is_read() {
+        let at = |s: &str| Time(s.parse().unwrap());
+        let read = Readings {
+            asked: 3,
+            failed: 0,
+            first_error: None,
+        };
+        let partly = Readings {
+            asked: 3,
+            failed: 2,
+            first_error: Some("load report from 127.0.0.5:8001: connection refused".into()),
+        };
+        let builtin = AutoscalingMode::Builtin;
+        let t0 = at("2026-01-01T10:00:00Z");
+        assert_eq!(
+            scaling_active(None, builtin, &read, Some(1), &t0),
+            None,
+            "a service always read carries no condition"
+        );
+        let down = scaling_active(None, builtin, &partly, Some(1), &t0).unwrap();
+        assert_eq!(
+            (
+                down.type_.as_str(),
+                down.status.as_str(),
+                down.reason.as_str()
+            ),
+            (SCALING_ACTIVE, "False", METRICS_UNAVAILABLE)
+        );
+        assert_eq!(
+            down.message,
+            "the load of 2 of 3 serving workers could not be read; first: load report from 127.0.0.5:8001: connection refused; the replica count will not fall until every serving worker answers"
+        );
+        let t1 = at("2026-01-01T10:00:05Z");
+        assert_eq!(
+            scaling_active(Some(&down), builtin, &partly, Some(1), &t1),
+            None
+        );
+        // Every worker unread: the message changes, the transition time does not.
+        let none = Readings {
+            failed: 3,
+            ..partly.clone()
+        };
+        let worse = scaling_active(Some(&down), builtin, &none, Some(1), &t1).unwrap();
+        assert!(
+            worse.message.starts_with("the load of 3 of 3"),
+            "{}",
+            worse.message
+        );
+        assert_eq!(worse.last_transition_time, t0);
+        let t2 = at("2026-01-01T10:01:00Z");
+        let back = scaling_active(Some(&worse), builtin, &read, Some(2), &t2).unwrap();
+        assert_eq!(
+            (back.status.as_str(), back.reason.as_str()),
+            ("True", VALID_METRIC_FOUND)
+        );
+        assert_eq!(back.last_transition_time, t2);
+        assert_eq!(back.observed_generation, Some(2));
+        assert_eq!(
+            scaling_active(Some(&back), builtin, &read, Some(2), &t2),
+            None
+        );
+        let hpa = scaling_active(None, AutoscalingMode::Hpa, &partly, Some(1), &t0).unwrap();
+        assert!(
+            hpa.message
+                .ends_with("the HorizontalPodAutoscaler holds its count"),
+            "{}",
+            hpa.message
         );
     }
 }

@@ -11,6 +11,11 @@
 //! With `min_replicas: 0` an idle fleet goes to zero after `idle_before_zero` with no
 //! request, no warming group and no wake request, and comes back to one group when a wake
 //! request arrives (a router holding requests for it).
+//!
+//! A load that could not be read is not an idle fleet. While any serving worker's load is
+//! missing the count never falls (and never goes to zero): with some readings a burst among
+//! them still scales up, as an HPA counts a pod without metrics as idle only when scaling up;
+//! with none the count holds and nothing enters the averages.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -25,6 +30,8 @@ pub enum GroupState {
     Ready,
     /// Chosen for removal: finishing what it holds, taking nothing new.
     Draining,
+    /// Its pods are ready, but a rank's load could not be read: it serves an unknown load.
+    Unread,
 }
 
 /// One replica group's load at one tick.
@@ -57,6 +64,46 @@ pub struct Observation {
     pub groups: Vec<GroupLoad>,
     /// Requests are waiting outside the fleet for it to wake (it is at zero groups).
     pub wake_requested: bool,
+    /// How the serving workers' load reports went.
+    pub readings: Readings,
+}
+
+/// The load reports asked of the serving workers (ready pods, not terminating) at one tick.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Readings {
+    pub asked: u32,
+    /// Workers that did not answer.
+    pub failed: u32,
+    /// Why the first of them did not.
+    pub first_error: Option<String>,
+}
+
+impl Readings {
+    /// Some serving worker's load is missing.
+    pub fn incomplete(&self) -> bool {
+        self.failed > 0
+    }
+
+    /// Workers were asked and none answered: nothing is known of the load.
+    pub fn none(&self) -> bool {
+        self.failed > 0 && self.failed >= self.asked
+    }
+}
+
+/// Names how many serving workers' load is missing, and why the first is: what the
+/// `ScalingActive` condition and a refused external metric say.
+impl fmt::Display for Readings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&unread(self.failed, self.asked))?;
+        if let Some(error) = &self.first_error {
+            write!(f, "; first: {error}")?;
+        }
+        Ok(())
+    }
+}
+
+fn unread(failed: u32, asked: u32) -> String {
+    format!("the load of {failed} of {asked} serving workers could not be read")
 }
 
 impl Observation {
@@ -64,9 +111,12 @@ impl Observation {
         self.count(GroupState::Ready)
     }
 
-    /// Groups asked for that are not serving yet: capacity on its way.
+    /// Groups asked for that are not serving yet: capacity on its way. Unread groups serve
+    /// already, at a load not known.
     pub fn warming(&self) -> u32 {
-        self.spec_replicas.saturating_sub(self.ready())
+        self.spec_replicas
+            .saturating_sub(self.ready())
+            .saturating_sub(self.count(GroupState::Unread))
     }
 
     /// Waiting plus running requests over the ready groups.
@@ -232,11 +282,13 @@ pub enum Reason {
     Idle,
     /// At zero, a request is waiting for the fleet: scaled to one group.
     Wake,
+    /// A serving worker's load could not be read: the count may not fall.
+    MetricsUnavailable,
 }
 
 impl Reason {
     /// The CamelCase word used for events and status.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Reason::Steady => "Steady",
             Reason::ScaleUp => "ScaleUp",
@@ -249,6 +301,7 @@ impl Reason {
             Reason::Bounds => "Bounds",
             Reason::Idle => "ScaledToZero",
             Reason::Wake => "Wake",
+            Reason::MetricsUnavailable => "MetricsUnavailable",
         }
     }
 }
@@ -269,11 +322,14 @@ pub struct Decision {
     pub stable_demand: f64,
     /// Replica groups the panic window asks for (fractional).
     pub panic_demand: f64,
-    /// Waiting + running requests per ready group, this tick.
-    pub queue_per_replica: f64,
+    /// Waiting + running requests per ready group, this tick; `None` when no serving
+    /// worker's load could be read.
+    pub queue_per_replica: Option<f64>,
     pub panicking: bool,
     /// How long the fleet has had no request, warming group or wake request.
     pub idle_for: Duration,
+    /// Serving workers whose load could not be read, and those asked, when any failed.
+    pub unread: Option<(u32, u32)>,
 }
 
 impl Decision {
@@ -295,11 +351,18 @@ impl Decision {
             }
             _ => {}
         }
+        let load = match self.queue_per_replica {
+            Some(queue) => format!("{queue:.2} requests per ready replica"),
+            None => "load unknown".to_owned(),
+        };
+        let unread = match self.unread {
+            Some((failed, asked)) => format!("; {}", unread(failed, asked)),
+            None => String::new(),
+        };
         format!(
-            "{} {from} -> {} replicas: {:.2} requests per ready replica, demand {:.2} stable / {:.2} panic{}",
+            "{} {from} -> {} replicas: {load}, demand {:.2} stable / {:.2} panic{}{unread}",
             self.reason,
             self.desired,
-            self.queue_per_replica,
             self.stable_demand,
             self.panic_demand,
             if self.panicking { " (panic mode)" } else { "" }
@@ -356,7 +419,10 @@ impl Policy {
         if let Some(kv_target) = config.target_kv_usage {
             demand = demand.max(observation.kv_usage() / kv_target);
         }
-        self.demand.push_back((now, demand));
+        let readings = &observation.readings;
+        if !readings.none() {
+            self.demand.push_back((now, demand));
+        }
         prune(&mut self.demand, now, config.stable_window);
         let stable_demand = mean_since(&self.demand, now, config.stable_window);
         let panic_demand = mean_since(&self.demand, now, config.panic_window);
@@ -427,6 +493,13 @@ impl Policy {
             reason = Reason::RateLimited;
         }
 
+        // A load not read is not a low one. What the readable groups ask for is a floor of
+        // the demand, so it may still scale up; it never scales down.
+        if readings.none() || (readings.incomplete() && desired < current) {
+            desired = current;
+            reason = Reason::MetricsUnavailable;
+        }
+
         self.recommendations.push_back((now, desired));
         prune(&mut self.recommendations, now, config.scale_down_delay);
         let held = self
@@ -458,7 +531,8 @@ impl Policy {
 
         let active = observation.wake_requested
             || observation.queue_depth() > 0
-            || (current > 0 && warming > 0);
+            || (current > 0 && warming > 0)
+            || readings.incomplete();
         if active || self.last_active.is_none() {
             self.last_active = Some(now);
         }
@@ -485,9 +559,12 @@ impl Policy {
             reason,
             stable_demand,
             panic_demand,
-            queue_per_replica: queue / f64::from(ready.max(1)),
+            queue_per_replica: (!readings.none()).then(|| queue / f64::from(ready.max(1))),
             panicking,
             idle_for,
+            unread: readings
+                .incomplete()
+                .then_some((readings.failed, readings.asked)),
         }
     }
 }
@@ -535,16 +612,21 @@ fn mean_since(samples: &VecDeque<(Duration, f64)>, now: Duration, window: Durati
 
 /// The groups to remove when going down by `count`: groups that are not serving yet
 /// first (nothing to lose), then the ready groups holding the fewest requests (the
-/// highest ordinal on a tie, so that a service shrinks from its end when idle).
+/// highest ordinal on a tie, so that a service shrinks from its end when idle), and groups
+/// whose load is unknown last.
 pub fn scale_down_victims(groups: &[GroupLoad], count: usize) -> Vec<u32> {
     let mut candidates: Vec<&GroupLoad> = groups
         .iter()
         .filter(|g| g.state != GroupState::Draining)
         .collect();
     candidates.sort_by(|a, b| {
-        let serving = |g: &GroupLoad| g.state == GroupState::Ready;
-        serving(a)
-            .cmp(&serving(b))
+        let keep_order = |g: &GroupLoad| match g.state {
+            GroupState::Warming | GroupState::Draining => 0,
+            GroupState::Ready => 1,
+            GroupState::Unread => 2,
+        };
+        keep_order(a)
+            .cmp(&keep_order(b))
             .then(a.queue_depth().cmp(&b.queue_depth()))
             .then(
                 a.kv_usage
@@ -620,6 +702,7 @@ mod tests {
                 groups,
                 // A router holds requests while nothing serves, and asks for a wake-up.
                 wake_requested: ready == 0 && queue > 0,
+                readings: Readings::default(),
             }
         }
 
@@ -949,6 +1032,7 @@ mod tests {
                 kv_usage: 0.9,
             }],
             wake_requested: false,
+            readings: Readings::default(),
         };
         let mut with_kv = Policy::new(PolicyConfig {
             target_kv_usage: Some(0.5),
@@ -1093,13 +1177,125 @@ mod tests {
             reason: Reason::Burst,
             stable_demand: 1.5,
             panic_demand: 3.75,
-            queue_per_replica: 15.0,
+            queue_per_replica: Some(15.0),
             panicking: true,
             idle_for: Duration::ZERO,
+            unread: None,
         };
         assert_eq!(
             decision.message(1),
             "Burst 1 -> 4 replicas: 15.00 requests per ready replica, demand 1.50 stable / 3.75 panic (panic mode)"
         );
+    }
+
+    /// `replicas` ready groups whose first `unread` could not be read; each read one holds
+    /// `queue` requests.
+    fn partly_read(replicas: u32, unread: u32, queue: u32) -> Observation {
+        let groups = (0..replicas)
+            .map(|group| {
+                let read = group >= unread;
+                GroupLoad {
+                    group,
+                    state: if read {
+                        GroupState::Ready
+                    } else {
+                        GroupState::Unread
+                    },
+                    waiting: 0,
+                    running: if read { queue } else { 0 },
+                    kv_usage: 0.0,
+                }
+            })
+            .collect();
+        Observation {
+            spec_replicas: replicas,
+            groups,
+            wake_requested: false,
+            readings: Readings {
+                asked: replicas,
+                failed: unread,
+                first_error: (unread > 0)
+                    .then(|| "no load report from 127.0.0.9:8001 within 400ms".to_owned()),
+            },
+        }
+    }
+
+    /// Decisions every tick from `from` to `until` seconds for the same observation.
+    fn hold_for(
+        policy: &mut Policy,
+        from: f64,
+        until: f64,
+        observation: &Observation,
+    ) -> Vec<(Duration, Decision)> {
+        let mut decisions = Vec::new();
+        let mut now = secs(from);
+        while now <= secs(until) {
+            decisions.push((now, policy.decide(now, observation)));
+            now += TICK;
+        }
+        decisions
+    }
+
+    #[test]
+    fn a_fleet_whose_load_cannot_be_read_holds_and_never_goes_to_zero() {
+        let mut policy = Policy::new(scale_to_zero_config()).unwrap();
+        // Ten idle windows and many scale-down delays without a single reading.
+        let decisions = hold_for(&mut policy, 0.0, 600.0, &partly_read(3, 3, 0));
+        assert!(
+            decisions.iter().all(|(_, d)| d.desired == 3),
+            "{:?}",
+            decisions.iter().find(|(_, d)| d.desired != 3)
+        );
+        let (_, last) = decisions.last().unwrap();
+        assert_eq!(last.reason, Reason::MetricsUnavailable);
+        assert_eq!(last.queue_per_replica, None);
+        assert_eq!(last.unread, Some((3, 3)));
+        assert!(
+            last.message(3).contains("load unknown")
+                && last
+                    .message(3)
+                    .ends_with("the load of 3 of 3 serving workers could not be read"),
+            "{}",
+            last.message(3)
+        );
+        // The same fleet read as idle goes down to one group, then to zero.
+        let mut read = Policy::new(scale_to_zero_config()).unwrap();
+        let decisions = hold_for(&mut read, 0.0, 600.0, &partly_read(3, 0, 0));
+        assert!(decisions.iter().any(|(_, d)| d.desired < 3));
+        assert!(decisions.iter().any(|(_, d)| d.reason == Reason::Idle));
+    }
+
+    #[test]
+    fn with_some_workers_unread_the_count_rises_with_the_load_but_never_falls() {
+        let mut policy = Policy::new(config()).unwrap();
+        // The two readable groups are idle: before, that read as a fleet to shrink.
+        let idle = hold_for(&mut policy, 0.0, 120.0, &partly_read(3, 1, 0));
+        assert!(idle.iter().all(|(_, d)| d.desired == 3));
+        assert_eq!(idle.last().unwrap().1.reason, Reason::MetricsUnavailable);
+        assert_eq!(idle.last().unwrap().1.queue_per_replica, Some(0.0));
+        assert_eq!(idle.last().unwrap().1.unread, Some((1, 3)));
+        // A burst on the readable ones (a floor of the real load) still scales up at once.
+        let burst = policy.decide(secs(120.5), &partly_read(3, 1, 40));
+        assert!(burst.desired > 3, "{burst:?}");
+        assert!(
+            burst
+                .message(3)
+                .ends_with("1 of 3 serving workers could not be read")
+        );
+    }
+
+    #[test]
+    fn readings_that_come_back_resume_scaling_after_a_full_scale_down_delay() {
+        let cfg = config();
+        let mut policy = Policy::new(cfg.clone()).unwrap();
+        hold_for(&mut policy, 0.0, 60.0, &partly_read(3, 3, 0));
+        let back = hold_for(&mut policy, 60.5, 200.0, &partly_read(3, 0, 0));
+        assert_eq!(back[0].1.unread, None);
+        let first_down = first_time(&back, |d| d.desired < 3);
+        assert!(
+            first_down >= 60.5 + cfg.scale_down_delay.as_secs_f64(),
+            "scaled down at {first_down}, readings back at 60.5"
+        );
+        assert!(first_down.is_finite(), "never scaled down once read");
     }
 }

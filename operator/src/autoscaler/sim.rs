@@ -7,7 +7,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::policy::{GroupLoad, GroupState, Observation, Policy, PolicyConfig, scale_down_victims};
+use super::policy::{
+    GroupLoad, GroupState, Observation, Policy, PolicyConfig, Readings, scale_down_victims,
+};
 
 /// Arrival rate over time, in requests per second.
 #[derive(Clone, Debug)]
@@ -207,6 +209,7 @@ pub fn run(
                     })
                     .collect(),
                 wake_requested: false,
+                readings: Readings::default(),
             };
             if let Some(desired) = scaler.observe(now, &observation) {
                 if desired > spec {
