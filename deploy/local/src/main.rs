@@ -211,6 +211,8 @@ async fn client_loop(load: Arc<Load>, http: reqwest::Client, router: String) {
 /// A worker pod the node agent reported Failed: its name and why (the worker's last log line).
 #[derive(Debug, Clone, PartialEq)]
 struct PodFailure {
+    /// Told apart by uid: a group the operator recreates gets pods of the same names.
+    uid: String,
     pod: String,
     message: String,
 }
@@ -219,6 +221,7 @@ impl PodFailure {
     fn of(pod: &Pod) -> Option<Self> {
         let status = pod.status.as_ref()?;
         (status.phase.as_deref() == Some("Failed")).then(|| PodFailure {
+            uid: pod.uid().unwrap_or_default(),
             pod: pod.name_any(),
             message: status.message.clone().unwrap_or_default(),
         })
@@ -237,7 +240,7 @@ async fn record_failures(pods: Api<Pod>, failures: Arc<std::sync::Mutex<Vec<PodF
             continue;
         };
         let mut failures = failures.lock().expect("failures");
-        if failures.iter().all(|f| f.pod != failure.pod) {
+        if failures.iter().all(|f| f.uid != failure.uid) {
             println!("  pod {} failed: {}", failure.pod, failure.message);
             failures.push(failure);
         }
@@ -541,7 +544,7 @@ mod tests {
 
     fn pod(name: &str, phase: &str, message: &str) -> Pod {
         serde_json::from_value(json!({
-            "metadata": {"name": name},
+            "metadata": {"name": name, "uid": format!("uid-{name}")},
             "status": {"phase": phase, "message": message},
         }))
         .expect("pod")
