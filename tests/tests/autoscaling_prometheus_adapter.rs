@@ -69,9 +69,10 @@ fn dashboard_queries(namespace: &str) -> Result<Vec<(String, String, String)>> {
     Ok(queries)
 }
 
-/// `helm install` of the chart with its defaults on a cluster whose external metrics API
-/// belongs to prometheus-adapter: the APIService is not touched (same resourceVersion, same
-/// Service), the chart renders no metrics Service, and the operator runs with its server off.
+/// `helm install` of the chart with its external metrics server asked for, on a cluster whose
+/// external metrics API belongs to prometheus-adapter: the APIService is not touched (same
+/// resourceVersion, same Service), the chart renders no metrics Service, and the operator runs
+/// with its server off.
 /// The HPA that follows still reads the adapter, which proves the same end to end.
 async fn chart_leaves_the_adapter_alone(client: &kube::Client) -> Result<()> {
     let c = cluster::shared();
@@ -81,7 +82,8 @@ async fn chart_leaves_the_adapter_alone(client: &kube::Client) -> Result<()> {
     let mut helm = c.helm();
     helm.args(["install", "npufleet"])
         .arg(paths::repo_root().join("charts/npufleet"))
-        .args(["-n", &release_ns, "--skip-crds"]);
+        .args(["-n", &release_ns, "--skip-crds"])
+        .args(["--set", "externalMetrics.enabled=true"]);
     let out = tokio::task::spawn_blocking(move || helm.output()).await??;
     anyhow::ensure!(
         out.status.success(),

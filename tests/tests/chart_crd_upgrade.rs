@@ -1,15 +1,20 @@
-//! The chart as a user runs it: `helm template` renders offline with no `--kube-version` and
-//! a verified external metrics API, and the documented CRD upgrade step (Helm never upgrades
-//! `crds/`) brings an installed older CRD to the chart's schema.
+//! The chart as a user runs it: `helm template` renders offline with no `--kube-version` and,
+//! when asked for, a verified external metrics API; installed with its defaults it registers
+//! no aggregated API, so a stopped operator cannot block namespace deletion; and the
+//! documented CRD upgrade step (Helm never upgrades `crds/`) brings an installed older CRD to
+//! the chart's schema.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, PostParams};
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::api::{Api, DeleteParams, PostParams};
 use npufleet_tests::{cluster, paths, process, wait};
 
 const CRD: &str = "inferenceservices.npufleet.io";
+const EXTERNAL_METRICS_API_SERVICE: &str = "v1beta1.external.metrics.k8s.io";
 
 fn chart() -> std::path::PathBuf {
     paths::repo_root().join("charts/npufleet")
@@ -22,12 +27,26 @@ async fn has_autoscaling(crds: &Api<CustomResourceDefinition>) -> Result<bool> {
     Ok(!spec["openAPIV3Schema"]["properties"]["spec"]["properties"]["autoscaling"].is_null())
 }
 
+/// `helm template` of the chart with `values` (`key=value` for `--set`).
+async fn render(c: &cluster::Cluster, values: &[&str]) -> Result<String> {
+    let mut helm = c.helm();
+    helm.arg("template").arg("npufleet").arg(chart());
+    for value in values {
+        helm.args(["--set", value]);
+    }
+    tokio::task::spawn_blocking(move || process::stdout_of(helm)).await?
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_template_renders_offline_with_a_verified_metrics_api() -> Result<()> {
     let c = cluster::shared();
-    let mut helm = c.helm();
-    helm.arg("template").arg("npufleet").arg(chart());
-    let rendered = tokio::task::spawn_blocking(move || process::stdout_of(helm)).await??;
+    let defaults = render(c, &[]).await?;
+    assert!(
+        !defaults.contains("kind: APIService"),
+        "an APIService by default"
+    );
+    assert!(defaults.contains("- --external-metrics-addr=\n"));
+    let rendered = render(c, &["externalMetrics.enabled=true"]).await?;
     assert!(
         rendered.contains("kind: APIService"),
         "no APIService rendered"
@@ -39,6 +58,51 @@ async fn helm_template_renders_offline_with_a_verified_metrics_api() -> Result<(
     assert!(rendered.contains("name: extension-apiserver-authentication-reader"));
     assert!(rendered.contains("--external-metrics-secret=npufleet-external-metrics-tls"));
     Ok(())
+}
+
+/// The operator's pods never run here (KWOK fakes them), as when it is stopped: had the chart
+/// registered its external metrics APIService, discovery of that API would fail and the
+/// namespace controller would leave every deleted namespace Terminating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_default_values_and_no_operator_namespaces_still_delete() -> Result<()> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let release_ns = c.namespace(&client, "chart-defaults").await?;
+        let mut helm = c.helm();
+        // Named apart from the other test's cluster-wide release, whose ClusterRole is named
+        // after its release; the CRD is that test's to create.
+        helm.args(["install", "defaults"])
+            .arg(chart())
+            .args(["-n", &release_ns, "--skip-crds"]);
+        tokio::task::spawn_blocking(move || process::stdout_of(helm)).await??;
+        let api_services: Api<APIService> = Api::all(client.clone());
+        assert!(
+            api_services
+                .get_opt(EXTERNAL_METRICS_API_SERVICE)
+                .await?
+                .is_none(),
+            "the chart's defaults register the external metrics API"
+        );
+
+        let doomed = c.namespace(&client, "deleted-beside-chart").await?;
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        namespaces.delete(&doomed, &DeleteParams::default()).await?;
+        wait::until(
+            "the deleted namespace gone",
+            Duration::from_secs(60),
+            || async {
+                match namespaces.get_opt(&doomed).await? {
+                    None => Ok(Some(())),
+                    Some(ns) => anyhow::bail!("still there: {:?}", ns.status),
+                }
+            },
+        )
+        .await?;
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,8 @@
-//! The namespaced install: the chart installed with `watchNamespace`, the operator binary
-//! running with nothing but the chart's ServiceAccount token and `--watch-namespace`. RBAC is
-//! a Role in the watched namespace, so the operator must never list or watch cluster-wide,
-//! and an InferenceService elsewhere is neither seen nor touched.
+//! The namespaced install: the chart installed with `watchNamespace`, the operator and router
+//! binaries running with nothing but the chart's ServiceAccount tokens, confined to the watched
+//! namespace. RBAC is a Role there for each, so neither may list or watch cluster-wide, an
+//! InferenceService elsewhere is neither seen nor touched, and the release makes nothing
+//! cluster-scoped: a second release of the same name in another namespace installs beside it.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -9,10 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use kube::Client;
 use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_tests::access::{self, Access, ServiceAccount};
+use npufleet_tests::fleet::RunningRouter;
 use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, operator, paths, process, wait};
@@ -21,21 +23,35 @@ use serde_json::json;
 const TIMEOUT: Duration = Duration::from_secs(90);
 const RELEASE: &str = "npufleet";
 const RELEASE_NAMESPACE: &str = "npufleet-system";
+/// The chart's router ServiceAccount: the release's name and `-router`.
+const ROUTER_ACCOUNT: &str = "npufleet-router";
 const IDENTITY: &str = "namespaced-operator";
 const MANAGER: &str = "operator-namespaced-test";
 /// Resources only the operator's own Role may grant it.
 const WORKLOAD_RESOURCES: [&str; 3] = ["pods", "services", "configmaps"];
 
-/// Whether the apiserver lets the operator's ServiceAccount list pods in `namespace` (or in
-/// every namespace when `None`).
-async fn may_list_pods(client: &Client, namespace: Option<&str>) -> Result<bool> {
-    let operator = ServiceAccount::new(RELEASE_NAMESPACE, RELEASE);
+/// Whether the apiserver lets ServiceAccount `account` of the release list pods in
+/// `namespace` (or in every namespace when `None`).
+async fn may_list_pods(client: &Client, account: &str, namespace: Option<&str>) -> Result<bool> {
     access::allowed(
         client,
-        &operator,
+        &ServiceAccount::new(RELEASE_NAMESPACE, account),
         &Access::new("list", "", "pods", namespace),
     )
     .await
+}
+
+/// `helm install` of the chart as release [`RELEASE`] in `release_namespace`, confined to
+/// `watched`, with its defaults otherwise (the router included).
+fn install_namespaced(c: &cluster::Cluster, release_namespace: &str, watched: &str) -> Result<()> {
+    let mut helm = c.helm();
+    helm.args(["install", RELEASE])
+        .arg(paths::repo_root().join("charts/npufleet"))
+        .args(["--namespace", release_namespace, "--create-namespace"])
+        .args(["--set", &format!("watchNamespace={watched}")]);
+    process::stdout_of(helm)
+        .with_context(|| format!("helm install in {release_namespace} watching {watched}"))?;
+    Ok(())
 }
 
 fn service(namespace: &str) -> Result<InferenceService> {
@@ -78,16 +94,12 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
             .args(["--set", &format!("watchNamespace={watched}")]);
         lint
     })?;
-    process::stdout_of({
-        let mut helm = c.helm();
-        helm.args(["install", RELEASE])
-            .arg(&chart)
-            .args(["--namespace", RELEASE_NAMESPACE, "--create-namespace"])
-            .args(["--set", &format!("watchNamespace={watched}")])
-            .args(["--set", "router.enabled=false"]);
-        helm
-    })
-    .context("helm install")?;
+    install_namespaced(c, RELEASE_NAMESPACE, &watched)?;
+    // A second team's release of the same name, in its own namespace, beside the first: it
+    // would collide on any cluster-scoped object both made.
+    let second_release_namespace = c.namespace(&client, "second-release").await?;
+    let second_watched = c.namespace(&client, "second-watched").await?;
+    install_namespaced(c, &second_release_namespace, &second_watched)?;
 
     // (a) The operator's workload rules are a Role in the watched namespace; no cluster-wide
     // binding of its ServiceAccount grants any of them.
@@ -118,12 +130,19 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
         .list(&ListParams::default())
         .await?;
     for binding in bindings.items {
-        let binds_operator = binding.subjects.iter().flatten().any(|s| {
-            s.kind == "ServiceAccount"
-                && s.name == RELEASE
-                && s.namespace.as_deref() == Some(RELEASE_NAMESPACE)
-        });
-        if !binds_operator {
+        let binds = |account: &str| {
+            binding.subjects.iter().flatten().any(|s| {
+                s.kind == "ServiceAccount"
+                    && s.name == account
+                    && s.namespace.as_deref() == Some(RELEASE_NAMESPACE)
+            })
+        };
+        assert!(
+            !binds(ROUTER_ACCOUNT),
+            "ClusterRoleBinding {} binds the router",
+            binding.name_any()
+        );
+        if !binds(RELEASE) {
             continue;
         }
         let role = cluster_roles.get(&binding.role_ref.name).await?;
@@ -140,9 +159,17 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
     }
 
     // (b) The apiserver agrees, by review and by a real request under the token.
-    assert!(!may_list_pods(&client, None).await?);
-    assert!(!may_list_pods(&client, Some(&outside)).await?);
-    assert!(may_list_pods(&client, Some(&watched)).await?);
+    for account in [RELEASE, ROUTER_ACCOUNT] {
+        assert!(!may_list_pods(&client, account, None).await?, "{account}");
+        assert!(
+            !may_list_pods(&client, account, Some(&outside)).await?,
+            "{account}"
+        );
+        assert!(
+            may_list_pods(&client, account, Some(&watched)).await?,
+            "{account}"
+        );
+    }
     let token = cluster::service_account_token(&client, RELEASE_NAMESPACE, RELEASE).await?;
     let as_operator = c.client_with_token(&token).await?;
     match Api::<Pod>::all(as_operator.clone())
@@ -198,6 +225,29 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
         .await?;
     assert_eq!(watched_pods.items.len(), 1);
 
+    // (c') The router runs as the chart runs it, under its own token and confined the same way
+    // (the flag the chart passes), and routes to the watched service's replica.
+    let router_token =
+        cluster::service_account_token(&client, RELEASE_NAMESPACE, ROUTER_ACCOUNT).await?;
+    let router_kubeconfig =
+        c.kubeconfig_with_token(&router_token, "namespaced-router-kubeconfig.yaml")?;
+    let router = RunningRouter::start_binary(
+        &paths::workspace_bin("npufleet-router")?,
+        c,
+        &router_kubeconfig,
+        "namespaced-router",
+        &watched,
+        &[],
+    )
+    .await?;
+    let models_url = router.url("/v1/models");
+    wait::until("the router serving the watched model", TIMEOUT, || async {
+        let models: serde_json::Value = reqwest::get(&models_url).await?.json().await?;
+        Ok((models["data"][0]["id"] == "smollm2").then_some(()))
+    })
+    .await
+    .with_context(|| router.process.log_tail(20))?;
+
     // (d) The identical service outside was never reconciled, and never tried: a scope that
     // leaked would show up as a refused list or watch in the log.
     let untouched = outside_services.get("chat").await?;
@@ -211,10 +261,13 @@ async fn namespaced_install(c: &cluster::Cluster) -> Result<()> {
         text.contains("reconciled"),
         "the log holds the reconciles: {text}"
     );
-    let refusals: Vec<&str> = text
-        .lines()
-        .filter(|l| l.to_ascii_lowercase().contains("forbidden"))
-        .collect();
-    assert!(refusals.is_empty(), "{refusals:#?}");
+    let router_log = std::fs::read_to_string(router.process.log_path())?;
+    for (name, text) in [("operator", text), ("router", router_log)] {
+        let refusals: Vec<&str> = text
+            .lines()
+            .filter(|l| l.to_ascii_lowercase().contains("forbidden"))
+            .collect();
+        assert!(refusals.is_empty(), "{name}: {refusals:#?}");
+    }
     Ok(())
 }

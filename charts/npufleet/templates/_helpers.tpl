@@ -35,6 +35,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{- /*
+The one namespace the router routes, or "" for every namespace: router.watchNamespace, else
+the operator's watchNamespace, so that a namespaced release is confined as a whole.
+*/ -}}
+{{- define "npufleet.routerWatchNamespace" -}}
+{{- .Values.router.watchNamespace | default .Values.watchNamespace -}}
+{{- end -}}
+
 {{- define "npufleet.routerSelectorLabels" -}}
 app.kubernetes.io/name: npufleet-router
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -56,4 +64,15 @@ cluster; taking it over would cut the other server's HPAs off, so the chart leav
 true
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{- /*
+The name of an object outside the release namespace (cluster-scoped, or in kube-system) that
+releases in several namespaces may each make: "<release namespace>.<release>-<suffix>", from
+(list $ "suffix"). Namespaces hold no dots, so no two releases' names can meet, whatever
+their names.
+*/ -}}
+{{- define "npufleet.outsideName" -}}
+{{- $top := index . 0 -}}
+{{- printf "%s.%s-%s" $top.Release.Namespace $top.Release.Name (index . 1) -}}
 {{- end -}}

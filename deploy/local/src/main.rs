@@ -16,7 +16,9 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_local::cluster::{Cluster, ClusterOptions};
@@ -40,9 +42,14 @@ const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Where the release binaries (npufleet-operator, npufleet-router, npufleet-worker) were built.
-    #[arg(long, default_value = "target/release")]
-    target_dir: PathBuf,
+    /// The npufleet checkout whose set-up scripts and sample the platform uses (default: the
+    /// checkout holding this binary, else the one holding the current directory).
+    #[arg(long, env = "NPUFLEET_REPO")]
+    repo: Option<PathBuf>,
+    /// Where the release binaries (npufleet-operator, npufleet-router, npufleet-worker) were
+    /// built (default: this binary's directory, where cargo builds them too).
+    #[arg(long)]
+    target_dir: Option<PathBuf>,
     /// Concurrent streaming clients in the burst.
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=16))]
     clients: u32,
@@ -54,15 +61,40 @@ struct Args {
     exit_after_demo: bool,
 }
 
-fn release_bin(target_dir: &Path, name: &str) -> Result<PathBuf> {
-    let path = target_dir.join(name);
-    if !path.is_file() {
-        bail!(
-            "{} is missing; build the release binaries first (cargo build --release --workspace --bins)",
-            path.display()
-        );
+/// The product's binaries the platform runs.
+struct Binaries {
+    operator: PathBuf,
+    router: PathBuf,
+    worker: PathBuf,
+}
+
+impl Binaries {
+    /// Checked before anything starts, so that a missing one is the first thing said.
+    fn find(target_dir: Option<&Path>) -> Result<Self> {
+        let dir = match target_dir {
+            Some(dir) => dir.to_path_buf(),
+            None => std::env::current_exe()
+                .context("finding this binary")?
+                .parent()
+                .context("this binary has no directory")?
+                .to_path_buf(),
+        };
+        let binary = |name: &str| {
+            let path = dir.join(name);
+            if !path.is_file() {
+                bail!(
+                    "{} is missing; build the release binaries first (cargo build --release --workspace --bins) or name their directory with --target-dir",
+                    path.display()
+                );
+            }
+            std::path::absolute(&path).with_context(|| format!("resolving {}", path.display()))
+        };
+        Ok(Self {
+            operator: binary("npufleet-operator")?,
+            router: binary("npufleet-router")?,
+            worker: binary("npufleet-worker")?,
+        })
     }
-    std::path::absolute(&path).with_context(|| format!("resolving {}", path.display()))
 }
 
 /// The shipped sample, pointed at the cached model and at the local node, with built-in
@@ -176,6 +208,71 @@ async fn client_loop(load: Arc<Load>, http: reqwest::Client, router: String) {
     }
 }
 
+/// A worker pod the node agent reported Failed: its name and why (the worker's last log line).
+#[derive(Debug, Clone, PartialEq)]
+struct PodFailure {
+    /// Told apart by uid: a group the operator recreates gets pods of the same names.
+    uid: String,
+    pod: String,
+    message: String,
+}
+
+impl PodFailure {
+    fn of(pod: &Pod) -> Option<Self> {
+        let status = pod.status.as_ref()?;
+        (status.phase.as_deref() == Some("Failed")).then(|| PodFailure {
+            uid: pod.uid().unwrap_or_default(),
+            pod: pod.name_any(),
+            message: status.message.clone().unwrap_or_default(),
+        })
+    }
+}
+
+/// Records each worker pod that fails, once, and says so as it happens: the operator replaces
+/// a failed pod at once, so the failure would otherwise show only as a fleet that never grows.
+async fn record_failures(pods: Api<Pod>, failures: Arc<std::sync::Mutex<Vec<PodFailure>>>) {
+    let mut events = watcher(pods, watcher::Config::default())
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    while let Some(event) = events.next().await {
+        let Some(failure) = event.ok().as_ref().and_then(PodFailure::of) else {
+            continue;
+        };
+        let mut failures = failures.lock().expect("failures");
+        if failures.iter().all(|f| f.uid != failure.uid) {
+            println!("  pod {} failed: {}", failure.pod, failure.message);
+            failures.push(failure);
+        }
+    }
+}
+
+/// The summary's lines on failed pods: how many, and the latest few reasons.
+fn failed_pods_summary(failures: &[PodFailure], pod_logs: &Path) -> String {
+    const SHOWN: usize = 3;
+    if failures.is_empty() {
+        return "  failed pods:      none\n".to_owned();
+    }
+    let mut text = format!(
+        "  failed pods:      {} (worker logs in {})\n",
+        failures.len(),
+        pod_logs.display()
+    );
+    for failure in &failures[failures.len().saturating_sub(SHOWN)..] {
+        text.push_str(&format!("    {}: {}\n", failure.pod, failure.message));
+    }
+    text
+}
+
+/// A task that ends with its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// What the once-a-second line shows, and what the summary needs.
 #[derive(Default)]
 struct Observed {
@@ -222,23 +319,21 @@ async fn print_tick(
     *last_tokens = tokens;
 }
 
-async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
-    let worker = release_bin(&args.target_dir, "npufleet-worker")?;
-    let operator_bin = release_bin(&args.target_dir, "npufleet-operator")?;
-    let router_bin = release_bin(&args.target_dir, "npufleet-router")?;
+async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> {
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "npufleet-local").await?;
     npufleet_local::crd::install_inference_service(&client, MANAGER).await?;
     let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
 
+    let pod_logs = cluster.scratch().join("pods");
     let _agent = NodeAgent::start(
         client.clone(),
-        NodeAgentConfig::new(NODE, worker, cluster.scratch().join("pods"), 60),
+        NodeAgentConfig::new(NODE, binaries.worker, pod_logs.clone(), 60),
     )
     .await?;
 
     let operator_log = cluster.scratch().join("npufleet-operator.log");
-    let mut cmd = Command::new(&operator_bin);
+    let mut cmd = Command::new(&binaries.operator);
     cmd.args([
         "--metrics-addr",
         &format!("127.0.0.1:{}", free_port()?),
@@ -250,13 +345,27 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     .env("RUST_LOG", "info");
     let mut operator = Process::start("npufleet-operator", cmd, &operator_log)?;
     // The product's front door: every client request goes through it.
-    let mut router =
-        RunningRouter::start_binary(&router_bin, cluster, "npufleet-router", &ns, &[]).await?;
+    let mut router = RunningRouter::start_binary(
+        &binaries.router,
+        cluster,
+        cluster.kubeconfig(),
+        "npufleet-router",
+        &ns,
+        &[],
+    )
+    .await?;
     println!(
         "npufleet-router serving http://{} (OpenAI, KServe v2 REST) and {} (gRPC)",
         router.http, router.grpc
     );
 
+    // Watched from before the first pod exists, so that no failure goes unseen.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let _failure_watch = AbortOnDrop(tokio::spawn(record_failures(
+        pods.clone(),
+        failures.clone(),
+    )));
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
     let service = service_from_sample(&ns, &model)?;
     services
@@ -271,14 +380,14 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
         "InferenceService {ns}/{SERVICE} applied (from {SAMPLE}, builtin autoscaling 1..{MAX_REPLICAS}, target queue {TARGET_QUEUE} per replica)"
     );
 
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let started = Instant::now();
     wait::until(
         "the first replica serving",
         Duration::from_secs(180),
         || async { Ok((!serving_addresses(&pods).await?.is_empty()).then_some(())) },
     )
-    .await?;
+    .await
+    .with_context(|| failed_pods_summary(&failures.lock().expect("failures"), &pod_logs))?;
     operator.ensure_running()?;
     println!(
         "first replica serving after {:.1} s; starting {} streaming clients for {} s",
@@ -373,6 +482,10 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     if let Some(failure) = load.last_failure.lock().await.as_ref() {
         println!("  last failure:     {failure}");
     }
+    print!(
+        "{}",
+        failed_pods_summary(&failures.lock().expect("failures"), &pod_logs)
+    );
     let address = router.http;
     println!();
     println!(
@@ -385,10 +498,7 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
     println!("  KUBECONFIG={}", cluster.kubeconfig().display());
     println!("  operator log: {}", operator_log.display());
     println!("  router log:   {}", router.process.log_path().display());
-    println!(
-        "  pod logs:     {}",
-        cluster.scratch().join("pods").display()
-    );
+    println!("  pod logs:     {}", pod_logs.display());
 
     if !args.exit_after_demo {
         println!("\nserving until Ctrl-C");
@@ -404,6 +514,8 @@ async fn demo(cluster: &Cluster, args: &Args) -> Result<()> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    paths::locate_repo_root(args.repo.as_deref())?;
+    let binaries = Binaries::find(args.target_dir.as_deref())?;
     println!(
         "starting a local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK)"
     );
@@ -414,7 +526,7 @@ async fn main() -> Result<()> {
         cluster.server_url()
     );
     let outcome = tokio::select! {
-        result = demo(&cluster, &args) => result,
+        result = demo(&cluster, &args, binaries) => result,
         interrupted = tokio::signal::ctrl_c() => {
             interrupted.context("listening for Ctrl-C")?;
             println!("\nCtrl-C: stopping the fleet, the operator and the control plane");
@@ -424,4 +536,40 @@ async fn main() -> Result<()> {
     // The demo's processes stop as its future is dropped; the control plane stops here.
     drop(cluster);
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, phase: &str, message: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "uid": format!("uid-{name}")},
+            "status": {"phase": phase, "message": message},
+        }))
+        .expect("pod")
+    }
+
+    /// A worker that could not start (its address taken by another platform's worker) is
+    /// named in the summary with the reason the node agent read from its log.
+    #[test]
+    fn the_summary_names_a_pod_that_failed_to_start() {
+        let why = "worker process exited (exit status: 2): error: cannot listen for gRPC on 127.77.60.2:8001: Address already in use (os error 98)";
+        let failures: Vec<PodFailure> = [
+            pod("smollm2-0-0", "Running", ""),
+            pod("smollm2-1-0", "Failed", why),
+        ]
+        .iter()
+        .filter_map(PodFailure::of)
+        .collect();
+        let summary = failed_pods_summary(&failures, Path::new("/logs"));
+        assert_eq!(
+            summary,
+            format!("  failed pods:      1 (worker logs in /logs)\n    smollm2-1-0: {why}\n")
+        );
+        assert_eq!(
+            failed_pods_summary(&[], Path::new("/logs")),
+            "  failed pods:      none\n"
+        );
+    }
 }

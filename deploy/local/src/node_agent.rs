@@ -30,6 +30,7 @@ use npufleet_contract::{env, ports};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
+use crate::pod_subnet::PodSubnet;
 use crate::process::Process;
 
 /// The label on every agent-owned node; pods select a node with it.
@@ -54,8 +55,9 @@ pub struct NodeAgentConfig {
     pub node_name: String,
     /// The binary a container whose command is `npufleet-worker` runs.
     pub worker_binary: PathBuf,
-    /// Pod addresses are taken from `127.<x>.<y>.2 ..= 127.<x>.<y>.254`.
-    pub address_prefix: [u8; 3],
+    /// The /24 of 127.77.0.0/16 tried first for the node and its pods; one another local
+    /// platform holds is passed over ([`PodSubnet::claim`]).
+    pub preferred_subnet: u8,
     /// Where each pod's output goes (`<namespace>_<pod>.log`).
     pub log_dir: PathBuf,
     pub capacity: BTreeMap<String, String>,
@@ -66,7 +68,7 @@ impl NodeAgentConfig {
         Self {
             node_name: node_name.to_owned(),
             worker_binary,
-            address_prefix: [127, 77, subnet],
+            preferred_subnet: subnet,
             log_dir,
             capacity: [("cpu", "64"), ("memory", "256Gi"), ("pods", "110")]
                 .into_iter()
@@ -94,6 +96,7 @@ struct ConfigVolume {
 
 struct Shared {
     config: NodeAgentConfig,
+    node_address: Ipv4Addr,
     client: Client,
     pods: Mutex<HashMap<String, RunningPod>>,
     free: Mutex<Vec<Ipv4Addr>>,
@@ -105,6 +108,8 @@ struct Shared {
 pub struct NodeAgent {
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
+    /// Released only after [`Drop::drop`] has killed the pods bound to its addresses.
+    _subnet: PodSubnet,
 }
 
 impl Drop for NodeAgent {
@@ -122,13 +127,12 @@ impl NodeAgent {
     pub async fn start(client: Client, config: NodeAgentConfig) -> Result<Self> {
         std::fs::create_dir_all(&config.log_dir)
             .with_context(|| format!("creating {}", config.log_dir.display()))?;
-        let [a, b, c] = config.address_prefix;
-        let free = (2..=254u8)
-            .rev()
-            .map(|d| Ipv4Addr::new(a, b, c, d))
-            .collect();
+        let subnet = PodSubnet::claim(config.preferred_subnet)?;
+        // Popped from the end: the lowest address goes first.
+        let free = subnet.pod_addresses().rev().collect();
         let shared = Arc::new(Shared {
             config,
+            node_address: subnet.node_address(),
             client,
             pods: Mutex::new(HashMap::new()),
             free: Mutex::new(free),
@@ -140,7 +144,11 @@ impl NodeAgent {
             tokio::spawn(watch_pods(shared.clone())),
             tokio::spawn(probe_pods(shared.clone())),
         ];
-        Ok(Self { shared, tasks })
+        Ok(Self {
+            shared,
+            tasks,
+            _subnet: subnet,
+        })
     }
 
     pub fn node_name(&self) -> &str {
@@ -167,11 +175,6 @@ impl NodeAgent {
 }
 
 impl Shared {
-    fn node_address(&self) -> Ipv4Addr {
-        let [a, b, c] = self.config.address_prefix;
-        Ipv4Addr::new(a, b, c, 1)
-    }
-
     async fn register_node(&self) -> Result<()> {
         let name = &self.config.node_name;
         let node: Node = serde_json::from_value(json!({
@@ -202,7 +205,7 @@ impl Shared {
 
     async fn report_node_status(&self) -> Result<()> {
         let now = Timestamp::now();
-        let address = self.node_address().to_string();
+        let address = self.node_address.to_string();
         let status = json!({
             "status": {
                 "capacity": self.config.capacity,
@@ -310,7 +313,7 @@ impl Shared {
                 "phase": "Running",
                 "podIP": address.to_string(),
                 "podIPs": [{"ip": address.to_string()}],
-                "hostIP": self.node_address().to_string(),
+                "hostIP": self.node_address.to_string(),
                 "startTime": now,
                 "conditions": conditions(false, now),
                 "containerStatuses": [container_status(container, false, now)],
@@ -629,19 +632,24 @@ async fn probe_pods(shared: Arc<Shared>) {
                 .get_mut(&key)
                 .and_then(|p| p.process.try_wait());
             if let Some(status) = exited {
-                shared.pods.lock().expect("pods").remove(&key);
+                let gone = shared.pods.lock().expect("pods").remove(&key);
                 shared.free.lock().expect("free addresses").push(address);
-                let phase = if status.success() {
-                    "Succeeded"
+                let (phase, message) = if status.success() {
+                    ("Succeeded", format!("worker process exited: {status}"))
                 } else {
-                    "Failed"
+                    // As a kubelet does under FallbackToLogsOnError: the log's end says why.
+                    let last_line = gone.map(|p| p.process.log_tail(1)).unwrap_or_default();
+                    (
+                        "Failed",
+                        format!("worker process exited ({status}): {last_line}"),
+                    )
                 };
                 let result = shared
                     .patch_pod_status(
                         &pod,
                         json!({
                             "phase": phase,
-                            "message": format!("worker process exited: {status}"),
+                            "message": message,
                             "conditions": conditions(false, Timestamp::now()),
                         }),
                     )

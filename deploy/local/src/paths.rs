@@ -6,21 +6,66 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail};
 
-/// The repository root: the workspace (the directory holding `Cargo.lock`) of the crate
-/// cargo runs.
+/// A file every checkout has and the local platform runs: what marks a directory as the
+/// repository root.
+const CHECKOUT_MARKER: &str = "tests/setup/control-plane.sh";
+
+static ROOT: OnceLock<PathBuf> = OnceLock::new();
+
+/// Finds the repository root once and keeps it for [`repo_root`]: `explicit` when given (a
+/// flag), else the workspace of the crate cargo runs (`CARGO_MANIFEST_DIR`, read at run time:
+/// build outputs are shared between checkouts, so a path compiled in could name another
+/// checkout), else the checkout holding this executable, else the one holding the current
+/// directory. A binary run on its own (not by cargo) passes its flag here before anything
+/// asks for a path.
+pub fn locate_repo_root(explicit: Option<&Path>) -> Result<&'static Path> {
+    if let Some(root) = ROOT.get() {
+        return Ok(root);
+    }
+    let is_checkout = |dir: &Path| dir.join(CHECKOUT_MARKER).is_file();
+    let found = match explicit {
+        Some(dir) => {
+            if !is_checkout(dir) {
+                bail!(
+                    "{} is not an npufleet checkout: it has no {CHECKOUT_MARKER}",
+                    dir.display()
+                );
+            }
+            dir.to_path_buf()
+        }
+        None => {
+            let starts: Vec<PathBuf> = [
+                std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from),
+                std::env::current_exe().ok(),
+                std::env::current_dir().ok(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            starts
+                .iter()
+                .find_map(|start| start.ancestors().find(|dir| is_checkout(dir)))
+                .with_context(|| {
+                    let looked: Vec<String> =
+                        starts.iter().map(|s| s.display().to_string()).collect();
+                    format!(
+                        "cannot find the npufleet checkout (the directory holding {CHECKOUT_MARKER}) \
+                         above {}; run from inside it, or name it with --repo or NPUFLEET_REPO",
+                        looked.join(", ")
+                    )
+                })?
+                .to_path_buf()
+        }
+    };
+    let found =
+        std::path::absolute(&found).with_context(|| format!("resolving {}", found.display()))?;
+    Ok(ROOT.get_or_init(|| found))
+}
+
+/// The repository root ([`locate_repo_root`] with nothing explicit, unless a binary located it
+/// first). Panics where there is none: tests run under cargo, which always names one.
 pub fn repo_root() -> &'static Path {
-    static ROOT: OnceLock<PathBuf> = OnceLock::new();
-    ROOT.get_or_init(|| {
-        // Read at run time: build outputs are shared between checkouts, so a path compiled in
-        // could name another checkout.
-        let manifest_dir =
-            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-        Path::new(&manifest_dir)
-            .ancestors()
-            .find(|dir| dir.join("Cargo.lock").is_file())
-            .expect("the crate sits inside the workspace")
-            .to_path_buf()
-    })
+    locate_repo_root(None).unwrap_or_else(|error| panic!("{error:#}"))
 }
 
 /// Runs one of `tests/setup/*.sh` and returns the path it prints on its last line.

@@ -40,7 +40,7 @@ pub async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
         .collect())
 }
 
-/// `npufleet-router` running as a child process with the cluster's admin credentials; killed
+/// `npufleet-router` running as a child process against the local cluster; killed
 /// when dropped.
 pub struct RunningRouter {
     pub process: Process,
@@ -59,13 +59,16 @@ impl RunningRouter {
         extra_args: &[&str],
     ) -> Result<Self> {
         let binary = paths::workspace_bin("npufleet-router")?;
-        Self::start_binary(&binary, cluster, name, namespace, extra_args).await
+        let kubeconfig = cluster.kubeconfig();
+        Self::start_binary(&binary, cluster, kubeconfig, name, namespace, extra_args).await
     }
 
-    /// [`RunningRouter::start`] with the router binary at `binary`.
+    /// [`RunningRouter::start`] with the router binary at `binary`, authenticating with
+    /// `kubeconfig`'s credentials (a ServiceAccount's token to run it as the chart does).
     pub async fn start_binary(
         binary: &Path,
         cluster: &Cluster,
+        kubeconfig: &Path,
         name: &str,
         namespace: &str,
         extra_args: &[&str],
@@ -78,7 +81,7 @@ impl RunningRouter {
             .arg(grpc.to_string())
             .args(["--namespace", namespace])
             .args(extra_args)
-            .env("KUBECONFIG", cluster.kubeconfig())
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,npufleet_router=debug");
         let mut process =
             Process::start(name, cmd, &cluster.scratch().join(format!("{name}.log")))?;
