@@ -28,7 +28,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 const WRITE_VERBS: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
 
 /// The chart installed once for this binary's tests, with its defaults (two operator and two
-/// router replicas, external metrics on), into a namespace enforcing `restricted`; its name.
+/// router replicas, external metrics off), into a namespace enforcing `restricted`; its name.
 fn release_namespace() -> &'static str {
     static NAMESPACE: OnceLock<String> = OnceLock::new();
     NAMESPACE.get_or_init(|| {
