@@ -108,5 +108,3 @@ chaos: setup build
 	$(CARGO) test -p npufleet-tests --test faults_worker -- --ignored --nocapture
 	$(CARGO) test -p npufleet-tests --test faults_operator -- --ignored --nocapture
 	$(CARGO) test -p npufleet-tests --test router_e2e -- --ignored --nocapture
-	$(CARGO) test -p npufleet-tests --test operator_drain -- --ignored --nocapture
-	$(CARGO) test -p npufleet-tests --test operator_reconcile after_a_burst -- --ignored --nocapture

@@ -93,7 +93,10 @@ const EVICTION_MEMORY: std::time::Duration = std::time::Duration::from_secs(120)
 /// Which replica groups lost a pod to the Eviction API, and when. A pod that a drain evicts
 /// may be gone from the pod store before a reconcile looks, so the watch remembers it.
 #[derive(Clone, Default)]
-pub struct Evictions(Arc<Mutex<HashMap<(String, String, i32), Time>>>);
+pub struct Evictions(Arc<Mutex<HashMap<EvictedGroup, Time>>>);
+
+/// A replica group by namespace, InferenceService name and group number.
+type EvictedGroup = (String, String, i32);
 
 impl Evictions {
     fn note(&self, pod: &Pod) {
@@ -163,14 +166,6 @@ struct Writers {
     synced: watch::Sender<bool>,
 }
 
-/// Where a store's writer tells its reader what changed.
-type Announcer<K> = mpsc::UnboundedSender<Arc<K>>;
-
-fn announce<K>() -> (Changes<K>, Announcer<K>) {
-    let (announcer, changes) = mpsc::unbounded();
-    (changes, announcer)
-}
-
 pub struct Cache {
     pub stores: Stores,
     /// Taken once by [`Cache::start`].
@@ -209,20 +204,49 @@ where
     })
 }
 
-/// Keeps `writer`'s store filled from `events` and announces every change on `changes`
-/// once the store holds it.
+/// The watch of `api` (retried with backoff, `managedFields` dropped) keeping `writer`'s
+/// store filled, and its changes; `see` looks at every object the watch applies.
+fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    writer: Writer<K>,
+    mut see: impl FnMut(&K) + Send + 'static,
+) -> (
+    impl std::future::Future<Output = ()> + Send + 'static,
+    Changes<K>,
+)
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone + Default + Send + Sync,
+{
+    let events = watcher(api, config)
+        .modify(without_managed_fields)
+        .default_backoff()
+        .inspect(move |event| {
+            if let Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) = event {
+                see(object);
+            }
+        });
+    reflect(events, writer)
+}
+
+/// Keeps `writer`'s store filled from `events`, and the changes: each announced once the
+/// store holds it.
 fn reflect<K, S>(
     events: S,
     mut writer: Writer<K>,
-    changes: Announcer<K>,
-) -> impl std::future::Future<Output = ()> + Send + 'static
+) -> (
+    impl std::future::Future<Output = ()> + Send + 'static,
+    Changes<K>,
+)
 where
     K: Lookup + Clone + Send + Sync + 'static,
     K::DynamicType: Eq + Hash + Clone + Default + Send + Sync,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
     let store = writer.as_reader();
-    drive(events.map(move |event| {
+    let (changes, announced) = mpsc::unbounded();
+    let filling = drive(events.map(move |event| {
         let event = event?;
         let before = matches!(event, watcher::Event::InitDone).then(|| store.state());
         writer.apply_watcher_event(&event);
@@ -231,7 +255,8 @@ where
             let _ = changes.unbounded_send(object);
         }
         Ok::<_, watcher::Error>(())
-    }))
+    }));
+    (filling, announced)
 }
 
 /// What `event`, just applied to `store`, changed. A completed (re)list changed everything the
@@ -312,63 +337,36 @@ impl Cache {
         let writers = self.writers.lock().ok()?.take()?;
         let managed =
             watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, FIELD_MANAGER));
-        let (inference_services_changes, inference_services_announcer) = announce();
-        let (pods_changes, pods_announcer) = announce();
-        let (services_changes, services_announcer) = announce();
-        let (disruption_budgets_changes, disruption_budgets_announcer) = announce();
-        let (rank_tables_changes, rank_tables_announcer) = announce();
-        let inference_services = reflect(
-            watcher(
-                scope.api::<InferenceService>(client),
-                watcher::Config::default(),
-            )
-            .modify(without_managed_fields)
-            .default_backoff(),
+        let (inference_services, inference_services_changes) = watch(
+            scope.api::<InferenceService>(client),
+            watcher::Config::default(),
             writers.inference_services,
-            inference_services_announcer,
+            |_| {},
         );
         let evictions = self.stores.evictions.clone();
-        let pods = reflect(
-            watcher(scope.api::<Pod>(client), managed.clone())
-                .modify(without_managed_fields)
-                .default_backoff()
-                .inspect(move |event| {
-                    if let Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event {
-                        evictions.note(pod);
-                    }
-                }),
+        let (pods, pods_changes) = watch(
+            scope.api::<Pod>(client),
+            managed.clone(),
             writers.pods,
-            pods_announcer,
+            move |pod| evictions.note(pod),
         );
-        let services = reflect(
-            watcher(
-                scope.api::<PartialObjectMeta<Service>>(client),
-                managed.clone(),
-            )
-            .modify(without_managed_fields)
-            .default_backoff(),
+        let (services, services_changes) = watch(
+            scope.api::<PartialObjectMeta<Service>>(client),
+            managed.clone(),
             writers.services,
-            services_announcer,
+            |_| {},
         );
-        let disruption_budgets = reflect(
-            watcher(
-                scope.api::<PartialObjectMeta<PodDisruptionBudget>>(client),
-                managed.clone(),
-            )
-            .modify(without_managed_fields)
-            .default_backoff(),
+        let (disruption_budgets, disruption_budgets_changes) = watch(
+            scope.api::<PartialObjectMeta<PodDisruptionBudget>>(client),
+            managed.clone(),
             writers.disruption_budgets,
-            disruption_budgets_announcer,
+            |_| {},
         );
-        let rank_tables = reflect(
-            watcher(
-                scope.api::<PartialObjectMeta<ConfigMap>>(client),
-                managed.clone(),
-            )
-            .modify(without_managed_fields)
-            .default_backoff(),
+        let (rank_tables, rank_tables_changes) = watch(
+            scope.api::<PartialObjectMeta<ConfigMap>>(client),
+            managed.clone(),
             writers.rank_tables,
-            rank_tables_announcer,
+            |_| {},
         );
         let pod_group_api = scope.api_with::<DynamicObject>(client, &pod_group::api_resource());
         let pod_groups = watcher(pod_group_api, managed)
@@ -440,7 +438,7 @@ mod tests {
     use kube::ResourceExt;
     use kube::runtime::{reflector, watcher::Event};
 
-    use super::{WatchScope, announce, reflect};
+    use super::{WatchScope, reflect};
 
     fn pod(name: &str) -> Pod {
         let mut pod = Pod::default();
@@ -453,12 +451,7 @@ mod tests {
     /// returns the names the store holds and the names it announced, in order.
     async fn reflect_unread(events: Vec<Event<Pod>>) -> (Vec<String>, Vec<String>) {
         let (store, writer) = reflector::store();
-        let (changes, announcer) = announce();
-        let watch = reflect(
-            futures::stream::iter(events.into_iter().map(Ok)),
-            writer,
-            announcer,
-        );
+        let (watch, changes) = reflect(futures::stream::iter(events.into_iter().map(Ok)), writer);
         tokio::time::timeout(Duration::from_secs(30), watch)
             .await
             .expect("the store never waits for its reader");

@@ -97,19 +97,28 @@ async fn nodes_of(pods: &Api<Pod>) -> Result<BTreeMap<String, String>> {
         .collect())
 }
 
+/// InferenceService `name` in `ns` with `spec`.
+fn service(ns: &str, name: &str, spec: serde_json::Value) -> Result<InferenceService> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }))?)
+}
+
 /// A service of 150 single-pod groups is made in batches, and its status counts them meanwhile.
 async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result<()> {
     let services: Api<InferenceService> = Api::namespaced(client.clone(), ns);
-    let service: InferenceService = serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "wide", "namespace": ns},
-        "spec": {
+    let wide = service(
+        ns,
+        "wide",
+        json!({
             "model": {"name": "wide-model", "source": {"imagePath": "/models/m.gguf"}},
             "replicas": 150,
             "accelerator": {"type": "cpu"},
-        }
-    }))?;
-    services.create(&PostParams::default(), &service).await?;
+        }),
+    )?;
+    services.create(&PostParams::default(), &wide).await?;
     let message = wait::until("wide Progressing with CreatingGroups", TIMEOUT, || async {
         let status = services.get("wide").await?.status.unwrap_or_default();
         Ok(status
@@ -130,7 +139,6 @@ async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result
 /// One test: the operator runs in this process and watches every namespace, so a second one
 /// beside it would fight it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a drain takes minutes; run by make chaos"]
 async fn large_services_show_progress_and_a_drain_recreates_each_group_once() -> Result<()> {
     let c = cluster::shared();
     let client: Client = c.client().await?;
@@ -145,17 +153,17 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
     // Every pod starts on ascend-node-0, the node to drain.
     kubectl(c, &["cordon", "ascend-node-1"])?;
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-    let service: InferenceService = serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "tp2", "namespace": ns},
-        "spec": {
+    let tp2 = service(
+        &ns,
+        "tp2",
+        json!({
             "model": {"name": "tp2-model", "source": {"imagePath": "/models/m.gguf"}},
             "replicas": 2,
             "accelerator": {"type": "ascend910", "devicesPerPod": 1},
             "parallelism": {"tensor": 2},
-        }
-    }))?;
-    services.create(&PostParams::default(), &service).await?;
+        }),
+    )?;
+    services.create(&PostParams::default(), &tp2).await?;
     wait::until("tp2 Ready with 2 groups", TIMEOUT, || async {
         Ok(ready_groups(&services, "tp2").await?.filter(|&n| n == 2))
     })

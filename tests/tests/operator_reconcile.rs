@@ -758,7 +758,6 @@ async fn an_endpoint_picker_gets_an_inference_pool_of_the_serving_pods() -> Resu
 /// wake: every later change went unseen until a restart. After a burst of thousands of pod
 /// events the operator must still see and repair a lost pod within seconds.
 #[tokio::test]
-#[ignore = "thousands of API writes; run by make chaos"]
 async fn after_a_burst_of_pod_events_a_deleted_pod_is_still_recreated() -> Result<()> {
     const BURST_PODS: usize = 1500;
     const CLIENTS: usize = 16;
