@@ -16,9 +16,10 @@ use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInfe
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::{
-    InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest,
+    InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest, ServerLiveRequest,
 };
 use npufleet_crds::InferenceService;
+use npufleet_test_support::raw_http;
 use npufleet_tests::fleet::{
     Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses, sse_error,
 };
@@ -26,6 +27,8 @@ use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 const MANAGER: &str = "router-e2e-test";
 const MODEL: &str = "smollm2";
@@ -546,6 +549,79 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         eprintln!("sent {}, failed {}; answers per replica: {after:?}", load.sent(), load.failed());
         assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
         assert_eq!(new_answers, HashSet::from([&remaining]), "answers after the scale-down came from {new_answers:?}");
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The router's listeners bound their connections (no replica needed): a partial request head
+/// and a silent connection are closed within `--header-read-timeout`, a kept-alive connection
+/// after `--idle-timeout`; past `--max-connections`, a connection gets 503 (HTTP) or
+/// UNAVAILABLE (gRPC) naming the limit, while the first ones are still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_number() -> Result<()>
+{
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let namespace = c.namespace(&client, "router-connections").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let (timed, limited) = futures::try_join!(
+            RunningRouter::start(c, "router-timed", &namespace, &["--header-read-timeout", "1.5", "--idle-timeout", "0.5"]),
+            RunningRouter::start(c, "router-limited", &namespace, &["--max-connections", "2"]),
+        )?;
+
+        let mut partial = TcpStream::connect(timed.http).await?;
+        partial.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n").await?;
+        let mut silent = TcpStream::connect(timed.grpc).await?;
+        let mut kept = TcpStream::connect(timed.http).await?;
+        ensure!(raw_http::get(&mut kept, "/healthz").await?.0 == 200);
+        let within = Duration::from_secs(10);
+        let (kept, partial, silent) = tokio::join!(
+            raw_http::wait_closed(&mut kept, within),
+            raw_http::wait_closed(&mut partial, within),
+            raw_http::wait_closed(&mut silent, within),
+        );
+        let (idle_for, partial_for, silent_for) = (kept?.1, partial?.1, silent?.1);
+        eprintln!("closed after: idle {idle_for:?}, partial head {partial_for:?}, silent gRPC {silent_for:?}");
+        let idle_bound = Duration::from_millis(400)..Duration::from_millis(1300);
+        let header_bound = Duration::from_millis(1300)..Duration::from_secs(3);
+        ensure!(idle_bound.contains(&idle_for), "the idle connection closed after {idle_for:?}");
+        ensure!(header_bound.contains(&partial_for), "the partial head closed after {partial_for:?}");
+        ensure!(header_bound.contains(&silent_for), "the silent gRPC connection closed after {silent_for:?}");
+
+        // Until the readiness probe's connection is closed, it holds one of the two places.
+        let served = || async {
+            let mut connection = TcpStream::connect(limited.http).await?;
+            Ok((raw_http::get(&mut connection, "/healthz").await?.0 == 200).then_some(connection))
+        };
+        let mut first = wait::until("a first connection served", within, served).await?;
+        let mut second = wait::until("a second connection served", within, served).await?;
+        let answer = raw_http::get_until_closed(limited.http, "/healthz", within).await?;
+        ensure!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        ensure!(answer.contains("--max-connections"), "{answer}");
+        for connection in [&mut first, &mut second] {
+            ensure!(raw_http::get(connection, "/healthz").await?.0 == 200);
+        }
+
+        let grpc_url = format!("http://{}", limited.grpc);
+        let mut channels = Vec::new();
+        for _ in 0..2 {
+            let mut channel = GrpcInferenceServiceClient::connect(grpc_url.clone()).await?;
+            channel.server_live(ServerLiveRequest {}).await?;
+            channels.push(channel);
+        }
+        let refused = GrpcInferenceServiceClient::connect(grpc_url)
+            .await?
+            .server_live(ServerLiveRequest {})
+            .await
+            .expect_err("a gRPC connection over the limit was served");
+        ensure!(refused.code() == tonic::Code::Unavailable, "{refused:?}");
+        ensure!(refused.message().contains("--max-connections"), "{refused:?}");
+        for channel in &mut channels {
+            channel.server_live(ServerLiveRequest {}).await?;
+        }
         Ok(())
     }
     .await;
