@@ -500,9 +500,10 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         assert!(!answer.into_inner().outputs.is_empty());
 
         // ModelStreamInfer comes through response by response, the last one flagged final.
-        let stream = grpc.model_stream_infer(futures::stream::iter([oip_text(MODEL, "Name three rivers.", 12)])).await?;
-        assert!(stream.metadata().contains_key(REPLICA_HEADER));
-        let mut stream = stream.into_inner();
+        let mut stream = grpc
+            .model_stream_infer(futures::stream::iter([oip_text(MODEL, "Name three rivers.", 12)]))
+            .await?
+            .into_inner();
         let mut responses = 0;
         loop {
             let message = stream.message().await?.context("the stream ended before its final response")?;
@@ -549,6 +550,144 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         eprintln!("sent {}, failed {}; answers per replica: {after:?}", load.sent(), load.failed());
         assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
         assert_eq!(new_answers, HashSet::from([&remaining]), "answers after the scale-down came from {new_answers:?}");
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The value of each series `name{...}` in Prometheus `metrics` text whose labels include
+/// `label`, by the value of its `replica` label.
+fn per_replica(metrics: &str, name: &str, label: &str) -> std::collections::BTreeMap<String, f64> {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")) && line.contains(label))
+        .filter_map(|line| {
+            let replica = line.split("replica=\"").nth(1)?.split('"').next()?;
+            let value = line.rsplit(' ').next()?.parse().ok()?;
+            Some((replica.to_owned(), value))
+        })
+        .collect()
+}
+
+/// One `ModelStreamInfer` stream kept open on three replicas: each request on it is routed on
+/// its own, so twelve sent at once spread over the replicas by least-load, each counted in
+/// flight only until its last response, while the stream stays open for more; every request
+/// gets its responses in order, its final one last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one() -> Result<()> {
+    const REQUESTS: usize = 12;
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-stream", 77, &[]).await?;
+        fleet.apply(3).await?;
+        fleet.wait_serving(3).await?;
+        let mut grpc =
+            GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
+        let (requests, outgoing) = tokio::sync::mpsc::channel(REQUESTS + 1);
+        for i in 0..REQUESTS {
+            let mut request = oip_text(MODEL, &format!("Write a long story about river {i}."), 48);
+            request.id = format!("r{i}");
+            requests.send(request).await?;
+        }
+        let mut responses = grpc
+            .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+            .await?
+            .into_inner();
+
+        let in_flight = |metrics: &str| {
+            per_replica(
+                metrics,
+                "npufleet_router_in_flight_requests",
+                &format!("model=\"{MODEL}\""),
+            )
+        };
+        let running = wait::until(
+            "every request of the stream in flight",
+            Duration::from_secs(30),
+            || async {
+                let counts = in_flight(&fleet.router.metrics().await?);
+                Ok((counts.values().sum::<f64>() == REQUESTS as f64).then_some(counts))
+            },
+        )
+        .await?;
+        eprintln!("requests in flight per replica on one stream: {running:?}");
+
+        let mut finished: HashSet<String> = HashSet::new();
+        while finished.len() < REQUESTS {
+            let message = responses
+                .message()
+                .await?
+                .context("the stream ended early")?;
+            ensure!(
+                message.error_message.is_empty(),
+                "{}",
+                message.error_message
+            );
+            let response = message
+                .infer_response
+                .context("a response without an answer")?;
+            ensure!(
+                !finished.contains(&response.id),
+                "a response for {} after its final one",
+                response.id
+            );
+            let last = response
+                .parameters
+                .get("triton_final_response")
+                .and_then(|p| p.parameter_choice.clone());
+            if last == Some(ParameterChoice::BoolParam(true)) {
+                finished.insert(response.id.clone());
+            }
+        }
+        // The stream is still open; the finished requests no longer count anywhere.
+        wait::until(
+            "no request in flight with the stream open",
+            Duration::from_secs(10),
+            || async {
+                let counts = in_flight(&fleet.router.metrics().await?);
+                Ok(counts.values().all(|&n| n == 0.0).then_some(()))
+            },
+        )
+        .await?;
+        let answered = per_replica(
+            &fleet.router.metrics().await?,
+            "npufleet_router_requests_total",
+            "code=\"Ok\"",
+        );
+        eprintln!("requests answered per replica: {answered:?}");
+        ensure!(
+            running.len() == 3,
+            "the stream's requests went to {running:?}"
+        );
+        ensure!(
+            running.values().all(|&n| (2.0..=6.0).contains(&n)),
+            "least-load placed the stream's requests as {running:?}"
+        );
+        ensure!(
+            answered.values().sum::<f64>() == REQUESTS as f64,
+            "{answered:?}"
+        );
+
+        // The stream takes more requests after its first ones finished, and ends cleanly.
+        let mut request = oip_text(MODEL, "Hello", 4);
+        request.id = "after".into();
+        requests.send(request).await?;
+        drop(requests);
+        let mut after = 0;
+        while let Some(message) = responses.message().await? {
+            ensure!(
+                message.error_message.is_empty(),
+                "{}",
+                message.error_message
+            );
+            ensure!(message.infer_response.context("an answer")?.id == "after");
+            after += 1;
+        }
+        ensure!(
+            after >= 1,
+            "no answer to the request sent after the others finished"
+        );
         Ok(())
     }
     .await;
