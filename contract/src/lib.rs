@@ -1,7 +1,8 @@
 //! What npufleet's operator, worker and router agree on, written once: the gRPC protocols, the
 //! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
-//! environment variables the operator sets on worker pods, annotations, and the names of
-//! precisions and accelerators.
+//! environment variables the operator sets on worker pods, annotations, the names of
+//! precisions and accelerators, and how the worker's and the router's listeners take
+//! connections.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
 //! rather than a fleet that does not start.
@@ -10,6 +11,8 @@ pub mod accelerator;
 pub mod annotations;
 pub mod auth;
 pub mod env;
+#[cfg(feature = "serve")]
+pub mod listener;
 pub mod ports;
 pub mod precision;
 #[cfg(feature = "grpc")]

@@ -15,3 +15,46 @@ pub mod npufleet {
 /// Encoded descriptors of every file in `proto/`, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/serving_descriptor.bin"));
+
+/// The canonical name of a gRPC status code (`UNAVAILABLE`), as the gRPC specification spells
+/// it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// What a `ModelStreamInfer` stream carries in place of the answer to request `id` that
+/// failed with `status`: the stream goes on, as Triton's does. The message starts with the
+/// code's name, so that a client tells a full queue from a bad request without a status.
+pub fn stream_error(
+    model_name: &str,
+    id: &str,
+    status: &tonic::Status,
+) -> inference::ModelStreamInferResponse {
+    inference::ModelStreamInferResponse {
+        error_message: format!("{}: {}", code_name(status.code()), status.message()),
+        infer_response: Some(inference::ModelInferResponse {
+            model_name: model_name.to_string(),
+            id: id.to_string(),
+            ..Default::default()
+        }),
+    }
+}

@@ -1,5 +1,6 @@
-//! The Open Inference Protocol (KServe v2 gRPC) front door: each call is sent to a replica of
-//! the model it names, through one HTTP/2 channel per replica.
+//! The Open Inference Protocol (KServe v2 gRPC) front door: each call, and each request of a
+//! `ModelStreamInfer` stream, is sent to a replica of the model it names, through one HTTP/2
+//! channel per replica.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -7,7 +8,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use npufleet_contract::auth::AUTHORIZATION;
 use npufleet_contract::ports::GRPC_PORT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
@@ -18,6 +19,10 @@ use npufleet_contract::proto::inference::{
     ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
     ServerReadyResponse,
 };
+use npufleet_contract::proto::stream_error;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status, Streaming};
@@ -46,9 +51,15 @@ fn with_credentials<T>(message: T, credentials: Option<&AsciiMetadataValue>) -> 
     request
 }
 
+/// Responses of one `ModelStreamInfer` stream buffered ahead of its client.
+const STREAM_BUFFER_RESPONSES: usize = 64;
+
+type StreamSender = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
+
+#[derive(Clone)]
 pub struct GrpcFrontDoor {
     router: Arc<Router>,
-    channels: Mutex<HashMap<IpAddr, Channel>>,
+    channels: Arc<Mutex<HashMap<IpAddr, Channel>>>,
     connect_timeout: Duration,
 }
 
@@ -56,7 +67,7 @@ impl GrpcFrontDoor {
     pub fn new(router: Arc<Router>, connect_timeout: Duration) -> Self {
         GrpcFrontDoor {
             router,
-            channels: Mutex::default(),
+            channels: Arc::default(),
             connect_timeout,
         }
     }
@@ -125,33 +136,63 @@ impl GrpcFrontDoor {
         F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
-        let router = &self.router;
         let credentials = credentials(request.metadata());
-        let message = request.into_inner();
+        let (lease, sent_at, mut response) = self
+            .send(
+                model,
+                prefix_key,
+                None,
+                request.into_inner(),
+                credentials.as_ref(),
+                call,
+            )
+            .await?;
+        self.router
+            .metrics
+            .upstream_ttft_seconds
+            .with_label_values(&[model])
+            .observe(sent_at.elapsed().as_secs_f64());
+        self.count(model, &lease.pod, Code::Ok);
+        if let Ok(value) = lease.pod.parse() {
+            response.metadata_mut().insert(REPLICA_HEADER, value);
+        }
+        Ok(response)
+    }
+
+    /// Sends `message` to replicas of `model` in turn until one takes it, retrying only
+    /// failures that mean the replica did not: the replica's response, the lease that counts
+    /// the request there, and when it was sent. `lease`, if given, is the replica to try first.
+    async fn send<Req, Resp, F, Fut>(
+        &self,
+        model: &str,
+        prefix_key: Option<u64>,
+        mut lease: Option<Lease>,
+        message: Req,
+        credentials: Option<&AsciiMetadataValue>,
+        call: F,
+    ) -> Result<(Lease, Instant, Response<Resp>), Status>
+    where
+        Req: Clone,
+        F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
+    {
+        let router = &self.router;
         let mut tried: Vec<String> = Vec::new();
         let mut last: Option<Status> = None;
         while tried.len() < router.settings.max_attempts {
-            let lease = match router.lease(model, prefix_key, &tried).await {
-                Ok(lease) => lease,
-                Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
-                Err(error) => return Err(self.route_error(model, error)),
+            let lease = match lease.take() {
+                Some(lease) => lease,
+                None => match router.lease(model, prefix_key, &tried).await {
+                    Ok(lease) => lease,
+                    Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
+                    Err(error) => return Err(self.route_error(model, error)),
+                },
             };
             tried.push(lease.pod.clone());
             let sent_at = Instant::now();
-            let attempt = with_credentials(message.clone(), credentials.as_ref());
+            let attempt = with_credentials(message.clone(), credentials);
             match call(self.client(lease.ip), attempt).await {
-                Ok(mut response) => {
-                    router
-                        .metrics
-                        .upstream_ttft_seconds
-                        .with_label_values(&[model])
-                        .observe(sent_at.elapsed().as_secs_f64());
-                    self.count(model, &lease.pod, Code::Ok);
-                    if let Ok(value) = lease.pod.parse() {
-                        response.metadata_mut().insert(REPLICA_HEADER, value);
-                    }
-                    return Ok(response);
-                }
+                Ok(response) => return Ok((lease, sent_at, response)),
                 Err(status) if retryable(&status) => {
                     let reason = if status.code() == Code::ResourceExhausted {
                         "busy"
@@ -176,6 +217,78 @@ impl GrpcFrontDoor {
         let last = last.expect("the loop ends early only after a failed attempt");
         self.count(model, NO_REPLICA, last.code());
         Err(last)
+    }
+
+    /// One request of a client's stream, sent as a stream call of its own to the replica
+    /// picked for it (or `lease`), its responses passed to `out` as they arrive. The call ends
+    /// with the request's last response, and with it the lease that counts the request in
+    /// flight there. A request that cannot be sent is answered in the stream with the reason.
+    async fn stream_one(
+        self,
+        request: ModelInferRequest,
+        lease: Option<Lease>,
+        credentials: Option<AsciiMetadataValue>,
+        out: StreamSender,
+    ) {
+        let model = request.model_name.clone();
+        let key = self.prefix_key(&request);
+        let sent = self
+            .send(
+                &model,
+                key,
+                lease,
+                request.clone(),
+                credentials.as_ref(),
+                |mut client, request| async move {
+                    client
+                        .model_stream_infer(request.map(|message| futures::stream::iter([message])))
+                        .await
+                },
+            )
+            .await;
+        let (lease, sent_at, response) = match sent {
+            Ok(sent) => sent,
+            Err(status) => {
+                let error = stream_error(&model, &request.id, &status);
+                let _ = out.send(Ok(error)).await;
+                return;
+            }
+        };
+        let mut upstream = response.into_inner();
+        let mut first = true;
+        let code = loop {
+            match upstream.message().await {
+                Ok(Some(message)) => {
+                    if std::mem::take(&mut first) {
+                        self.router
+                            .metrics
+                            .upstream_ttft_seconds
+                            .with_label_values(&[&model])
+                            .observe(sent_at.elapsed().as_secs_f64());
+                    }
+                    if out.send(Ok(message)).await.is_err() {
+                        // The client went; dropping the call cancels the request upstream.
+                        break Code::Cancelled;
+                    }
+                }
+                Ok(None) => break Code::Ok,
+                Err(status) => {
+                    let failed = Status::new(
+                        status.code(),
+                        format!(
+                            "replica {} failed while answering: {}",
+                            lease.pod,
+                            status.message()
+                        ),
+                    );
+                    let _ = out
+                        .send(Ok(stream_error(&model, &request.id, &failed)))
+                        .await;
+                    break status.code();
+                }
+            }
+        };
+        self.count(&model, &lease.pod, code);
     }
 }
 
@@ -274,9 +387,12 @@ impl GrpcInferenceService for GrpcFrontDoor {
 
     type ModelStreamInferStream = ResponseStream;
 
-    /// The stream goes to the replica picked for its first request; later requests on it
-    /// follow (a stream is one upstream call). Responses pass through as they arrive; a
-    /// replica failing mid-stream ends the stream with its status.
+    /// Each request of the stream is routed on its own, as a unary call is: to the replica
+    /// picked for it, counted in flight there until its last response, retried elsewhere
+    /// when that replica cannot take it. Responses pass through as they arrive, in order for
+    /// each request. A stream whose first request cannot be routed (an unknown model, no
+    /// replica within the hold) fails as a whole; a later request that cannot, or whose
+    /// replica fails mid-answer, gets an error response in the stream, and the stream goes on.
     async fn model_stream_infer(
         &self,
         request: Request<Streaming<ModelInferRequest>>,
@@ -289,128 +405,53 @@ impl GrpcInferenceService for GrpcFrontDoor {
             ));
         };
         let model = first.model_name.clone();
-        let key = self.prefix_key(&first);
-        let router = &self.router;
-        let mut tried: Vec<String> = Vec::new();
-        let lease = loop {
-            let lease = router
-                .lease(&model, key, &tried)
-                .await
-                .map_err(|e| self.route_error(&model, e))?;
-            tried.push(lease.pod.clone());
-            // Connect first, so a replica that is gone is skipped before the stream (which
-            // cannot be replayed) is handed over.
-            let endpoint =
-                Endpoint::from_shared(format!("http://{}", SocketAddr::new(lease.ip, GRPC_PORT)))
-                    .map_err(|e| Status::internal(e.to_string()))?
-                    .connect_timeout(self.connect_timeout);
-            match endpoint.connect().await {
-                Ok(_) => break lease,
-                Err(error) if tried.len() < router.settings.max_attempts => {
-                    tracing::debug!(replica = %lease.pod, %error, "connecting failed; trying another replica");
-                    router
-                        .metrics
-                        .retries
-                        .with_label_values(&[&model, "connect"])
-                        .inc();
-                }
-                Err(error) => {
-                    let status = Status::unavailable(format!(
-                        "every replica of model '{model}' that was tried failed: {}: {error}",
-                        lease.pod
-                    ));
-                    self.count(&model, NO_REPLICA, status.code());
-                    return Err(status);
-                }
-            }
-        };
-        let requests = futures::stream::once(async move { first }).chain(
-            incoming
-                .take_while(|r| std::future::ready(r.is_ok()))
-                .filter_map(|r| std::future::ready(r.ok())),
-        );
-        let sent_at = Instant::now();
-        let upstream = match self
-            .client(lease.ip)
-            .model_stream_infer(with_credentials(requests, credentials.as_ref()))
+        let lease = self
+            .router
+            .lease(&model, self.prefix_key(&first), &[])
             .await
-        {
-            Ok(upstream) => upstream.into_inner(),
-            Err(status) => {
-                self.count(&model, &lease.pod, status.code());
-                return Err(status);
-            }
-        };
-        let ttft = router
-            .metrics
-            .upstream_ttft_seconds
-            .with_label_values(&[&model]);
-        let requests_metric = router.metrics.requests.clone();
-        let replica = lease.pod.parse().ok();
-        let responses = relay(upstream, lease, sent_at, ttft, requests_metric, model);
-        let mut response = Response::new(Box::pin(responses) as ResponseStream);
-        if let Some(replica) = replica {
-            response.metadata_mut().insert(REPLICA_HEADER, replica);
-        }
-        Ok(response)
-    }
-}
-
-/// Passes the replica's responses through, holding the lease while the stream lives and
-/// counting the stream's outcome once it ends.
-fn relay(
-    upstream: Streaming<ModelStreamInferResponse>,
-    lease: Lease,
-    sent_at: Instant,
-    ttft: prometheus::Histogram,
-    requests: prometheus::IntCounterVec,
-    model: String,
-) -> impl Stream<Item = Result<ModelStreamInferResponse, Status>> + Send {
-    struct State {
-        upstream: Streaming<ModelStreamInferResponse>,
-        lease: Lease,
-        sent_at: Instant,
-        ttft: Option<prometheus::Histogram>,
-        requests: prometheus::IntCounterVec,
-        model: String,
-        done: bool,
-    }
-    let state = State {
-        upstream,
-        lease,
-        sent_at,
-        ttft: Some(ttft),
-        requests,
-        model,
-        done: false,
-    };
-    futures::stream::unfold(state, |mut s| async move {
-        if s.done {
-            return None;
-        }
-        let item = s.upstream.message().await;
-        let code = match &item {
-            Ok(Some(_)) => {
-                if let Some(ttft) = s.ttft.take() {
-                    ttft.observe(s.sent_at.elapsed().as_secs_f64());
+            .map_err(|e| self.route_error(&model, e))?;
+        let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
+        let door = self.clone();
+        // The response stream ends, with an OK status, once the client has closed its side and
+        // every request has been answered; a client that goes cancels what is left.
+        tokio::spawn(async move {
+            let mut requests = JoinSet::new();
+            requests.spawn(door.clone().stream_one(
+                first,
+                Some(lease),
+                credentials.clone(),
+                out.clone(),
+            ));
+            let mut client_done = false;
+            loop {
+                tokio::select! {
+                    message = incoming.message(), if !client_done => match message {
+                        Ok(Some(request)) => {
+                            requests.spawn(door.clone().stream_one(
+                                request,
+                                None,
+                                credentials.clone(),
+                                out.clone(),
+                            ));
+                        }
+                        Ok(None) => client_done = true,
+                        Err(status) => {
+                            let _ = out.send(Err(status)).await;
+                            break;
+                        }
+                    },
+                    Some(_) = requests.join_next(), if !requests.is_empty() => {}
+                    () = out.closed() => break,
                 }
-                None
+                if client_done && requests.is_empty() {
+                    break;
+                }
             }
-            Ok(None) => Some(Code::Ok),
-            Err(status) => Some(status.code()),
-        };
-        if let Some(code) = code {
-            s.done = true;
-            s.requests
-                .with_label_values(&[&s.model, &s.lease.pod, &format!("{code:?}")])
-                .inc();
-        }
-        match item {
-            Ok(Some(message)) => Some((Ok(message), s)),
-            Ok(None) => None,
-            Err(status) => Some((Err(status), s)),
-        }
-    })
+        });
+        Ok(Response::new(
+            Box::pin(ReceiverStream::new(responses)) as ResponseStream
+        ))
+    }
 }
 
 #[cfg(test)]

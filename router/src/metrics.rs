@@ -24,6 +24,8 @@ pub struct Metrics {
     pub wake_signals: IntCounterVec,
     /// Replica picks by model and policy.
     pub picks: IntCounterVec,
+    /// Requests sent to each replica and not yet finished: what least-load counts.
+    pub in_flight: IntGaugeVec,
     /// From sending a request upstream to its first response byte (HTTP) or message (gRPC).
     pub upstream_ttft_seconds: HistogramVec,
 }
@@ -83,6 +85,13 @@ impl Metrics {
             ),
             &["model", "policy"],
         )?;
+        let in_flight = IntGaugeVec::new(
+            Opts::new(
+                "npufleet_router_in_flight_requests",
+                "Requests sent to a replica and not yet finished, by model and replica",
+            ),
+            &["model", "replica"],
+        )?;
         let upstream_ttft_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "npufleet_router_upstream_ttft_seconds",
@@ -100,6 +109,7 @@ impl Metrics {
         registry.register(Box::new(hold_rejected.clone()))?;
         registry.register(Box::new(wake_signals.clone()))?;
         registry.register(Box::new(picks.clone()))?;
+        registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(upstream_ttft_seconds.clone()))?;
         Ok(Metrics {
             registry,
@@ -110,6 +120,7 @@ impl Metrics {
             hold_rejected,
             wake_signals,
             picks,
+            in_flight,
             upstream_ttft_seconds,
         })
     }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use npufleet_crds::RoutingPolicy;
+use prometheus::IntGauge;
 
 use crate::discovery::{Endpoint, Model};
 use crate::policy::{self, Candidate, ReportedLoad};
@@ -52,11 +53,23 @@ pub struct Lease {
     pub pod: String,
     pub ip: IpAddr,
     state: Arc<ReplicaState>,
+    shown: Option<IntGauge>,
+}
+
+impl Lease {
+    /// Counts the lease in `gauge` too, while it lasts.
+    pub fn show_in(&mut self, gauge: IntGauge) {
+        gauge.inc();
+        self.shown = Some(gauge);
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(gauge) = &self.shown {
+            gauge.dec();
+        }
     }
 }
 
@@ -151,6 +164,7 @@ impl Pool {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
             state,
+            shown: None,
         })
     }
 }

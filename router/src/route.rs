@@ -140,13 +140,18 @@ impl Router {
         prefix_key: Option<u64>,
         tried: &[String],
     ) -> Option<Lease> {
-        let lease = self
+        let mut lease = self
             .pool
             .pick(model, prefix_key, tried, self.settings.pick)?;
         self.metrics
             .picks
             .with_label_values(&[model_name, model.policy.as_str()])
             .inc();
+        lease.show_in(
+            self.metrics
+                .in_flight
+                .with_label_values(&[model_name, &lease.pod]),
+        );
         Some(lease)
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
+use npufleet_contract::listener::{self, ConnectionLimits, Protocol};
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use tracing_subscriber::EnvFilter;
@@ -69,6 +69,9 @@ pub struct Args {
     /// Log as one JSON object per line instead of text.
     #[arg(long)]
     pub log_json: bool,
+    /// What the HTTP and gRPC listeners bound their connections by.
+    #[command(flatten)]
+    pub connections: ConnectionLimits,
 }
 
 impl Args {
@@ -119,7 +122,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let pool = Arc::new(Pool::default());
     let upstream = reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(args.connect_timeout_ms))
-        .pool_idle_timeout(Duration::from_secs(30))
+        // Well before a worker closes a connection it kept alive, so that no request is sent
+        // on one it is closing.
+        .pool_idle_timeout(ConnectionLimits::default().http1_keep_alive() / 2)
         .build()?;
     let load_streams = crate::load::follow(
         discovery.fleet.clone(),
@@ -139,20 +144,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("binding the gRPC listener to {}", args.grpc_addr))?;
     tracing::info!(http = %http_listener.local_addr()?, grpc = %grpc_listener.local_addr()?, namespace = args.namespace.as_deref().unwrap_or("(all)"), "routing");
 
-    // Without TCP_NODELAY a relayed token waits for the previous one's delayed ACK (40 ms).
-    let http_listener = http_listener.tap_io(|connection| {
-        if let Err(error) = connection.set_nodelay(true) {
-            tracing::warn!(%error, "cannot set TCP_NODELAY on a connection");
-        }
-    });
-    let http = axum::serve(
+    let http = listener::serve(
         http_listener,
         app(HttpState {
             router: router.clone(),
             upstream,
         }),
-    )
-    .with_graceful_shutdown(shutdown_signal());
+        Protocol::Http,
+        args.connections,
+        |_| {},
+        shutdown_signal(),
+    );
     let limit = router.settings.max_body_bytes;
     let grpc_service = GrpcInferenceServiceServer::new(GrpcFrontDoor::new(
         router.clone(),
@@ -160,22 +162,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ))
     .max_decoding_message_size(limit)
     .max_encoding_message_size(limit);
-    let grpc = tonic::transport::Server::builder()
-        .add_service(grpc_service)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            shutdown_signal(),
-        );
+    let grpc = listener::serve(
+        grpc_listener,
+        tonic::service::Routes::new(grpc_service)
+            .prepare()
+            .into_axum_router(),
+        Protocol::Grpc,
+        args.connections,
+        |_| {},
+        shutdown_signal(),
+    );
 
     // On SIGTERM both listeners stop accepting and finish the requests they have.
-    let servers = async {
-        tokio::try_join!(
-            async { http.await.context("the HTTP server failed") },
-            async { grpc.await.context("the gRPC server failed") },
-        )
-    };
     tokio::select! {
-        served = servers => { served?; }
+        ((), ()) = futures::future::join(http, grpc) => {}
         () = watches => anyhow::bail!("the Kubernetes watches stopped"),
         () = load_streams => anyhow::bail!("the load streams stopped"),
     }

@@ -16,9 +16,10 @@ use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInfe
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
 use npufleet_contract::proto::inference::{
-    InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest,
+    InferParameter, InferTensorContents, ModelInferRequest, ModelReadyRequest, ServerLiveRequest,
 };
 use npufleet_crds::InferenceService;
+use npufleet_test_support::raw_http;
 use npufleet_tests::fleet::{
     Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses, sse_error,
 };
@@ -26,6 +27,8 @@ use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 const MANAGER: &str = "router-e2e-test";
 const MODEL: &str = "smollm2";
@@ -497,9 +500,10 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         assert!(!answer.into_inner().outputs.is_empty());
 
         // ModelStreamInfer comes through response by response, the last one flagged final.
-        let stream = grpc.model_stream_infer(futures::stream::iter([oip_text(MODEL, "Name three rivers.", 12)])).await?;
-        assert!(stream.metadata().contains_key(REPLICA_HEADER));
-        let mut stream = stream.into_inner();
+        let mut stream = grpc
+            .model_stream_infer(futures::stream::iter([oip_text(MODEL, "Name three rivers.", 12)]))
+            .await?
+            .into_inner();
         let mut responses = 0;
         loop {
             let message = stream.message().await?.context("the stream ended before its final response")?;
@@ -546,6 +550,217 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         eprintln!("sent {}, failed {}; answers per replica: {after:?}", load.sent(), load.failed());
         assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
         assert_eq!(new_answers, HashSet::from([&remaining]), "answers after the scale-down came from {new_answers:?}");
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The value of each series `name{...}` in Prometheus `metrics` text whose labels include
+/// `label`, by the value of its `replica` label.
+fn per_replica(metrics: &str, name: &str, label: &str) -> std::collections::BTreeMap<String, f64> {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")) && line.contains(label))
+        .filter_map(|line| {
+            let replica = line.split("replica=\"").nth(1)?.split('"').next()?;
+            let value = line.rsplit(' ').next()?.parse().ok()?;
+            Some((replica.to_owned(), value))
+        })
+        .collect()
+}
+
+/// One `ModelStreamInfer` stream kept open on three replicas: each request on it is routed on
+/// its own, so twelve sent at once spread over the replicas by least-load, each counted in
+/// flight only until its last response, while the stream stays open for more; every request
+/// gets its responses in order, its final one last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one() -> Result<()> {
+    const REQUESTS: usize = 12;
+    let c = cluster::shared();
+    let result = async {
+        let fleet = Fleet::start("router-stream", 77, &[]).await?;
+        fleet.apply(3).await?;
+        fleet.wait_serving(3).await?;
+        let mut grpc =
+            GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
+        let (requests, outgoing) = tokio::sync::mpsc::channel(REQUESTS + 1);
+        for i in 0..REQUESTS {
+            let mut request = oip_text(MODEL, &format!("Write a long story about river {i}."), 48);
+            request.id = format!("r{i}");
+            requests.send(request).await?;
+        }
+        let mut responses = grpc
+            .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+            .await?
+            .into_inner();
+
+        let in_flight = |metrics: &str| {
+            per_replica(
+                metrics,
+                "npufleet_router_in_flight_requests",
+                &format!("model=\"{MODEL}\""),
+            )
+        };
+        let running = wait::until(
+            "every request of the stream in flight",
+            Duration::from_secs(30),
+            || async {
+                let counts = in_flight(&fleet.router.metrics().await?);
+                Ok((counts.values().sum::<f64>() == REQUESTS as f64).then_some(counts))
+            },
+        )
+        .await?;
+        eprintln!("requests in flight per replica on one stream: {running:?}");
+
+        let mut finished: HashSet<String> = HashSet::new();
+        while finished.len() < REQUESTS {
+            let message = responses
+                .message()
+                .await?
+                .context("the stream ended early")?;
+            ensure!(
+                message.error_message.is_empty(),
+                "{}",
+                message.error_message
+            );
+            let response = message
+                .infer_response
+                .context("a response without an answer")?;
+            ensure!(
+                !finished.contains(&response.id),
+                "a response for {} after its final one",
+                response.id
+            );
+            let last = response
+                .parameters
+                .get("triton_final_response")
+                .and_then(|p| p.parameter_choice.clone());
+            if last == Some(ParameterChoice::BoolParam(true)) {
+                finished.insert(response.id.clone());
+            }
+        }
+        // The stream is still open; the finished requests no longer count anywhere.
+        wait::until(
+            "no request in flight with the stream open",
+            Duration::from_secs(10),
+            || async {
+                let counts = in_flight(&fleet.router.metrics().await?);
+                Ok(counts.values().all(|&n| n == 0.0).then_some(()))
+            },
+        )
+        .await?;
+        let answered = per_replica(
+            &fleet.router.metrics().await?,
+            "npufleet_router_requests_total",
+            "code=\"Ok\"",
+        );
+        eprintln!("requests answered per replica: {answered:?}");
+        ensure!(
+            running.len() == 3,
+            "the stream's requests went to {running:?}"
+        );
+        ensure!(
+            running.values().all(|&n| (2.0..=6.0).contains(&n)),
+            "least-load placed the stream's requests as {running:?}"
+        );
+        ensure!(
+            answered.values().sum::<f64>() == REQUESTS as f64,
+            "{answered:?}"
+        );
+
+        // The stream takes more requests after its first ones finished, and ends cleanly.
+        let mut request = oip_text(MODEL, "Hello", 4);
+        request.id = "after".into();
+        requests.send(request).await?;
+        drop(requests);
+        let mut after = 0;
+        while let Some(message) = responses.message().await? {
+            ensure!(
+                message.error_message.is_empty(),
+                "{}",
+                message.error_message
+            );
+            ensure!(message.infer_response.context("an answer")?.id == "after");
+            after += 1;
+        }
+        ensure!(
+            after >= 1,
+            "no answer to the request sent after the others finished"
+        );
+        Ok(())
+    }
+    .await;
+    c.diagnose(result)
+}
+
+/// The router's listeners bound their connections (no replica needed): a partial request head
+/// and a silent connection are closed within `--header-read-timeout`, a kept-alive connection
+/// after `--idle-timeout`; past `--max-connections`, a connection gets 503 (HTTP) or
+/// UNAVAILABLE (gRPC) naming the limit, while the first ones are still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_number() -> Result<()>
+{
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let result = async {
+        let namespace = c.namespace(&client, "router-connections").await?;
+        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+        let (timed, limited) = futures::try_join!(
+            RunningRouter::start(c, "router-timed", &namespace, &["--header-read-timeout", "1.5", "--idle-timeout", "0.5"]),
+            RunningRouter::start(c, "router-limited", &namespace, &["--max-connections", "2"]),
+        )?;
+
+        let mut partial = TcpStream::connect(timed.http).await?;
+        partial.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n").await?;
+        let mut silent = TcpStream::connect(timed.grpc).await?;
+        let mut kept = TcpStream::connect(timed.http).await?;
+        ensure!(raw_http::get(&mut kept, "/healthz").await?.0 == 200);
+        let within = Duration::from_secs(10);
+        let (kept, partial, silent) = tokio::join!(
+            raw_http::wait_closed(&mut kept, within),
+            raw_http::wait_closed(&mut partial, within),
+            raw_http::wait_closed(&mut silent, within),
+        );
+        let (idle_for, partial_for, silent_for) = (kept?.1, partial?.1, silent?.1);
+        eprintln!("closed after: idle {idle_for:?}, partial head {partial_for:?}, silent gRPC {silent_for:?}");
+        let idle_bound = Duration::from_millis(400)..Duration::from_millis(1300);
+        let header_bound = Duration::from_millis(1300)..Duration::from_secs(3);
+        ensure!(idle_bound.contains(&idle_for), "the idle connection closed after {idle_for:?}");
+        ensure!(header_bound.contains(&partial_for), "the partial head closed after {partial_for:?}");
+        ensure!(header_bound.contains(&silent_for), "the silent gRPC connection closed after {silent_for:?}");
+
+        // Until the readiness probe's connection is closed, it holds one of the two places.
+        let served = || async {
+            let mut connection = TcpStream::connect(limited.http).await?;
+            Ok((raw_http::get(&mut connection, "/healthz").await?.0 == 200).then_some(connection))
+        };
+        let mut first = wait::until("a first connection served", within, served).await?;
+        let mut second = wait::until("a second connection served", within, served).await?;
+        let answer = raw_http::get_until_closed(limited.http, "/healthz", within).await?;
+        ensure!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        ensure!(answer.contains("--max-connections"), "{answer}");
+        for connection in [&mut first, &mut second] {
+            ensure!(raw_http::get(connection, "/healthz").await?.0 == 200);
+        }
+
+        let grpc_url = format!("http://{}", limited.grpc);
+        let mut channels = Vec::new();
+        for _ in 0..2 {
+            let mut channel = GrpcInferenceServiceClient::connect(grpc_url.clone()).await?;
+            channel.server_live(ServerLiveRequest {}).await?;
+            channels.push(channel);
+        }
+        let refused = GrpcInferenceServiceClient::connect(grpc_url)
+            .await?
+            .server_live(ServerLiveRequest {})
+            .await
+            .expect_err("a gRPC connection over the limit was served");
+        ensure!(refused.code() == tonic::Code::Unavailable, "{refused:?}");
+        ensure!(refused.message().contains("--max-connections"), "{refused:?}");
+        for channel in &mut channels {
+            channel.server_live(ServerLiveRequest {}).await?;
+        }
         Ok(())
     }
     .await;

@@ -39,27 +39,7 @@ impl InferenceService {
 type StreamSender = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
 
 fn stream_error(request_id: &str, model_name: &str, err: &ServeError) -> ModelStreamInferResponse {
-    ModelStreamInferResponse {
-        error_message: format!("{}: {err}", grpc_code_name(err)),
-        infer_response: Some(ModelInferResponse {
-            model_name: model_name.to_string(),
-            id: request_id.to_string(),
-            ..Default::default()
-        }),
-    }
-}
-
-/// The canonical gRPC code name, prefixed to in-stream error messages so clients can tell a
-/// full queue from a bad request without a status code.
-pub fn grpc_code_name(err: &ServeError) -> &'static str {
-    match err {
-        ServeError::BadRequest { .. } => "INVALID_ARGUMENT",
-        ServeError::ModelNotFound { .. } => "NOT_FOUND",
-        ServeError::Unauthenticated => "UNAUTHENTICATED",
-        ServeError::QueueFull { .. } => "RESOURCE_EXHAUSTED",
-        ServeError::Unavailable(_) => "UNAVAILABLE",
-        ServeError::Internal(_) => "INTERNAL",
-    }
+    npufleet_contract::proto::stream_error(model_name, request_id, &Status::from(err.clone()))
 }
 
 /// Streams one request: a response per generated chunk, then a last response flagged

@@ -7,6 +7,9 @@
 //! open gRPC streams end with an OK status, both listeners close and the process exits 0.
 //! If `--drain-timeout` passes first, every unanswered request ends with an error its client
 //! sees (an SSE error event, a gRPC status, a 500) and the process exits non-zero.
+//!
+//! Both listeners take connections as [`npufleet_contract::listener`] does: `TCP_NODELAY`,
+//! bounded connections, and header-read and idle timeouts.
 
 pub mod auth;
 pub mod error;
@@ -29,8 +32,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
 use npufleet_contract::auth::ApiKey;
+use npufleet_contract::listener::{self, ConnectionLimits, Protocol};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic_health::ServingStatus;
@@ -57,6 +60,8 @@ pub struct ServerConfig {
     pub stalled_reader_timeout: Duration,
     /// Kernel send buffer of each HTTP connection.
     pub http_send_buffer_bytes: usize,
+    /// What each listener bounds its connections by.
+    pub connections: ConnectionLimits,
     pub reasoning_parser: reasoning::ReasoningParser,
 }
 
@@ -116,11 +121,7 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("cannot build the gRPC reflection service")?;
-    let grpc_server = tonic::transport::Server::builder()
-        .layer(tower::util::MapResponseLayer::new(
-            grpc::name_message_limit::<tonic::body::Body>,
-        ))
-        .add_service(health_service)
+    let grpc_app = tonic::service::Routes::new(health_service)
         .add_service(reflection)
         .add_service(
             GrpcInferenceServiceServer::new(grpc::InferenceService::new(
@@ -132,11 +133,19 @@ pub async fn serve(
         .add_service(WorkerLoadServer::new(grpc::LoadService::new(
             shared.clone(),
         )))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-            stopped(stop_rx.clone()),
-        );
-    let grpc_task = tokio::spawn(grpc_server);
+        .prepare()
+        .into_axum_router()
+        .layer(tower::util::MapResponseLayer::new(
+            grpc::name_message_limit::<axum::body::Body>,
+        ));
+    let mut grpc_task = tokio::spawn(listener::serve(
+        grpc_listener,
+        grpc_app,
+        Protocol::Grpc,
+        config.connections,
+        |_| {},
+        stopped(stop_rx.clone()),
+    ));
 
     let router = router::router(http::HttpState {
         shared: shared.clone(),
@@ -146,27 +155,30 @@ pub async fn serve(
         reasoning_parser: config.reasoning_parser,
     });
     let send_buffer_bytes = config.http_send_buffer_bytes;
-    let http_listener = http_listener.tap_io(move |connection| {
-        if let Err(error) =
-            socket2::SockRef::from(&*connection).set_send_buffer_size(send_buffer_bytes)
-        {
-            tracing::warn!(%error, "cannot bound a connection's send buffer");
-        }
-    });
-    let http_server =
-        axum::serve(http_listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));
-    let mut http_task = tokio::spawn(async move { http_server.await });
-    let mut grpc_task = grpc_task;
+    let mut http_task = tokio::spawn(listener::serve(
+        http_listener,
+        router,
+        Protocol::Http,
+        config.connections,
+        move |connection| {
+            if let Err(error) =
+                socket2::SockRef::from(connection).set_send_buffer_size(send_buffer_bytes)
+            {
+                tracing::warn!(%error, "cannot bound a connection's send buffer");
+            }
+        },
+        stopped(stop_rx.clone()),
+    ));
 
     // A listener that stops by itself is fatal; otherwise serve until a signal.
     let signal: Result<&'static str, String> = tokio::select! {
         signal = shutdown => Ok(signal?),
         result = &mut grpc_task => {
-            result.context("the gRPC server task failed")??;
+            result.context("the gRPC server task failed")?;
             anyhow::bail!("the gRPC server stopped unexpectedly");
         }
         result = &mut http_task => {
-            result.context("the HTTP server task failed")??;
+            result.context("the HTTP server task failed")?;
             anyhow::bail!("the HTTP server stopped unexpectedly");
         }
         failure = engine_failure(&shared) => Err(failure),
@@ -222,10 +234,8 @@ pub async fn serve(
     .await;
     match closed {
         Ok((grpc, http)) => {
-            grpc.context("the gRPC server task failed")?
-                .context("the gRPC server failed")?;
-            http.context("the HTTP server task failed")?
-                .context("the HTTP server failed")?;
+            grpc.context("the gRPC server task failed")?;
+            http.context("the HTTP server task failed")?;
         }
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use npufleet_contract::auth::ApiKey;
+use npufleet_contract::listener::{self, ConnectionLimits, Protocol, parse_seconds};
 use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
@@ -177,6 +178,9 @@ pub struct ServeArgs {
     /// `--stalled-reader-timeout`, instead of the kernel taking megabytes of tokens first.
     #[arg(long, env = "NPUFLEET_HTTP_SEND_BUFFER_BYTES", default_value_t = 64 << 10)]
     pub http_send_buffer_bytes: usize,
+    /// What the gRPC and HTTP listeners bound their connections by.
+    #[command(flatten)]
+    pub connections: ConnectionLimits,
     #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// How chat answers' `<think>` reasoning is returned: `auto` moves it to
@@ -185,18 +189,6 @@ pub struct ServeArgs {
     /// `none` leaves it in `content`.
     #[arg(long, env = env::REASONING_PARSER, value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
-}
-
-fn parse_seconds(value: &str) -> Result<f64, String> {
-    let seconds: f64 = value
-        .trim_end_matches('s')
-        .parse()
-        .map_err(|_| format!("'{value}' is not a number of seconds"))?;
-    if seconds.is_finite() && seconds >= 0.0 {
-        Ok(seconds)
-    } else {
-        Err(format!("'{value}' is not a non-negative number of seconds"))
-    }
 }
 
 fn parse_fraction(value: &str) -> Result<f64, String> {
@@ -258,6 +250,7 @@ impl ServeArgs {
             max_grpc_message_bytes: self.max_grpc_message_bytes,
             stalled_reader_timeout: Duration::from_secs_f64(self.stalled_reader_timeout),
             http_send_buffer_bytes: self.http_send_buffer_bytes,
+            connections: self.connections,
             reasoning_parser: self.reasoning_parser,
         }
     }
@@ -319,7 +312,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             served.and(followed)
         }
         (ranks::Role::Follower(followers), _) => {
-            runtime.block_on(follow(args.http_addr, followers))
+            runtime.block_on(follow(args.http_addr, args.connections, followers))
         }
     }
 }
@@ -379,13 +372,23 @@ fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Rol
 /// exits when the leader stops the group (0) or a rank is lost (an error naming it). A
 /// termination signal does not end it early: the leader may still be draining requests that
 /// need these ranks.
-async fn follow(http_addr: SocketAddr, followers: ranks::Followers) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(http_addr)
+async fn follow(
+    http_addr: SocketAddr,
+    connections: ConnectionLimits,
+    followers: ranks::Followers,
+) -> anyhow::Result<()> {
+    let http_listener = TcpListener::bind(http_addr)
         .await
         .with_context(|| format!("cannot listen for HTTP on {http_addr}"))?;
-    tracing::info!(http = %listener.local_addr()?, "serving health while following rank 0");
-    let http =
-        tokio::spawn(async move { axum::serve(listener, server::router::follower_router()).await });
+    tracing::info!(http = %http_listener.local_addr()?, "serving health while following rank 0");
+    let http = tokio::spawn(listener::serve(
+        http_listener,
+        server::router::follower_router(),
+        Protocol::Http,
+        connections,
+        |_| {},
+        std::future::pending(),
+    ));
     let mut ticks = tokio::time::interval(Duration::from_millis(100));
     let mut signal = std::pin::pin!(termination_signal());
     let mut signalled = false;

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use npufleet_contract::listener::ConnectionLimits;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_worker::api::{
     ChatMessage, Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent,
@@ -172,6 +173,7 @@ pub fn default_config() -> ServerConfig {
         max_grpc_message_bytes: 4 << 20,
         stalled_reader_timeout: Duration::from_secs(30),
         http_send_buffer_bytes: 64 << 10,
+        connections: ConnectionLimits::default(),
         reasoning_parser: ReasoningParser::Auto,
     }
 }
