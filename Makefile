@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-7b-shape bench-router scale-test fuzz chaos
+.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-7b-shape bench-router bench-autoscaler scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -32,6 +32,7 @@ setup:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	"$$(tests/setup/cargo-tool.sh cargo-machete 0.9.2)"
 
 build:
 	$(CARGO) build --workspace --bins
@@ -78,6 +79,11 @@ bench-7b-shape:
 bench-router: setup
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture
+
+# The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces
+# (seconds; the simulator's unit tests run in make test).
+bench-autoscaler:
+	$(CARGO) run --release -p npufleet-operator --bin npufleet-autoscale-sim
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).
