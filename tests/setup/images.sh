@@ -4,13 +4,15 @@
 # file baked in. buildah builds them on a runtime base assembled from Debian 12 packages with
 # mmdebstrap (a stand-in for the distroless base the Dockerfiles name: glibc, libgcc, CA
 # certificates, user nonroot 65532, no shell), from the binaries this workspace built
-# ($CARGO_TARGET_DIR/debug, stripped of debug info) through the Dockerfiles' `prebuilt` stage.
+# ($NPUFLEET_BINARIES, else $CARGO_TARGET_DIR/debug; stripped of debug info) through the
+# Dockerfiles' `prebuilt` stage.
 #
 # Each image is written as a docker-archive tarball (`ctr -n k8s.io images import FILE`,
 # `docker load -i FILE`), cached under $NPUFLEET_CACHE/images and keyed by the content of its
 # inputs (this script, its Dockerfile, the binary, the model, the base's packages); an image
-# whose archive exists is not built again. Installs buildah and mmdebstrap with apt when they
-# are missing (needs root).
+# whose archive exists is not built again. Installs buildah, mmdebstrap and runc (buildah's
+# runtime for RUN steps; the image tests run the images with it) with apt when they are
+# missing (needs root).
 #
 # Prints one line per image on stdout: <repository> <tag> <archive path>; progress on stderr.
 set -euo pipefail
@@ -19,7 +21,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 CACHE_ROOT="${NPUFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/npufleet}"
 OUT="$CACHE_ROOT/images"
-BINARIES="${CARGO_TARGET_DIR:-$CACHE_ROOT/cargo-target}/debug"
+BINARIES="${NPUFLEET_BINARIES:-${CARGO_TARGET_DIR:-$CACHE_ROOT/cargo-target}/debug}"
 REGISTRY=localhost/npufleet
 VERSION=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$REPO/charts/npufleet/Chart.yaml")
 MODEL_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -72,27 +74,32 @@ describe() {
   } | key).tar"
 }
 
-missing=0
-for entry in "${IMAGES[@]}"; do
-  describe "$entry"
-  [ -s "$archive" ] || missing=1
-done
+all_present() {
+  for entry in "${IMAGES[@]}"; do
+    describe "$entry"
+    [ -s "$archive" ] || return 1
+  done
+}
 
-if [ "$missing" = 1 ]; then
+if ! all_present; then
   start=$(date +%s)
   mkdir -p "$OUT"
-  # One build at a time; a run that died leaves no lock behind, only a work directory the
-  # next run removes.
+  # One build at a time (a run that waited finds what the other built); a run that died
+  # leaves no lock behind, only a work directory the next run removes.
   exec 9>"$OUT/.lock"
   flock 9
+fi
+if ! all_present; then
 
-  if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
-    [ "$(id -u)" = 0 ] || fail "buildah and mmdebstrap are needed: apt-get install buildah mmdebstrap"
-    log "installing buildah and mmdebstrap"
+  tools=(buildah mmdebstrap runc)
+  for tool in "${tools[@]}"; do
+    command -v "$tool" >/dev/null && continue
+    [ "$(id -u)" = 0 ] || fail "$tool is missing: apt-get install ${tools[*]}"
+    log "installing ${tools[*]}"
     apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      buildah mmdebstrap >&2
-  fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${tools[@]}" >&2
+    break
+  done
 
   WORK="$OUT/work"
   rm -rf "$WORK"
