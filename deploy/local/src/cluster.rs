@@ -32,6 +32,8 @@ pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
 /// or public network (KWOK's defaults are 10.0.0.0/24 and 196.168.0.1).
 const KWOK_POD_CIDR: &str = "198.18.128.0/20";
 const KWOK_NODE_IP: &str = "198.18.127.1";
+/// The Services' ClusterIP range, from the same benchmarking range.
+const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// A node KWOK keeps Ready; its capacity is what the scheduler places pods against.
 #[derive(Debug, Clone)]
@@ -348,7 +350,7 @@ impl Cluster {
             format!("--tls-cert-file={}", pki.cert_file.display()),
             format!("--tls-private-key-file={}", pki.key_file.display()),
             format!("--client-ca-file={}", pki.ca_file.display()),
-            "--service-cluster-ip-range=10.0.0.0/16".to_string(),
+            format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
             "--allow-privileged=true".to_string(),
             "--authorization-mode=Node,RBAC".to_string(),
             format!("--token-auth-file={}", d.join("tokens.csv").display()),
