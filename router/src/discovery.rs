@@ -230,7 +230,7 @@ mod tests {
             serde_json::from_value(json!({
                 "metadata": {"name": name, "namespace": namespace,
                              "labels": {(labels::INFERENCE_SERVICE): service, (labels::RANK): labels::SERVING_RANK}},
-                "status": {"podIP": ip, "conditions": [
+                "status": {"phase": "Running", "podIP": ip, "conditions": [
                     {"type": "Ready", "status": if ready { "True" } else { "False" }}
                 ]}
             }))
