@@ -79,7 +79,7 @@ def worker():
     def read_log():
         for line in process.stdout:
             try:
-                fields = json.loads(line).get("fields", {})
+                fields = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if fields.get("message") == "serving":

@@ -206,7 +206,7 @@ class Worker:
             if line is None:
                 raise self._failure(f"exited with status {self.process.wait()} while starting")
             try:
-                fields = json.loads(line).get("fields", {})
+                fields = json.loads(line)
             except json.JSONDecodeError:
                 continue
             address = fields.get("http")

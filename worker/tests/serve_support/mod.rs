@@ -105,9 +105,9 @@ impl Worker {
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
                     if let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line)
-                        && let Some(http) = entry["fields"]["http"].as_str()
+                        && let Some(http) = entry["http"].as_str()
                     {
-                        let grpc = entry["fields"]["grpc"].as_str().unwrap_or_default();
+                        let grpc = entry["grpc"].as_str().unwrap_or_default();
                         let _ = addrs_tx.send((http.to_string(), grpc.to_string()));
                     }
                     log.lock().unwrap().push(line);
