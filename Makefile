@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build unit-and-e2e python-clients crds bench bench-7b-shape bench-router scale-test fuzz chaos
+.PHONY: run test setup lint build images unit-and-e2e python-clients crds bench bench-7b-shape bench-router bench-autoscaler scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -32,9 +32,17 @@ setup:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	"$$(tests/setup/cargo-tool.sh cargo-machete 0.9.2)"
 
 build:
 	$(CARGO) build --workspace --bins
+
+# The operator, router and worker images (and the worker with SmolLM2) from deploy/*.Dockerfile
+# with buildah, packaging the binaries of build: a set-up step that has to follow the build.
+# Prints `<repository> <tag> <archive>` per image; the archives load with
+# `ctr -n k8s.io images import` or `docker load`.
+images: build
+	@tests/setup/images.sh
 
 unit-and-e2e: build
 	$(CARGO) test --workspace --no-fail-fast
@@ -43,7 +51,7 @@ python-clients: build
 	NPUFLEET_WORKER_BIN=$(CARGO_TARGET_DIR)/debug/npufleet-worker \
 	  "$$(tests/setup/python-env.sh)" -m pytest -q tests/python
 
-test: setup lint unit-and-e2e python-clients
+test: setup lint images unit-and-e2e python-clients
 
 # Regenerates the CRD YAML from the Rust types (a test fails when they drift).
 crds:
@@ -78,6 +86,11 @@ bench-7b-shape:
 bench-router: setup
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture
+
+# The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces
+# (seconds; the simulator's unit tests run in make test).
+bench-autoscaler:
+	$(CARGO) run --release -p npufleet-operator --bin npufleet-autoscale-sim
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).

@@ -1,9 +1,21 @@
 # The router image: ghcr.io/npufleet/npufleet-router:<version>.
-#   docker buildx build --platform linux/amd64,linux/arm64 -f deploy/router.Dockerfile \
+#   docker buildx build --platform linux/amd64,linux/arm64 -f deploy/operator.Dockerfile \
 #     -t ghcr.io/npufleet/npufleet-router:0.1.0 .
 # Each platform builds natively (under emulation when it is not the host's), so the Kunpeng
 # (arm64) image links against the same glibc as the runtime stage.
-FROM rust:1.95-bookworm AS build
+# To package a binary built outside (same glibc as the runtime base: Debian 12), skip the
+# build stage:
+#   cargo build --release -p npufleet-router
+#   docker buildx build --build-arg BINARIES=prebuilt -f deploy/operator.Dockerfile \
+#     -t ghcr.io/npufleet/npufleet-router:0.1.0 .
+# The bases are arguments so that a site without access to these registries can name copies
+# of its own (tests/setup/images.sh builds a runtime base from Debian packages).
+ARG RUST_IMAGE=rust:1.95-bookworm
+ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot
+# `build` compiles the binary here; `prebuilt` takes it from BINARIES_DIR in the build context.
+ARG BINARIES=build
+
+FROM ${RUST_IMAGE} AS build
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
@@ -11,8 +23,14 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked -p npufleet-router \
     && install -D target/release/npufleet-router /out/npufleet-router
 
-FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /out/npufleet-router /usr/local/bin/npufleet-router
+FROM scratch AS prebuilt
+ARG BINARIES_DIR=target/release
+COPY ${BINARIES_DIR}/npufleet-router /out/npufleet-router
+
+FROM ${BINARIES} AS binaries
+
+FROM ${RUNTIME_IMAGE}
+COPY --from=binaries /out/npufleet-router /usr/local/bin/npufleet-router
 USER 65532:65532
 EXPOSE 8000 8001
 ENTRYPOINT ["/usr/local/bin/npufleet-router"]

@@ -1,8 +1,8 @@
 //! What npufleet's operator, worker and router agree on, written once: the gRPC protocols, the
 //! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
-//! environment variables the operator sets on worker pods, annotations, the names of
-//! precisions and accelerators, and how the worker's and the router's listeners take
-//! connections.
+//! environment variables the operator sets on worker pods, labels and annotations, the
+//! router's response headers, the names of precisions and accelerators, how the worker's and
+//! the router's listeners take connections, and how every process logs.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
 //! rather than a fleet that does not start.
@@ -11,8 +11,14 @@ pub mod accelerator;
 pub mod annotations;
 pub mod auth;
 pub mod env;
+pub mod headers;
+pub mod labels;
 #[cfg(feature = "serve")]
 pub mod listener;
+#[cfg(feature = "logging")]
+pub mod logging;
+#[cfg(feature = "k8s")]
+pub mod pods;
 pub mod ports;
 pub mod precision;
 #[cfg(feature = "grpc")]

@@ -13,9 +13,7 @@ pub const LAST_FAILURE_MANAGER: &str = "npufleet-operator-last-failure";
 pub const NAME: &str = "app.kubernetes.io/name";
 pub const INSTANCE: &str = "app.kubernetes.io/instance";
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-pub const INFERENCE_SERVICE: &str = "npufleet.io/inference-service";
-pub const GROUP: &str = "npufleet.io/group";
-pub const RANK: &str = "npufleet.io/rank";
+pub use npufleet_contract::labels::{GROUP, INFERENCE_SERVICE, RANK, SERVING_RANK};
 pub const TEMPLATE_HASH: &str = "npufleet.io/template-hash";
 /// On the pods of a replica group that an eviction broke: they leave the disruption budget,
 /// so the drain that evicted one rank evicts the others itself instead of waiting on a budget
@@ -56,7 +54,7 @@ pub fn workers(isvc: &InferenceService) -> BTreeMap<String, String> {
 /// replica, so an HPA that counts selected pods counts replica groups.
 pub fn group_leaders(isvc: &InferenceService) -> BTreeMap<String, String> {
     let mut labels = workers(isvc);
-    labels.insert(RANK.to_string(), "0".to_string());
+    labels.insert(RANK.to_string(), SERVING_RANK.to_string());
     labels
 }
 

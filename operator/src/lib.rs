@@ -12,7 +12,6 @@ pub mod replica_group;
 pub mod resources;
 pub mod settings;
 pub mod status;
-pub mod telemetry;
 
 pub use controller::{Context, run};
 pub use settings::Settings;

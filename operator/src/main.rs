@@ -4,12 +4,12 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use clap::Parser;
+use npufleet_contract::logging::{self, LogFormat};
 use npufleet_operator::autoscaler::collect::{self, Collector};
 use npufleet_operator::autoscaler::{self, Autoscaler};
 use npufleet_operator::cache::WatchScope;
 use npufleet_operator::external_metrics::{MetricsServer, MetricsStore, TlsSettings, tls};
 use npufleet_operator::metrics::{self, Health, Metrics};
-use npufleet_operator::telemetry::{self, LogFormat};
 use npufleet_operator::{Context, Settings, leader};
 
 /// Reconciles npufleet.io InferenceServices into Ascend worker fleets.
@@ -209,7 +209,7 @@ async fn external_metrics_tls(client: &kube::Client, args: &Args) -> anyhow::Res
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    telemetry::init(args.log_format);
+    logging::init(args.log_format);
     let metrics = Metrics::new()?;
     let client = metrics.counted_client().await?;
     let identity = args

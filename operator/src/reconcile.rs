@@ -10,11 +10,12 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use kube::api::DynamicObject;
+use npufleet_contract::pods;
 use npufleet_crds::{InferenceService, InferenceServiceStatus};
 
 use crate::autoscaler::SCALE_DOWN_ANNOTATION;
 use crate::labels;
-use crate::replica_group::{self, ReplicaGroup, phase, pod_is_ready};
+use crate::replica_group::{self, ReplicaGroup, phase};
 use crate::resources::{self, inference_pool, names, pod, pod_group, rank_table, services};
 use crate::settings::{self, Settings};
 use crate::status::{self, Observation};
@@ -187,7 +188,7 @@ pub const SETTLING_RECHECK: Duration = Duration::from_secs(10);
 /// Terminating, or placed on a node and not ready: the cluster is expected to move it on.
 fn is_settling(pod: &Pod) -> bool {
     let placed = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
-    pod.metadata.deletion_timestamp.is_some() || (placed && !pod_is_ready(pod))
+    pod.metadata.deletion_timestamp.is_some() || (placed && !pods::serves(pod))
 }
 
 /// Brings the next reconcile forward to at most `within` from now.
@@ -465,7 +466,7 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
                 let waiting = group
                     .live
                     .values()
-                    .filter(|p| !pod_is_ready(p))
+                    .filter(|p| !pods::serves(p))
                     .find_map(|p| waiting_reason(p));
                 let pods: Vec<&Pod> = group.live.values().copied().collect();
                 let deadline = waiting_since(&pods).map(|since| since + progress_deadline);

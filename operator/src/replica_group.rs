@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
+use npufleet_contract::pods;
 
 use crate::labels;
 
@@ -14,15 +15,6 @@ use crate::labels;
 pub fn group_and_rank(pod: &Pod) -> Option<(i32, i32)> {
     let number = |key: &str| pod.labels().get(key)?.parse().ok();
     Some((number(labels::GROUP)?, number(labels::RANK)?))
-}
-
-/// A pod serves when it runs and its Ready condition is true.
-pub fn pod_is_ready(pod: &Pod) -> bool {
-    let status = pod.status.as_ref();
-    status.and_then(|s| s.phase.as_deref()) == Some("Running")
-        && status
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// When the Eviction API evicted `pod` (a drain, or anything else that honours disruption
@@ -66,7 +58,7 @@ impl ReplicaGroup<'_> {
     pub fn is_ready(&self, ranks: i32) -> bool {
         self.terminating == 0
             && self.is_complete(ranks)
-            && self.live.values().all(|p| pod_is_ready(p))
+            && self.live.values().all(|p| pods::serves(p))
     }
 }
 

@@ -3,10 +3,11 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
+use npufleet_contract::ports;
 use npufleet_crds::{Endpoints, InferenceService, InferenceServiceStatus, ModelState};
 
 use crate::labels;
-use crate::resources::{names, pod};
+use crate::resources::names;
 use crate::settings::Settings;
 
 pub const READY: &str = "Ready";
@@ -320,8 +321,8 @@ pub fn build(
         selector: Some(labels::selector_string(&labels::group_leaders(isvc))),
         conditions,
         endpoints: Some(Endpoints {
-            grpc: format!("{host}:{}", pod::GRPC_PORT),
-            http: format!("http://{host}:{}", pod::HTTP_PORT),
+            grpc: format!("{host}:{}", ports::GRPC_PORT),
+            http: format!("http://{host}:{}", ports::HTTP_PORT),
         }),
         model_state: Some(model_state),
         // Written on its own by the controller (`LAST_FAILURE_MANAGER`), so a later status

@@ -13,13 +13,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
+use npufleet_contract::{labels, pods};
 use npufleet_crds::{InferenceService, RoutingPolicy};
 use tokio::sync::watch;
-
-/// The operator's labels on worker pods (see the operator's `labels` module).
-pub const INFERENCE_SERVICE_LABEL: &str = "npufleet.io/inference-service";
-/// Only rank 0 of each replica group serves clients.
-pub const FRONT_END_SELECTOR: &str = "npufleet.io/rank=0";
 
 /// One serving replica: the rank-0 pod of a replica group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,8 +61,8 @@ impl Fleet {
                 .then_with(|| a.name_any().cmp(&b.name_any()))
         });
         let mut by_service: HashMap<(String, String), Vec<Endpoint>> = HashMap::new();
-        for pod in pods.iter().filter(|p| is_serving(p)) {
-            let Some(service) = pod.labels().get(INFERENCE_SERVICE_LABEL) else {
+        for pod in pods.iter().filter(|p| pods::serves(p)) {
+            let Some(service) = pod.labels().get(labels::INFERENCE_SERVICE) else {
                 continue;
             };
             let Some(ip) = pod_ip(pod) else { continue };
@@ -109,16 +105,6 @@ impl Fleet {
         names.sort_unstable();
         names
     }
-}
-
-/// Ready and not terminating.
-pub fn is_serving(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 fn pod_ip(pod: &Pod) -> Option<IpAddr> {
@@ -166,7 +152,7 @@ impl Discovery {
             pods_writer,
             watcher(
                 pods_api,
-                watcher::Config::default().labels(FRONT_END_SELECTOR),
+                watcher::Config::default().labels(labels::SERVING_PODS),
             )
             .modify(|pod| pod.managed_fields_mut().clear()),
         )
@@ -243,7 +229,7 @@ mod tests {
         Arc::new(
             serde_json::from_value(json!({
                 "metadata": {"name": name, "namespace": namespace,
-                             "labels": {INFERENCE_SERVICE_LABEL: service, "npufleet.io/rank": "0"}},
+                             "labels": {(labels::INFERENCE_SERVICE): service, (labels::RANK): labels::SERVING_RANK}},
                 "status": {"podIP": ip, "conditions": [
                     {"type": "Ready", "status": if ready { "True" } else { "False" }}
                 ]}

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::Stream;
 use npufleet_contract::auth::AUTHORIZATION;
+use npufleet_contract::headers;
 use npufleet_contract::ports::GRPC_PORT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -28,7 +29,6 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::error::RouteError;
-use crate::http::REPLICA_HEADER;
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
 use crate::route::Router;
@@ -154,7 +154,7 @@ impl GrpcFrontDoor {
             .observe(sent_at.elapsed().as_secs_f64());
         self.count(model, &lease.pod, Code::Ok);
         if let Ok(value) = lease.pod.parse() {
-            response.metadata_mut().insert(REPLICA_HEADER, value);
+            response.metadata_mut().insert(headers::REPLICA, value);
         }
         Ok(response)
     }

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use futures::{Stream, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use npufleet_contract::headers;
 use npufleet_contract::ports::HTTP_PORT;
 use serde_json::{Value, json};
 
@@ -21,9 +22,6 @@ use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
 use crate::prompt;
 use crate::route::Router;
-
-/// The response header naming the pod that answered.
-pub const REPLICA_HEADER: &str = "x-npufleet-replica";
 
 #[derive(Clone)]
 pub struct HttpState {
@@ -278,7 +276,7 @@ async fn forward(
                 }
             }
             let body = response.bytes().await.unwrap_or_default();
-            out.header(REPLICA_HEADER, pod)
+            out.header(headers::REPLICA, pod)
                 .body(Body::from(body))
                 .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
         }
@@ -339,7 +337,7 @@ fn stream_back(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     out = out.header(
-        REPLICA_HEADER,
+        headers::REPLICA,
         HeaderValue::from_str(&lease.pod).unwrap_or(HeaderValue::from_static("")),
     );
     let ttft = state

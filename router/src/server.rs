@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use npufleet_contract::listener::{self, ConnectionLimits, Protocol};
+use npufleet_contract::logging::{self, LogFormat};
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
-use tracing_subscriber::EnvFilter;
 
 use crate::discovery::Discovery;
 use crate::grpc::GrpcFrontDoor;
@@ -66,9 +66,8 @@ pub struct Args {
     /// Milliseconds to wait for a TCP connection to a replica.
     #[arg(long, default_value_t = 1000)]
     pub connect_timeout_ms: u64,
-    /// Log as one JSON object per line instead of text.
-    #[arg(long)]
-    pub log_json: bool,
+    #[arg(long, env = "NPUFLEET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// What the HTTP and gRPC listeners bound their connections by.
     #[command(flatten)]
     pub connections: ConnectionLimits,
@@ -107,13 +106,7 @@ impl Args {
 
 /// Runs the router until SIGTERM or Ctrl-C.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt().with_env_filter(filter);
-    if args.log_json {
-        logs.json().flatten_event(true).init();
-    } else {
-        logs.init();
-    }
+    logging::init(args.log_format);
     let settings = args.settings()?;
     let client = kube::Client::try_default()
         .await

@@ -8,12 +8,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use npufleet_contract::headers;
 use tokio::sync::{Mutex, Notify};
 
-pub use npufleet_local::router::{RunningRouter, is_serving, serving_addresses};
-
-/// The router's response header naming the pod that answered.
-pub const REPLICA_HEADER: &str = "x-npufleet-replica";
+pub use npufleet_local::router::{RunningRouter, serving_addresses};
 
 /// Picks worker addresses directly, fewest requests in flight first, for tests that exercise
 /// the workers themselves without the router in between (the product's routing is
@@ -197,7 +195,7 @@ pub async fn request_once(
     let status = response.status();
     let replica = response
         .headers()
-        .get(REPLICA_HEADER)
+        .get(headers::REPLICA)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();

@@ -13,8 +13,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_contract::env as worker_env;
+use npufleet_contract::pods;
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, RunningRouter, is_serving, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -150,7 +151,7 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
                 .await?
                 .items
                 .iter()
-                .filter(|p| is_serving(p))
+                .filter(|p| pods::serves(p))
                 .map(|p| p.name_any())
                 .collect();
             let answered = load.answered_by().await;

@@ -12,8 +12,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use npufleet_contract::env as worker_env;
+use npufleet_contract::pods;
 use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Router, is_serving, serving_addresses};
+use npufleet_tests::fleet::{Router, serving_addresses};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::json;
@@ -288,7 +289,7 @@ async fn a_hung_worker_stops_being_ready_and_used_and_no_client_waits_past_its_d
         let stopped = Instant::now();
         let not_ready = wait::until("the hung worker's pod not Ready", Duration::from_secs(30), || async {
             let pod = pods.get(&hung_pod).await?;
-            Ok((!is_serving(&pod)).then(|| stopped.elapsed()))
+            Ok((!pods::serves(&pod)).then(|| stopped.elapsed()))
         })
         .await?;
         let unrouted = wait::until("the hung worker out of the routing", Duration::from_secs(30), || async {

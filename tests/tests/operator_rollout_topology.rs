@@ -14,9 +14,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
+use npufleet_contract::pods;
 use npufleet_crds::{InferenceService, NODE_LABEL_ACCELERATOR};
 use npufleet_operator::labels;
-use npufleet_operator::replica_group::pod_is_ready;
 use npufleet_operator::resources::pod::SERVER_TOPOLOGY_KEY;
 use npufleet_tests::cluster::{self, FakeNode};
 use npufleet_tests::{crd, operator, wait};
@@ -128,7 +128,7 @@ impl Snapshot {
     }
 
     fn serving(&self) -> usize {
-        self.live().filter(|p| pod_is_ready(p)).count()
+        self.live().filter(|p| pods::serves(p)).count()
     }
 }
 
@@ -192,7 +192,7 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
             let service = services.get("chat").await?;
             let list = pods.list(&ListParams::default()).await?.items;
             match (ready_condition(&service), list.as_slice()) {
-                (Some("True"), [pod]) if pod_is_ready(pod) => Ok(Some(pod.clone())),
+                (Some("True"), [pod]) if pods::serves(pod) => Ok(Some(pod.clone())),
                 (ready, list) => bail!("Ready {ready:?}, {} pods", list.len()),
             }
         })
@@ -219,7 +219,7 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
                     if g == generation
                         && pod.uid().as_deref() != Some(old_uid.as_str())
                         && pod.metadata.deletion_timestamp.is_none()
-                        && pod_is_ready(pod) =>
+                        && pods::serves(pod) =>
                 {
                     Ok(Some(pod.clone()))
                 }
@@ -249,7 +249,7 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
 
         let new_ready = snapshots
             .iter()
-            .position(|s| s.live().any(|p| template_hash(p).as_deref() == Some(&new_hash) && pod_is_ready(p)))
+            .position(|s| s.live().any(|p| template_hash(p).as_deref() == Some(&new_hash) && pods::serves(p)))
             .context("the new pod never showed Ready in the watch")?;
         let old_terminating = snapshots
             .iter()

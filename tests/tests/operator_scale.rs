@@ -1,6 +1,7 @@
 //! Scale: 500 InferenceServices created concurrently on KWOK nodes, timing how fast the operator
 //! brings them all to Ready, sampling its peak memory and counting the API requests it sends per
-//! reconcile, with release builds as users run them. Slow, so not part of the default suite:
+//! reconcile, with release builds as users run them. It fails when the operator misses the
+//! targets it has met so far. Slow, so not part of the default suite:
 //!   make scale-test
 
 use std::process::Command;
@@ -22,6 +23,10 @@ const SERVICES: usize = 500;
 const EXTRA_NODES: usize = 4;
 /// Creates in flight at once, as `kubectl apply -f dir/` or a GitOps sync would send them.
 const CONCURRENT_CREATES: usize = 32;
+/// Every service Ready within this of the first create (28.4 s measured on 2 cores).
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// The operator's peak resident memory over the run (90.8 MiB measured).
+const PEAK_RSS_MIB: f64 = 100.0;
 
 /// Peak resident memory of `pid` so far (`VmHWM`), in KiB.
 fn peak_rss_kib(pid: u32) -> Option<u64> {
@@ -165,6 +170,17 @@ async fn five_hundred_inference_services_reach_ready() -> Result<()> {
         SERVICES as f64 / elapsed.as_secs_f64(),
         peak as f64 / 1024.0,
         api_requests / reconciles.max(1.0),
+    );
+    anyhow::ensure!(
+        elapsed <= READY_WITHIN,
+        "{SERVICES} InferenceServices took {:.1} s to be Ready, more than the {} s target",
+        elapsed.as_secs_f64(),
+        READY_WITHIN.as_secs()
+    );
+    anyhow::ensure!(
+        peak as f64 / 1024.0 <= PEAK_RSS_MIB,
+        "the operator's peak RSS was {:.1} MiB, more than the {PEAK_RSS_MIB} MiB target",
+        peak as f64 / 1024.0
     );
     Ok(())
 }

@@ -12,6 +12,8 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
+use npufleet_contract::headers;
+use npufleet_contract::pods;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
@@ -20,9 +22,7 @@ use npufleet_contract::proto::inference::{
 };
 use npufleet_crds::InferenceService;
 use npufleet_test_support::raw_http;
-use npufleet_tests::fleet::{
-    Load, REPLICA_HEADER, RunningRouter, is_serving, serving_addresses, sse_error,
-};
+use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses, sse_error};
 use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, paths, wait};
@@ -496,7 +496,7 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
 
         let mut grpc = GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
         let answer = grpc.model_infer(oip_text(MODEL, "Hello", 8)).await?;
-        assert!(answer.metadata().contains_key(REPLICA_HEADER));
+        assert!(answer.metadata().contains_key(headers::REPLICA));
         assert!(!answer.into_inner().outputs.is_empty());
 
         // ModelStreamInfer comes through response by response, the last one flagged final.
@@ -802,7 +802,7 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
         let least = std::sync::atomic::AtomicUsize::new(usize::MAX);
         let replaced_in = wait::until("the rollout to replace both pods", Duration::from_secs(180), || async {
             let list = pods.list(&ListParams::default()).await?.items;
-            let serving = list.iter().filter(|p| is_serving(p)).count();
+            let serving = list.iter().filter(|p| pods::serves(p)).count();
             least.fetch_min(serving, std::sync::atomic::Ordering::Relaxed);
             let all_new = list.iter().all(|p| p.uid().is_none_or(|uid| !old.contains(&uid)));
             Ok((list.len() == 2 && serving == 2 && all_new).then(|| changed.elapsed()))
@@ -851,7 +851,7 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
                 .json(&json!({"model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": 400, "stream": true}))
                 .send()
                 .await?;
-            if response.headers()[REPLICA_HEADER] == victim.as_str() {
+            if response.headers()[headers::REPLICA] == victim.as_str() {
                 break response;
             }
         };

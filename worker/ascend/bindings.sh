@@ -18,8 +18,7 @@ CHECKED_IN="$HERE/../src/ascend/bindings.rs"
 CACHE_ROOT="${NPUFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/npufleet}"
 HEADERS_DIR="$CACHE_ROOT/torch-npu-$TORCH_NPU_VERSION"
 INCLUDE_DIR="$HEADERS_DIR/torch_npu/include"
-BINDGEN_ROOT="$CACHE_ROOT/tools/bindgen-cli-$BINDGEN_VERSION"
-BINDGEN="$BINDGEN_ROOT/bin/bindgen"
+BINDGEN=$("$HERE/../../tests/setup/cargo-tool.sh" --where bindgen-cli "$BINDGEN_VERSION" bindgen)
 
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -55,9 +54,7 @@ PY
 }
 
 install_bindgen() {
-  [ -x "$BINDGEN" ] && return 0
-  log "installing bindgen-cli $BINDGEN_VERSION into $BINDGEN_ROOT"
-  cargo install --quiet --locked --version "$BINDGEN_VERSION" --root "$BINDGEN_ROOT" bindgen-cli >&2
+  "$HERE/../../tests/setup/cargo-tool.sh" bindgen-cli "$BINDGEN_VERSION" bindgen >/dev/null
 }
 
 ensure_libclang() {

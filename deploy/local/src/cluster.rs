@@ -32,6 +32,13 @@ pub const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// The label KWOK selects the nodes it fakes by.
 pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
+/// Addresses KWOK hands its fake nodes and their pods. Nothing listens on them; they come from
+/// the benchmarking range 198.18.0.0/15 so that no object of the local cluster names a private
+/// or public network (KWOK's defaults are 10.0.0.0/24 and 196.168.0.1).
+const KWOK_POD_CIDR: &str = "198.18.128.0/20";
+const KWOK_NODE_IP: &str = "198.18.127.1";
+/// The Services' ClusterIP range, from the same benchmarking range.
+const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// A node KWOK keeps Ready; its capacity is what the scheduler places pods against.
 #[derive(Debug, Clone)]
@@ -555,6 +562,8 @@ impl Cluster {
                 format!("--manage-nodes-with-label-selector={KWOK_NODE_LABEL}=true"),
                 format!("--server-address=127.0.0.1:{}", free_port()?),
                 "--node-lease-duration-seconds=40".to_string(),
+                format!("--cidr={KWOK_POD_CIDR}"),
+                format!("--node-ip={KWOK_NODE_IP}"),
                 format!("--config={configs}"),
             ]);
             cluster.spawn("kwok", kwok)?;

@@ -10,32 +10,23 @@ use std::time::Duration;
 use anyhow::Result;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
+use npufleet_contract::{labels, pods};
 
 use crate::cluster::Cluster;
 use crate::net::free_addr;
 use crate::process::Process;
 use crate::{paths, wait};
 
-/// Ready and not terminating.
-pub fn is_serving(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
 /// Ready, non-terminating front-end (rank 0) worker addresses, as an endpoints controller
 /// would list them.
 pub async fn serving_addresses(pods: &Api<Pod>) -> Result<Vec<String>> {
     let list = pods
-        .list(&ListParams::default().labels("npufleet.io/rank=0"))
+        .list(&ListParams::default().labels(labels::SERVING_PODS))
         .await?;
     Ok(list
         .items
         .iter()
-        .filter(|p| is_serving(p))
+        .filter(|p| pods::serves(p))
         .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
         .collect())
 }

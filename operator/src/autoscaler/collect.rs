@@ -14,7 +14,7 @@ use kube::core::SelectorExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
-use npufleet_contract::ports;
+use npufleet_contract::{pods, ports};
 use npufleet_crds::InferenceService;
 
 use super::load::LoadReader;
@@ -171,7 +171,7 @@ impl Collector {
                 let (group, rank) = replica_group::group_and_rank(pod)?;
                 let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
                 let status = pod.status.as_ref();
-                let pod_ready = replica_group::pod_is_ready(pod);
+                let pod_ready = pods::serves(pod);
                 let leaving = pod.metadata.deletion_timestamp.is_some();
                 let address = status
                     .and_then(|s| s.pod_ip.as_deref())

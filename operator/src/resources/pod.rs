@@ -24,8 +24,6 @@ use super::names;
 use crate::labels;
 use crate::settings::Settings;
 
-pub const HTTP_PORT: i32 = ports::HTTP_PORT as i32;
-pub const GRPC_PORT: i32 = ports::GRPC_PORT as i32;
 pub use npufleet_crds::MODEL_DIR;
 use npufleet_crds::{MODEL_VOLUME, RANK_TABLE_VOLUME, TMP_DIR, TMP_VOLUME};
 pub const WORKER_CONTAINER: &str = "worker";
@@ -136,8 +134,14 @@ pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
     let mut vars = vec![
         env(worker_env_names::MODEL, model_path(isvc)),
         env(worker_env_names::SERVED_MODEL_NAME, spec.model.name.clone()),
-        env(worker_env_names::GRPC_ADDR, format!("0.0.0.0:{GRPC_PORT}")),
-        env(worker_env_names::HTTP_ADDR, format!("0.0.0.0:{HTTP_PORT}")),
+        env(
+            worker_env_names::GRPC_ADDR,
+            format!("0.0.0.0:{}", ports::GRPC_PORT),
+        ),
+        env(
+            worker_env_names::HTTP_ADDR,
+            format!("0.0.0.0:{}", ports::HTTP_PORT),
+        ),
         env(
             worker_env_names::MAX_BATCH_SIZE,
             engine.max_batch_size.to_string(),
@@ -428,13 +432,13 @@ pub fn build(
         ports: Some(vec![
             ContainerPort {
                 name: Some(ports::HTTP_PORT_NAME.into()),
-                container_port: HTTP_PORT,
+                container_port: i32::from(ports::HTTP_PORT),
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },
             ContainerPort {
                 name: Some(ports::GRPC_PORT_NAME.into()),
-                container_port: GRPC_PORT,
+                container_port: i32::from(ports::GRPC_PORT),
                 protocol: Some("TCP".into()),
                 ..Default::default()
             },

@@ -11,7 +11,6 @@ use npufleet_crds::InferenceService;
 use super::names;
 use npufleet_contract::ports;
 
-use super::pod::{GRPC_PORT, HTTP_PORT};
 use crate::labels;
 
 fn metadata(isvc: &InferenceService, name: String) -> ObjectMeta {
@@ -24,10 +23,10 @@ fn metadata(isvc: &InferenceService, name: String) -> ObjectMeta {
     }
 }
 
-fn port(name: &str, port: i32, app_protocol: &str) -> ServicePort {
+fn port(name: &str, port: u16, app_protocol: &str) -> ServicePort {
     ServicePort {
         name: Some(name.to_string()),
-        port,
+        port: i32::from(port),
         target_port: Some(IntOrString::String(name.to_string())),
         protocol: Some("TCP".to_string()),
         app_protocol: Some(app_protocol.to_string()),
@@ -44,7 +43,7 @@ pub fn headless(isvc: &InferenceService) -> Service {
             cluster_ip: Some("None".to_string()),
             publish_not_ready_addresses: Some(true),
             selector: Some(labels::workers(isvc)),
-            ports: Some(vec![port(ports::HTTP_PORT_NAME, HTTP_PORT, "http")]),
+            ports: Some(vec![port(ports::HTTP_PORT_NAME, ports::HTTP_PORT, "http")]),
             ..Default::default()
         }),
         status: None,
@@ -59,8 +58,8 @@ pub fn client(isvc: &InferenceService) -> Service {
             type_: Some("ClusterIP".to_string()),
             selector: Some(labels::group_leaders(isvc)),
             ports: Some(vec![
-                port(ports::HTTP_PORT_NAME, HTTP_PORT, "http"),
-                port(ports::GRPC_PORT_NAME, GRPC_PORT, "kubernetes.io/h2c"),
+                port(ports::HTTP_PORT_NAME, ports::HTTP_PORT, "http"),
+                port(ports::GRPC_PORT_NAME, ports::GRPC_PORT, "kubernetes.io/h2c"),
             ]),
             ..Default::default()
         }),

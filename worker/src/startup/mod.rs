@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use npufleet_contract::auth::ApiKey;
 use npufleet_contract::listener::{self, ConnectionLimits, Protocol, parse_seconds};
+use npufleet_contract::logging::{self, LogFormat};
 use npufleet_contract::precision::{AUTO_INT8_MAX_PROMPT_TOKENS, Precision};
 use npufleet_contract::{env, ports};
 use tokio::net::TcpListener;
@@ -75,12 +76,6 @@ impl KvCacheDtypeArgs {
     pub fn dtype(&self) -> KvDtype {
         self.kv_cache_dtype.resolve()
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 /// How the engine runs the model.
@@ -266,16 +261,6 @@ impl ServeArgs {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
-}
-
 fn check_model_readable(path: &Path) -> anyhow::Result<()> {
     let metadata = std::fs::metadata(path)
         .with_context(|| format!("cannot read the model at '{}'", path.display()))?;
@@ -287,7 +272,7 @@ fn check_model_readable(path: &Path) -> anyhow::Result<()> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    logging::init(args.log_format);
     check_model_readable(&args.model)?;
     let model_name = args.model_name();
     if model_name.is_empty() {

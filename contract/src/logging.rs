@@ -1,4 +1,5 @@
-//! Structured logs: human-readable text or one JSON object per line.
+//! How every npufleet process logs: text for people, or one JSON object per line for a log
+//! pipeline; `RUST_LOG` filters, `info` by default.
 
 use tracing_subscriber::EnvFilter;
 
@@ -8,15 +9,13 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber; `RUST_LOG` filters, `info` by default.
+/// Installs the global subscriber. A second call (tests running a server in-process more than
+/// once) keeps the first.
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let result = match format {
+    let _already_set = match format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),
     };
-    if let Err(e) = result {
-        eprintln!("logging was already set up: {e}");
-    }
 }
