@@ -37,8 +37,6 @@ pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
 /// or public network (KWOK's defaults are 10.0.0.0/24 and 196.168.0.1).
 const KWOK_POD_CIDR: &str = "198.18.128.0/20";
 const KWOK_NODE_IP: &str = "198.18.127.1";
-/// The Services' ClusterIP range, from the same benchmarking range.
-const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// A node KWOK keeps Ready; its capacity is what the scheduler places pods against.
 #[derive(Debug, Clone)]
