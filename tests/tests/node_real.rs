@@ -143,8 +143,11 @@ async fn a_pod_is_ready_by_its_probe_and_reached_by_service_ip_and_dns_name() ->
     );
 
     // From the node: kube-proxy's rules take the ClusterIP to the pod.
+    // A fresh connection each try: one opened before kube-proxy's rules would keep going where
+    // it first went.
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
+        .pool_max_idle_per_host(0)
         .build()?;
     let url = format!("http://{cluster_ip}/");
     let body = c.diagnose(

@@ -29,7 +29,7 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, SERVICE_CLUSTER_IP_RANGE};
 use crate::net::free_port;
 use crate::paths::{self, ImageArchive};
 use crate::process::{self, Process};
@@ -329,6 +329,14 @@ fn make_network() -> Result<()> {
     let address = format!("{NODE_ADDRESS}/{POD_PREFIX_LENGTH}");
     run("ip", &["addr", "add", &address, "dev", BRIDGE])?;
     run("ip", &["link", "set", BRIDGE, "up"])?;
+    // The host reaches Services from the bridge's address, in the pods' range, so that pods
+    // answer it directly; and a Service kube-proxy has no rules for yet goes nowhere instead
+    // of out of the default route.
+    let source = NODE_ADDRESS.to_string();
+    run(
+        "ip",
+        &["route", "add", SERVICE_CLUSTER_IP_RANGE, "dev", BRIDGE, "src", &source],
+    )?;
     if std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")?.trim() == "0" {
         std::fs::write(forwarding_marker(), "")?;
     }
@@ -497,6 +505,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   netns_mounts_under_state_dir = true
   enable_unprivileged_ports = false
   enable_unprivileged_icmp = false
+  # Kubelet asks for negative OOM scores (-998 for sandboxes), which only a holder of
+  # CAP_SYS_RESOURCE may set; a machine may withhold that even from root (a container or
+  # sandboxed VM), and then every container start fails. Pods get no lower score than
+  # containerd's own.
+  restrict_oom_score_adj = true
 
 [plugins."io.containerd.grpc.v1.cri".containerd]
   snapshotter = "overlayfs"
