@@ -80,6 +80,9 @@ impl RealNode {
     /// CoreDNS against `cluster`; returns once the node is Ready and DNS answers.
     pub async fn start(cluster: &Cluster, client: &Client) -> Result<RealNode> {
         let started = Instant::now();
+        if let Some(why) = unavailable() {
+            bail!("{why}");
+        }
         let claim = claim_machine()?;
         let bin = tokio::task::spawn_blocking(paths::node_bin).await??;
         let images = tokio::task::spawn_blocking(paths::node_images).await??;
@@ -377,28 +380,82 @@ fn tear_down() {
 /// containerd's shims outlive containerd (they are their own session); each names the socket
 /// of the containerd that started it.
 fn kill_shims() {
+    for pid in shims() {
+        // SAFETY: a plain kill of a process found above; a stale id only yields ESRCH.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// The process ids of every real node's containerd shims.
+fn shims() -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
-        return;
+        return Vec::new();
     };
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let is_shim = args
-            .first()
-            .is_some_and(|a| a.ends_with(b"containerd-shim-runc-v2"));
-        let ours = args.windows(2).any(|w| {
-            w[0] == b"-address" && w[1].ends_with(CONTAINERD_SOCKET.as_bytes())
-        });
-        if is_shim && ours {
-            // SAFETY: a plain kill of a process found above; a stale id only yields ESRCH.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let is_shim = args
+                .first()
+                .is_some_and(|a| a.ends_with(b"containerd-shim-runc-v2"));
+            let ours = args.windows(2).any(|w| {
+                w[0] == b"-address" && w[1].ends_with(CONTAINERD_SOCKET.as_bytes())
+            });
+            (is_shim && ours).then_some(pid)
+        })
+        .collect()
+}
+
+/// What a real node has left on this machine (none while none runs): its bridge, shims,
+/// pod cgroups, mounts and firewall chains, one line each.
+pub fn leftovers() -> Vec<String> {
+    let mut found = Vec::new();
+    if Path::new("/sys/class/net").join(BRIDGE).exists() {
+        found.push(format!("bridge {BRIDGE}"));
+    }
+    let shims = shims();
+    if !shims.is_empty() {
+        found.push(format!("containerd shims {shims:?}"));
+    }
+    if let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") {
+        for h in hierarchies.flatten() {
+            let cgroup = h.path().join(POD_CGROUP);
+            if cgroup.is_dir() {
+                found.push(format!("cgroup {}", cgroup.display()));
+            }
         }
     }
+    let temp = std::env::temp_dir();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mounts = mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .filter(|point| point.starts_with(&*temp.to_string_lossy()) && point.contains("/real-node/"))
+        .count();
+    if mounts > 0 {
+        found.push(format!("{mounts} mounts below a real node's directory"));
+    }
+    for tool in ["iptables-save", "ip6tables-save"] {
+        let rules = run(tool, &[]).unwrap_or_default();
+        let ours = rules
+            .lines()
+            .filter(|l| l.contains("KUBE-") || l.contains("CNI-") || l.contains(RULE_COMMENT))
+            .count();
+        if ours > 0 {
+            found.push(format!("{ours} lines of kube-proxy's, CNI's or the node's rules in {tool}"));
+        }
+    }
+    found
+}
+
+/// Why this machine cannot run a real node, when it cannot.
+pub fn unavailable() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    (unsafe { libc::geteuid() } != 0).then(|| {
+        "a real node needs root: it makes a bridge, firewall rules, mounts and cgroups".to_owned()
+    })
 }
 
 /// Kills every process in cgroup `name` and below, in every v1 hierarchy, and removes the
