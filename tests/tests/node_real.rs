@@ -29,7 +29,8 @@ fn skipped() -> bool {
 }
 
 fn node(c: &Cluster) -> &RealNode {
-    c.real_node().expect("the real-node cluster has a real node")
+    c.real_node()
+        .expect("the real-node cluster has a real node")
 }
 
 fn netcheck_image(c: &Cluster) -> String {
@@ -45,7 +46,8 @@ fn netcheck_image(c: &Cluster) -> String {
 /// A namespace that enforces the restricted Pod Security Standard.
 async fn restricted_namespace(c: &Cluster, client: &Client, test: &str) -> Result<String> {
     let ns = c.namespace(client, test).await?;
-    let labels = json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
+    let labels =
+        json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
     Api::<Namespace>::all(client.clone())
         .patch(&ns, &PatchParams::default(), &Patch::Merge(&labels))
         .await?;
@@ -133,7 +135,10 @@ async fn a_pod_is_ready_by_its_probe_and_reached_by_service_ip_and_dns_name() ->
     let ns = restricted_namespace(c, &client, "real-node-service").await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let ready_in = serving_pod(c, &pods, "echo").await?;
-    println!("pod create -> Ready on the real node: {:.2} s", ready_in.as_secs_f64());
+    println!(
+        "pod create -> Ready on the real node: {:.2} s",
+        ready_in.as_secs_f64()
+    );
 
     let service: Service = serde_json::from_value(json!({
         "apiVersion": "v1",

@@ -276,8 +276,11 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     let server_cert = server_params.signed_by(&server_key, &issuer)?;
 
     let sa_key = KeyPair::generate()?;
-    let (kubelet_client_cert, kubelet_client_key) =
-        client_certificate(&issuer, "kube-apiserver-kubelet-client", &["system:masters"])?;
+    let (kubelet_client_cert, kubelet_client_key) = client_certificate(
+        &issuer,
+        "kube-apiserver-kubelet-client",
+        &["system:masters"],
+    )?;
 
     let pki = Pki {
         ca: issuer,

@@ -95,7 +95,13 @@ impl RealNode {
         tear_down();
 
         let dir = cluster.scratch().join("real-node");
-        for sub in ["containerd/root", "containerd/state", "cni/conf", "cni/ipam", "kubelet"] {
+        for sub in [
+            "containerd/root",
+            "containerd/state",
+            "cni/conf",
+            "cni/ipam",
+            "kubelet",
+        ] {
             std::fs::create_dir_all(dir.join(sub))?;
         }
         let mut node = RealNode {
@@ -111,7 +117,10 @@ impl RealNode {
 
         let containerd_config = dir.join("containerd.toml");
         std::fs::write(&containerd_config, containerd_toml(&dir, &pause))?;
-        std::fs::write(dir.join("cni/conf/10-npufleet.conflist"), cni_conflist(&dir))?;
+        std::fs::write(
+            dir.join("cni/conf/10-npufleet.conflist"),
+            cni_conflist(&dir),
+        )?;
         let mut containerd = Command::new(which("containerd")?);
         containerd.arg("--config").arg(&containerd_config);
         node.spawn("containerd", containerd)?;
@@ -338,7 +347,15 @@ fn make_network() -> Result<()> {
     let source = NODE_ADDRESS.to_string();
     run(
         "ip",
-        &["route", "add", SERVICE_CLUSTER_IP_RANGE, "dev", BRIDGE, "src", &source],
+        &[
+            "route",
+            "add",
+            SERVICE_CLUSTER_IP_RANGE,
+            "dev",
+            BRIDGE,
+            "src",
+            &source,
+        ],
     )?;
     if std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")?.trim() == "0" {
         std::fs::write(forwarding_marker(), "")?;
@@ -351,8 +368,19 @@ fn make_network() -> Result<()> {
 
 fn off_bridge_drop(action: &str) -> Vec<&str> {
     vec![
-        action, "FORWARD", "-i", BRIDGE, "!", "-o", BRIDGE, "-m", "comment", "--comment",
-        RULE_COMMENT, "-j", "DROP",
+        action,
+        "FORWARD",
+        "-i",
+        BRIDGE,
+        "!",
+        "-o",
+        BRIDGE,
+        "-m",
+        "comment",
+        "--comment",
+        RULE_COMMENT,
+        "-j",
+        "DROP",
     ]
 }
 
@@ -400,9 +428,9 @@ fn shims() -> Vec<i32> {
             let is_shim = args
                 .first()
                 .is_some_and(|a| a.ends_with(b"containerd-shim-runc-v2"));
-            let ours = args.windows(2).any(|w| {
-                w[0] == b"-address" && w[1].ends_with(CONTAINERD_SOCKET.as_bytes())
-            });
+            let ours = args
+                .windows(2)
+                .any(|w| w[0] == b"-address" && w[1].ends_with(CONTAINERD_SOCKET.as_bytes()));
             (is_shim && ours).then_some(pid)
         })
         .collect()
@@ -432,7 +460,9 @@ pub fn leftovers() -> Vec<String> {
     let mounts = mountinfo
         .lines()
         .filter_map(|line| line.split(' ').nth(4))
-        .filter(|point| point.starts_with(&*temp.to_string_lossy()) && point.contains("/real-node/"))
+        .filter(|point| {
+            point.starts_with(&*temp.to_string_lossy()) && point.contains("/real-node/")
+        })
         .count();
     if mounts > 0 {
         found.push(format!("{mounts} mounts below a real node's directory"));
@@ -444,7 +474,9 @@ pub fn leftovers() -> Vec<String> {
             .filter(|l| l.contains("KUBE-") || l.contains("CNI-") || l.contains(RULE_COMMENT))
             .count();
         if ours > 0 {
-            found.push(format!("{ours} lines of kube-proxy's, CNI's or the node's rules in {tool}"));
+            found.push(format!(
+                "{ours} lines of kube-proxy's, CNI's or the node's rules in {tool}"
+            ));
         }
     }
     found
@@ -482,8 +514,7 @@ fn kill_cgroup(name: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     for root in &roots {
         for dir in cgroup_dirs(root).iter().rev() {
-            while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline
-            {
+            while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -496,12 +527,7 @@ fn cgroup_dirs(root: &Path) -> Vec<PathBuf> {
     let mut i = 0;
     while i < dirs.len() {
         if let Ok(entries) = std::fs::read_dir(&dirs[i]) {
-            dirs.extend(
-                entries
-                    .flatten()
-                    .map(|e| e.path())
-                    .filter(|p| p.is_dir()),
-            );
+            dirs.extend(entries.flatten().map(|e| e.path()).filter(|p| p.is_dir()));
         }
         i += 1;
     }
@@ -513,9 +539,7 @@ fn cgroup_dirs(root: &Path) -> Vec<PathBuf> {
 fn unmount_node_dirs() {
     let temp = std::env::temp_dir();
     process::unmount_below(&temp, |mount_point| {
-        mount_point
-            .to_string_lossy()
-            .contains("/real-node/")
+        mount_point.to_string_lossy().contains("/real-node/")
     });
 }
 
