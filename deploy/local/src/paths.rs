@@ -136,7 +136,8 @@ pub struct ImageArchive {
     pub path: PathBuf,
 }
 
-/// Reads `<name> <tag> <archive path>` lines.
+/// Reads `<name> <tag> <archive path>` lines, as `tests/setup/node.sh images` and
+/// `tests/setup/images.sh` print them.
 pub fn parse_image_lines(text: &str) -> Result<Vec<ImageArchive>> {
     text.lines()
         .filter(|line| !line.trim().is_empty())
@@ -210,4 +211,40 @@ pub fn workspace_bin(name: &str) -> Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_lines_name_tag_and_archive() {
+        let images = parse_image_lines(
+            "pause registry.k8s.io/pause:3.10 /cache/pause.tar\n\nlocalhost/npufleet/npufleet-worker 0.1.0 /cache/w.tar\n",
+        )
+        .unwrap();
+        assert_eq!(
+            images,
+            vec![
+                ImageArchive {
+                    name: "pause".into(),
+                    tag: "registry.k8s.io/pause:3.10".into(),
+                    path: "/cache/pause.tar".into(),
+                },
+                ImageArchive {
+                    name: "localhost/npufleet/npufleet-worker".into(),
+                    tag: "0.1.0".into(),
+                    path: "/cache/w.tar".into(),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_image_line_without_three_fields_is_refused() {
+        for line in ["pause registry.k8s.io/pause:3.10", "a b c d"] {
+            let error = parse_image_lines(line).unwrap_err().to_string();
+            assert!(error.contains("<name> <tag> <archive path>"), "{error}");
+        }
+    }
 }
