@@ -22,6 +22,8 @@ run: setup
 
 setup:
 	@tests/setup/control-plane.sh >/dev/null
+	@# The real node's tests need root and skip without it, so only root sets it up.
+	@if [ "$$(id -u)" = 0 ]; then tests/setup/node.sh >/dev/null; fi
 	@tests/setup/monitoring.sh >/dev/null
 	@tests/setup/model.sh >/dev/null
 	@tests/setup/inference-extension.sh >/dev/null

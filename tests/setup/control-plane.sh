@@ -18,6 +18,8 @@ BIN="$OUT/bin"
 STAGES="$OUT/kwok-stages"
 
 log() { echo "[control-plane] $*" >&2; }
+# shellcheck source=lib/kubernetes.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/kubernetes.sh"
 
 all_present() {
   for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm kwok; do
@@ -39,42 +41,8 @@ mkdir -p "$WORK"
 start=$(date +%s)
 
 build_kubernetes() {
-  local minor
-  minor=$(echo "$K8S_VERSION" | cut -d. -f2)
-  local dir="$WORK/kubernetes"
-  rm -rf "$dir" && mkdir -p "$dir" && cd "$dir"
-  go mod init npufleet.local/k8s-build >/dev/null 2>&1
-  local gomod
-  gomod=$(go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-  {
-    echo "require k8s.io/kubernetes ${K8S_VERSION}"
-    # The kubernetes module replaces its staging modules with local paths; point each at
-    # the published module of the same minor release instead.
-    grep -E '^\s*k8s.io/[^ ]+ => \./staging/' "$gomod" | awk -v v="v0.${minor}.${K8S_VERSION##*.}" '{print "replace " $1 " => " $1 " " v}'
-    grep -E '^godebug' "$gomod" || true
-  } >>go.mod
-  cat >tools.go <<'EOF'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
-	_ "k8s.io/kubernetes/cmd/kube-scheduler"
-	_ "k8s.io/kubernetes/cmd/kubectl"
-)
-EOF
-  log "resolving k8s.io/kubernetes ${K8S_VERSION}"
-  go mod tidy >&2
-  local ld="-s -w -X k8s.io/component-base/version.gitVersion=${K8S_VERSION} -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor} -X k8s.io/client-go/pkg/version.gitVersion=${K8S_VERSION} -X k8s.io/component-base/version.gitTreeState=clean"
-  for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-    if [ ! -x "$BIN/$cmd" ]; then
-      log "building $cmd"
-      go build -trimpath -ldflags "$ld" -o "$BIN/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd" >&2
-      mv "$BIN/$cmd.tmp" "$BIN/$cmd"
-    fi
-  done
+  build_kubernetes_commands "$K8S_VERSION" "$WORK/kubernetes" "$BIN" \
+    kube-apiserver kube-controller-manager kube-scheduler kubectl
 }
 
 build_etcd() {

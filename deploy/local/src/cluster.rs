@@ -23,7 +23,12 @@ use kube::{Client, Config};
 use crate::net::free_port;
 use crate::paths;
 use crate::process::{Process, ScratchDir};
+use crate::real_node::RealNode;
 use crate::wait;
+
+/// The Services' ClusterIP range: part of 198.18.0.0/15 (RFC 2544), which no real network
+/// uses, so no Service address can shadow one the machine reaches.
+pub const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// The label KWOK selects the nodes it fakes by.
 pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
@@ -32,8 +37,6 @@ pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
 /// or public network (KWOK's defaults are 10.0.0.0/24 and 196.168.0.1).
 const KWOK_POD_CIDR: &str = "198.18.128.0/20";
 const KWOK_NODE_IP: &str = "198.18.127.1";
-/// The Services' ClusterIP range, from the same benchmarking range.
-const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
 
 /// A node KWOK keeps Ready; its capacity is what the scheduler places pods against.
 #[derive(Debug, Clone)]
@@ -115,6 +118,9 @@ pub struct ClusterOptions {
     pub hpa_downscale_stabilization: Duration,
     /// Extra kube-apiserver flags.
     pub apiserver_args: Vec<String>,
+    /// A real node: containerd, kubelet, kube-proxy and CoreDNS on this machine
+    /// ([`RealNode`]); needs root and `tests/setup/node.sh`.
+    pub real_node: bool,
 }
 
 impl ClusterOptions {
@@ -128,6 +134,18 @@ impl ClusterOptions {
             hpa_sync_period: Duration::from_secs(15),
             hpa_downscale_stabilization: Duration::from_secs(300),
             apiserver_args: Vec::new(),
+            real_node: false,
+        }
+    }
+
+    /// The control plane with a real node ([`RealNode`]) and no fake ones, so that every pod
+    /// runs in a container.
+    pub fn real_node() -> Self {
+        Self {
+            controller_manager: true,
+            scheduler: true,
+            real_node: true,
+            ..Self::api_only()
         }
     }
 
@@ -147,17 +165,21 @@ impl ClusterOptions {
             hpa_sync_period: Duration::from_secs(2),
             hpa_downscale_stabilization: Duration::from_secs(10),
             apiserver_args: Vec::new(),
+            real_node: false,
         }
     }
 }
 
 /// A running control plane. Dropping it kills every process and removes its data.
 pub struct Cluster {
+    /// Dropped first: its pods go while the control plane still runs.
+    real_node: Option<RealNode>,
     processes: Mutex<Vec<Process>>,
     server: String,
     kubeconfig: PathBuf,
     bin: PathBuf,
     started_in: Duration,
+    ca: rcgen::Issuer<'static, rcgen::KeyPair>,
     dir: ScratchDir,
 }
 
@@ -194,7 +216,18 @@ pub fn shared() -> &'static Cluster {
     })
 }
 
+/// The real-node cluster ([`ClusterOptions::real_node`]) shared by every test of one test
+/// binary. One real node runs per machine, so test binaries that use one run one at a time.
+pub fn shared_real_node() -> &'static Cluster {
+    static SHARED: OnceLock<Cluster> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        crate::runtime::block_on_own_thread(Cluster::start(ClusterOptions::real_node()))
+            .unwrap_or_else(|e| panic!("starting the shared real-node cluster: {e:#}"))
+    })
+}
+
 struct Pki {
+    ca: rcgen::Issuer<'static, rcgen::KeyPair>,
     ca_pem: String,
     ca_file: PathBuf,
     cert_file: PathBuf,
@@ -206,7 +239,13 @@ struct Pki {
     front_proxy_ca_file: PathBuf,
     front_proxy_cert_file: PathBuf,
     front_proxy_key_file: PathBuf,
+    /// The client certificate kube-apiserver presents to kubelets (logs, exec).
+    kubelet_client_cert_file: PathBuf,
+    kubelet_client_key_file: PathBuf,
 }
+
+/// The cluster CA's certificate, in the scratch directory.
+const CA_FILE: &str = "ca.crt";
 
 /// The common name of the aggregator's client certificate, the one allowed request-header name.
 pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
@@ -237,10 +276,16 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     let server_cert = server_params.signed_by(&server_key, &issuer)?;
 
     let sa_key = KeyPair::generate()?;
+    let (kubelet_client_cert, kubelet_client_key) = client_certificate(
+        &issuer,
+        "kube-apiserver-kubelet-client",
+        &["system:masters"],
+    )?;
 
     let pki = Pki {
+        ca: issuer,
         ca_pem: ca_cert.pem(),
-        ca_file: dir.join("ca.crt"),
+        ca_file: dir.join(CA_FILE),
         cert_file: dir.join("apiserver.crt"),
         key_file: dir.join("apiserver.key"),
         sa_key_file: dir.join("sa.key"),
@@ -248,7 +293,11 @@ fn make_pki(dir: &Path) -> Result<Pki> {
         front_proxy_ca_file: dir.join("front-proxy-ca.crt"),
         front_proxy_cert_file: dir.join("front-proxy-client.crt"),
         front_proxy_key_file: dir.join("front-proxy-client.key"),
+        kubelet_client_cert_file: dir.join("apiserver-kubelet-client.crt"),
+        kubelet_client_key_file: dir.join("apiserver-kubelet-client.key"),
     };
+    std::fs::write(&pki.kubelet_client_cert_file, kubelet_client_cert)?;
+    std::fs::write(&pki.kubelet_client_key_file, kubelet_client_key)?;
     std::fs::write(&pki.ca_file, &pki.ca_pem)?;
     std::fs::write(&pki.cert_file, server_cert.pem())?;
     std::fs::write(&pki.key_file, server_key.serialize_pem())?;
@@ -277,14 +326,51 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     Ok(pki)
 }
 
-fn kubeconfig_yaml(server: &str, ca_pem: &str, token: &str) -> String {
+/// A client certificate and its key (PEM) for user `common_name` in `groups`, signed by `ca`.
+fn client_certificate(
+    ca: &rcgen::Issuer<'static, rcgen::KeyPair>,
+    common_name: &str,
+    groups: &[&str],
+) -> Result<(String, String)> {
+    use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
+    for group in groups {
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, *group);
+    }
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = params.signed_by(&key, ca)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// How a kubeconfig's user proves who it is.
+enum Credential<'a> {
+    Token(&'a str),
+    Certificate { cert_pem: &'a str, key_pem: &'a str },
+}
+
+fn kubeconfig_yaml(server: &str, ca_pem: &str, credential: Credential<'_>) -> String {
     use base64::Engine as _;
     use std::fmt::Write;
-    let ca_b64 = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
+    let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text.as_bytes());
+    let ca_b64 = b64(ca_pem);
+    let user = match credential {
+        Credential::Token(token) => format!("    token: {token}\n"),
+        Credential::Certificate { cert_pem, key_pem } => format!(
+            "    client-certificate-data: {}\n    client-key-data: {}\n",
+            b64(cert_pem),
+            b64(key_pem)
+        ),
+    };
     let mut s = String::new();
     let _ = write!(
         s,
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\ncurrent-context: local\n"
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca_b64}\nusers:\n- name: admin\n  user:\n{user}contexts:\n- name: local\n  context:\n    cluster: local\n    user: admin\ncurrent-context: local\n"
     );
     s
 }
@@ -316,14 +402,19 @@ impl Cluster {
         let api_port = free_port()?;
         let server = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = d.join("kubeconfig");
-        std::fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki.ca_pem, &token))?;
+        std::fs::write(
+            &kubeconfig,
+            kubeconfig_yaml(&server, &pki.ca_pem, Credential::Token(&token)),
+        )?;
 
-        let cluster = Cluster {
+        let mut cluster = Cluster {
+            real_node: None,
             processes: Mutex::new(Vec::new()),
             server: server.clone(),
             kubeconfig: kubeconfig.clone(),
             bin: bin.clone(),
             started_in: Duration::ZERO,
+            ca: pki.ca,
             dir,
         };
 
@@ -353,6 +444,15 @@ impl Cluster {
             format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
             "--allow-privileged=true".to_string(),
             "--authorization-mode=Node,RBAC".to_string(),
+            format!(
+                "--kubelet-client-certificate={}",
+                pki.kubelet_client_cert_file.display()
+            ),
+            format!(
+                "--kubelet-client-key={}",
+                pki.kubelet_client_key_file.display()
+            ),
+            "--kubelet-preferred-address-types=InternalIP".to_string(),
             format!("--token-auth-file={}", d.join("tokens.csv").display()),
             format!("--service-account-issuer=https://127.0.0.1:{api_port}"),
             format!("--service-account-key-file={}", pki.sa_pub_file.display()),
@@ -362,7 +462,8 @@ impl Cluster {
             ),
             "--api-audiences=https://kubernetes.default.svc".to_string(),
             "--endpoint-reconciler-type=none".to_string(),
-            // No kube-proxy here: the aggregator reaches extension servers at their endpoints.
+            // kube-proxy runs only beside a real node: the aggregator reaches extension servers
+            // at their endpoints.
             "--enable-aggregator-routing=true".to_string(),
             "--enable-priority-and-fairness=false".to_string(),
             // The aggregation layer authenticates itself to extension API servers with a
@@ -485,10 +586,49 @@ impl Cluster {
             )
             .await?;
         }
+        if opts.real_node {
+            cluster.real_node = Some(RealNode::start(&cluster, &client).await?);
+        }
         Ok(Cluster {
             started_in: started.elapsed(),
             ..cluster
         })
+    }
+
+    /// The real node, when [`ClusterOptions::real_node`] asked for one.
+    pub fn real_node(&self) -> Option<&RealNode> {
+        self.real_node.as_ref()
+    }
+
+    /// A kubeconfig for user `common_name` in `groups`, who authenticates with a client
+    /// certificate from the cluster's CA (as kubelets and kube-proxy do), written to
+    /// `file_name` in the scratch directory.
+    pub fn kubeconfig_with_certificate(
+        &self,
+        common_name: &str,
+        groups: &[&str],
+        file_name: &str,
+    ) -> Result<PathBuf> {
+        let (cert_pem, key_pem) = client_certificate(&self.ca, common_name, groups)?;
+        let ca_pem = std::fs::read_to_string(self.ca_file())?;
+        let path = self.scratch().join(file_name);
+        std::fs::write(
+            &path,
+            kubeconfig_yaml(
+                &self.server,
+                &ca_pem,
+                Credential::Certificate {
+                    cert_pem: &cert_pem,
+                    key_pem: &key_pem,
+                },
+            ),
+        )?;
+        Ok(path)
+    }
+
+    /// The cluster's CA certificate file.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join(CA_FILE)
     }
 
     fn spawn(&self, name: &str, cmd: Command) -> Result<()> {
@@ -514,6 +654,9 @@ impl Cluster {
     pub fn ensure_running(&self) -> Result<()> {
         for p in self.processes.lock().expect("processes").iter_mut() {
             p.ensure_running()?;
+        }
+        if let Some(node) = &self.real_node {
+            node.ensure_running()?;
         }
         Ok(())
     }
@@ -696,6 +839,9 @@ impl Cluster {
             let mut msg = format!("{e:#}");
             for p in self.processes.lock().expect("processes").iter() {
                 msg.push_str(&format!("\n--- {} ---\n{}", p.name(), p.log_tail(15)));
+            }
+            if let Some(node) = &self.real_node {
+                msg.push_str(&node.log_tails(15));
             }
             // Worker pods run by node agents log under the scratch directory.
             for entry in walk_logs(self.scratch()) {

@@ -11,6 +11,7 @@ pub mod node_agent;
 pub mod paths;
 pub mod pod_subnet;
 pub mod process;
+pub mod real_node;
 pub mod router;
 
 pub use npufleet_test_support::{net, runtime, wait};

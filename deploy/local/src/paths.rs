@@ -68,9 +68,9 @@ pub fn repo_root() -> &'static Path {
     locate_repo_root(None).unwrap_or_else(|error| panic!("{error:#}"))
 }
 
-/// Runs one of `tests/setup/*.sh` and returns the path it prints on its last line.
+/// Runs one of `tests/setup/*.sh` and returns everything it printed on stdout.
 /// The scripts are idempotent and fast once their cache is filled.
-fn setup_output(script: &str, args: &[&str]) -> Result<PathBuf> {
+fn setup_stdout(script: &str, args: &[&str]) -> Result<String> {
     let path = repo_root().join("tests/setup").join(script);
     let out = Command::new("bash")
         .arg(&path)
@@ -85,7 +85,12 @@ fn setup_output(script: &str, args: &[&str]) -> Result<PathBuf> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let stdout = String::from_utf8(out.stdout).context("set-up script printed non-UTF-8")?;
+    String::from_utf8(out.stdout).context("set-up script printed non-UTF-8")
+}
+
+/// Runs one of `tests/setup/*.sh` and returns the path it prints on its last line.
+fn setup_output(script: &str, args: &[&str]) -> Result<PathBuf> {
+    let stdout = setup_stdout(script, args)?;
     let last = stdout
         .lines()
         .last()
@@ -112,6 +117,53 @@ pub fn control_plane_bin() -> Result<PathBuf> {
 pub fn monitoring_bin() -> Result<PathBuf> {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     cached(&BIN, "monitoring.sh", &[])
+}
+
+/// The directory holding kubelet, kube-proxy and coredns for a real node (built, and the
+/// container runtime's packages installed, on first use).
+pub fn node_bin() -> Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    cached(&BIN, "node.sh", &[])
+}
+
+/// An image archive for `ctr images import`, as the set-up scripts list them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageArchive {
+    /// What the project calls it (`pause`, `netcheck`, ...).
+    pub name: String,
+    /// The reference the archive names the image by.
+    pub tag: String,
+    pub path: PathBuf,
+}
+
+/// Reads `<name> <tag> <archive path>` lines, as `tests/setup/node.sh images` and
+/// `tests/setup/images.sh` print them.
+pub fn parse_image_lines(text: &str) -> Result<Vec<ImageArchive>> {
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let mut fields = line.split_whitespace();
+            match (fields.next(), fields.next(), fields.next(), fields.next()) {
+                (Some(name), Some(tag), Some(path), None) => Ok(ImageArchive {
+                    name: name.to_owned(),
+                    tag: tag.to_owned(),
+                    path: PathBuf::from(path),
+                }),
+                _ => bail!("expected `<name> <tag> <archive path>`, got {line:?}"),
+            }
+        })
+        .collect()
+}
+
+/// The images a real node needs whatever it runs: the pod sandbox (`pause`) and the
+/// real-node tests' `netcheck`.
+pub fn node_images() -> Result<Vec<ImageArchive>> {
+    static IMAGES: OnceLock<Vec<ImageArchive>> = OnceLock::new();
+    if let Some(images) = IMAGES.get() {
+        return Ok(images.clone());
+    }
+    let images = parse_image_lines(&setup_stdout("node.sh", &["images"])?)?;
+    Ok(IMAGES.get_or_init(|| images).clone())
 }
 
 /// The KWOK stage definitions that ship with the pinned KWOK version.
@@ -159,4 +211,40 @@ pub fn workspace_bin(name: &str) -> Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_lines_name_tag_and_archive() {
+        let images = parse_image_lines(
+            "pause registry.k8s.io/pause:3.10 /cache/pause.tar\n\nlocalhost/npufleet/npufleet-worker 0.1.0 /cache/w.tar\n",
+        )
+        .unwrap();
+        assert_eq!(
+            images,
+            vec![
+                ImageArchive {
+                    name: "pause".into(),
+                    tag: "registry.k8s.io/pause:3.10".into(),
+                    path: "/cache/pause.tar".into(),
+                },
+                ImageArchive {
+                    name: "localhost/npufleet/npufleet-worker".into(),
+                    tag: "0.1.0".into(),
+                    path: "/cache/w.tar".into(),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_image_line_without_three_fields_is_refused() {
+        for line in ["pause registry.k8s.io/pause:3.10", "a b c d"] {
+            let error = parse_image_lines(line).unwrap_err().to_string();
+            assert!(error.contains("<name> <tag> <archive path>"), "{error}");
+        }
+    }
 }

@@ -16,13 +16,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
+/// What an exit clean-up undoes beyond killing process groups and removing directories (a
+/// container runtime's mounts and network, for example), keyed by [`register_clean_up`]'s id.
+type CleanUp = Box<dyn FnMut() + Send>;
+
 struct Registry {
     pids: Vec<i32>,
+    clean_ups: Vec<(u64, CleanUp)>,
     dirs: Vec<PathBuf>,
 }
 
 static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     pids: Vec::new(),
+    clean_ups: Vec::new(),
     dirs: Vec::new(),
 });
 
@@ -31,6 +37,11 @@ extern "C" fn clean_up_at_exit() {
     for pid in reg.pids.drain(..) {
         // SAFETY: signalling a process group we created; a stale id only yields ESRCH.
         unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+    // After the kills (nothing starts new containers any more), before the directories
+    // that may hold mounts go.
+    for (_, mut clean_up) in reg.clean_ups.drain(..) {
+        clean_up();
     }
     for dir in reg.dirs.drain(..) {
         let _ = std::fs::remove_dir_all(dir);
@@ -43,6 +54,28 @@ fn register_at_exit() {
         // SAFETY: registering a plain extern "C" function with no captured state.
         unsafe { libc::atexit(clean_up_at_exit) };
     });
+}
+
+/// Runs `clean_up` when the test binary exits, unless [`unregister_clean_up`] takes it back
+/// first (its owner ran it on drop). Returns the id to take it back with.
+pub fn register_clean_up(clean_up: impl FnMut() + Send + 'static) -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    register_at_exit();
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    REGISTRY
+        .lock()
+        .expect("registry")
+        .clean_ups
+        .push((id, Box::new(clean_up)));
+    id
+}
+
+/// Takes back a clean-up [`register_clean_up`] registered.
+pub fn unregister_clean_up(id: u64) {
+    if let Ok(mut reg) = REGISTRY.lock() {
+        reg.clean_ups.retain(|(registered, _)| *registered != id);
+    }
 }
 
 /// A directory removed when the test binary exits (or by [`ScratchDir::drop`]).
@@ -106,10 +139,60 @@ fn remove_stale_scratch_dirs() {
             // SAFETY: signal 0 only checks that the process exists.
             let alive = unsafe { libc::kill(pid, 0) } == 0;
             if !alive {
+                // A real node's containers may still hold mounts there.
+                unmount_below(&entry.path(), |_| true);
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
     });
+}
+
+/// Detaches every mount point below `dir` that `select` picks, deepest first, so that removing
+/// the directory removes only its own files.
+pub fn unmount_below(dir: &Path, select: impl Fn(&Path) -> bool) {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(|field| PathBuf::from(unescape_mount_point(field)))
+        .filter(|point| point.starts_with(dir) && point != dir && select(point))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    points.dedup();
+    for point in points {
+        let Ok(c_path) = std::ffi::CString::new(point.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        // SAFETY: a NUL-terminated path; detaching a mount the caller owns.
+        unsafe { libc::umount2(c_path.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// `/proc/self/mountinfo` writes space, tab, newline and backslash in a path as `\ooo`.
+fn unescape_mount_point(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).and_then(|digits| {
+            std::str::from_utf8(digits)
+                .ok()
+                .and_then(|d| u8::from_str_radix(d, 8).ok())
+        });
+        match (bytes[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);

@@ -1,0 +1,3 @@
+module npufleet.local/netcheck
+
+go 1.24
