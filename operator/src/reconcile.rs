@@ -13,9 +13,8 @@ use kube::api::DynamicObject;
 use npufleet_contract::pods;
 use npufleet_crds::{InferenceService, InferenceServiceStatus};
 
-use crate::autoscaler::SCALE_DOWN_ANNOTATION;
+use crate::fleet::{self, ReplicaGroup, phase};
 use crate::labels;
-use crate::replica_group::{self, ReplicaGroup, phase};
 use crate::resources::{self, inference_pool, names, pod, pod_group, rank_table, services};
 use crate::settings::{self, Settings};
 use crate::status::{self, Observation};
@@ -253,7 +252,7 @@ fn left_of(grace: Duration, since: &Time, now: &Time) -> Duration {
 /// them ([`objects`]) and say how far it got ([`status::build`]).
 pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
     let count = count(isvc, settings);
-    let groups = replica_group::groups(&observed.pods);
+    let groups = fleet::groups(&observed.pods);
     let hash = resources::template_hash(isvc, settings);
     let membership = membership(&groups, count.desired, isvc.spec.rollout.max_surge, &hash);
     let inputs = Inputs {
@@ -307,7 +306,7 @@ pub struct Count {
 }
 
 pub fn count(isvc: &InferenceService, settings: &Settings) -> Count {
-    let asked = crate::autoscaler::desired_replicas(isvc);
+    let asked = fleet::desired_groups(isvc);
     let ranks = isvc.pods_per_replica();
     let desired = groups_within_limit(asked, ranks, settings.max_pods_per_service);
     let pod_limit = (desired < asked).then(|| {
@@ -360,13 +359,7 @@ pub fn membership(
     let existing: BTreeMap<i32, bool> = groups
         .iter()
         .filter(|(_, group)| !group.live.is_empty())
-        .map(|(&g, group)| {
-            let marked = group
-                .live
-                .values()
-                .any(|p| p.annotations().contains_key(SCALE_DOWN_ANNOTATION));
-            (g, marked)
-        })
+        .map(|(&g, group)| (g, group.is_marked()))
         .collect();
     let stale_groups = groups.values().filter(|g| is_stale(g, hash)).count();
     let surge = usize::try_from(max_surge).unwrap_or(0).min(stale_groups);

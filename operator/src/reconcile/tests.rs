@@ -353,7 +353,7 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
         .map(|mut p| {
             if p.name_any() == "llm-1-0" {
                 p.annotations_mut().insert(
-                    crate::autoscaler::SCALE_DOWN_ANNOTATION.into(),
+                    crate::fleet::SCALE_DOWN_ANNOTATION.into(),
                     "2026-01-01T00:00:00Z".into(),
                 );
             }
@@ -1450,7 +1450,7 @@ fn the_membership_stage_keeps_surge_groups_only_while_groups_are_outdated() {
     let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 2);
     let hash = resources::template_hash(&isvc, &Settings::default());
     let mut pods = running(&isvc, true);
-    let current = crate::replica_group::groups(&pods);
+    let current = crate::fleet::groups(&pods);
     let kept = |m: Membership| (m.kept.into_iter().collect::<Vec<_>>(), m.scaled_down);
     assert_eq!(
         kept(membership(&current, 2, 1, &hash)),
@@ -1460,7 +1460,7 @@ fn the_membership_stage_keeps_surge_groups_only_while_groups_are_outdated() {
     pods[1]
         .labels_mut()
         .insert(labels::TEMPLATE_HASH.into(), "older".into());
-    let outdated = crate::replica_group::groups(&pods);
+    let outdated = crate::fleet::groups(&pods);
     assert_eq!(
         kept(membership(&outdated, 2, 1, &hash)),
         (vec![0, 1, 2], vec![]),
