@@ -30,8 +30,8 @@ use npufleet_crds::InferenceService;
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
+use crate::fleet;
 use crate::labels::{self, FIELD_MANAGER};
-use crate::replica_group;
 use crate::resources::pod_group;
 
 /// Every object a store's watch applied or deleted, in order, carried whole. Unbounded so
@@ -101,8 +101,8 @@ type EvictedGroup = (String, String, i32);
 impl Evictions {
     fn note(&self, pod: &Pod) {
         let (Some(when), Some((group, _)), Some(service), Some(namespace)) = (
-            replica_group::evicted_at(pod),
-            replica_group::group_and_rank(pod),
+            fleet::evicted_at(pod),
+            fleet::group_and_rank(pod),
             pod.labels().get(labels::INFERENCE_SERVICE),
             ResourceExt::namespace(pod),
         ) else {

@@ -281,6 +281,7 @@ impl Writer<'_> {
         self.apply_with(&api, &K::kind(&()), object).await;
     }
 
+    #[tracing::instrument(skip(self, api, object), fields(name = %object.name_any()))]
     async fn apply_with<K>(&mut self, api: &Api<K>, kind: &str, object: &K)
     where
         K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
@@ -294,6 +295,7 @@ impl Writer<'_> {
     }
 
     /// Sets `label` on pod `name` (gone already: nothing to label).
+    #[tracing::instrument(skip(self, api))]
     async fn label(&mut self, api: &Api<Pod>, name: &str, label: &str) {
         let patch = serde_json::json!({"metadata": {"labels": {label: "true"}}});
         match api
@@ -317,6 +319,7 @@ impl Writer<'_> {
             .await;
     }
 
+    #[tracing::instrument(skip(self, api, params))]
     async fn delete_with<K>(&mut self, api: &Api<K>, kind: &str, name: &str, params: &DeleteParams)
     where
         K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
@@ -405,6 +408,7 @@ const MAX_EVENT_NOTE: usize = 1024;
 /// The longest a reconcile waits before looking again when nothing changes.
 const RESYNC: Duration = Duration::from_secs(300);
 
+#[tracing::instrument(skip(ctx, isvc, namespace, note), fields(reason = note.reason))]
 async fn publish(ctx: &Context, isvc: &InferenceService, namespace: &str, note: &Note) {
     let related = note.related.as_ref().map(|r| ObjectReference {
         api_version: Some(related_api_version(&r.kind).to_string()),
@@ -452,6 +456,13 @@ fn related_api_version(kind: &str) -> &'static str {
     }
 }
 
+/// One reconcile: read the cache, plan, then write the plan's objects, the status and the
+/// events.
+#[tracing::instrument(skip_all, fields(
+    name = %isvc.name_any(),
+    namespace = %isvc.namespace().unwrap_or_default(),
+    generation = isvc.metadata.generation.unwrap_or_default(),
+))]
 async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let namespace = isvc
@@ -463,13 +474,39 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     let observed = observe(&isvc, &ctx, &namespace);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let plan = reconcile::plan(&isvc, &observed, &ctx.settings, &now);
-    let client = ctx.client.clone();
+    let failures = write_objects(&ctx.client, &namespace, &plan).await;
+    let status_written = write_status(&ctx, &isvc, &plan, &failures, &now).await;
+    publish_notes(&ctx, &isvc, &namespace, &plan.notes, &failures).await;
+    status_written?;
+    tracing::debug!(
+        created = plan.create_pods.len(),
+        deleted = plan.delete_pods.len(),
+        failed = failures.len(),
+        "reconciled"
+    );
+    if let Some(failure) = failures.first() {
+        return Err(Error::Refused {
+            count: failures.len(),
+            first: failure.describe(),
+            transient: failures.iter().all(|f| f.transient),
+        });
+    }
+    ctx.failures_in_a_row(&isvc, false);
+    // One second past a progress deadline, so the group is seen on the other side of it.
+    let next = plan
+        .recheck_after
+        .map_or(RESYNC, |after| (after + Duration::from_secs(1)).min(RESYNC));
+    Ok(Action::requeue(next))
+}
+
+/// Applies and deletes what `plan` says, in order: the objects around the pods, then the pods.
+/// Returns the writes the apiserver refused.
+async fn write_objects(client: &Client, namespace: &str, plan: &reconcile::Plan) -> Vec<Failure> {
     let mut writer = Writer {
-        client: &client,
-        namespace: &namespace,
+        client,
+        namespace,
         failures: Vec::new(),
     };
-
     for service in &plan.services {
         writer.apply(service).await;
     }
@@ -479,13 +516,13 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     for table in &plan.rank_tables {
         writer.apply(table).await;
     }
-    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), &namespace);
+    let config_maps = Api::<ConfigMap>::namespaced(client.clone(), namespace);
     for name in &plan.delete_rank_tables {
         writer.delete(&config_maps, "ConfigMap", name).await;
     }
     let pod_groups = Api::<DynamicObject>::namespaced_with(
         client.clone(),
-        &namespace,
+        namespace,
         &pod_group::api_resource(),
     );
     for group in &plan.pod_groups {
@@ -496,7 +533,7 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     }
     let inference_pools = Api::<DynamicObject>::namespaced_with(
         client.clone(),
-        &namespace,
+        namespace,
         &inference_pool::api_resource(),
     );
     if let Some(pool) = &plan.inference_pool {
@@ -507,7 +544,12 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     if let Some(name) = &plan.delete_inference_pool {
         writer.delete(&inference_pools, "InferencePool", name).await;
     }
-    let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
+    write_pods(&mut writer, plan).await;
+    writer.failures
+}
+
+async fn write_pods(writer: &mut Writer<'_>, plan: &reconcile::Plan) {
+    let pods = Api::<Pod>::namespaced(writer.client.clone(), writer.namespace);
     for name in &plan.make_evictable {
         writer.label(&pods, name, labels::EVICTABLE).await;
     }
@@ -524,31 +566,31 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     for pod in &plan.create_pods {
         writer.apply(pod).await;
     }
-    let failures = writer.failures;
+}
 
+/// Writes the status, rebuilt with the refused writes if any, unless the service shows it
+/// already; then a new `lastFailure` under its own field manager.
+#[tracing::instrument(skip_all, fields(refused = failures.len()))]
+async fn write_status(
+    ctx: &Context,
+    isvc: &InferenceService,
+    plan: &reconcile::Plan,
+    failures: &[Failure],
+    now: &Time,
+) -> Result<(), kube::Error> {
     let status = if failures.is_empty() {
         plan.status.clone()
     } else {
         let mut seen = plan.observation.clone();
         seen.apply_failures = failures.iter().map(Failure::describe).collect();
-        status::build(&isvc, &ctx.settings, &seen, &now)
+        status::build(isvc, &ctx.settings, &seen, now)
     };
-    let status_patch = serde_json::json!({
-        "apiVersion": InferenceService::api_version(&()),
-        "kind": InferenceService::kind(&()),
-        "status": status,
-    });
-    let services = Api::<InferenceService>::namespaced(client, &namespace);
-    let mut status_written = Ok(());
-    if !status_is_current(&isvc, &status) {
-        status_written = services
-            .patch_status(
-                &isvc.name_any(),
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&status_patch),
-            )
-            .await
-            .map(drop);
+    let services = Api::<InferenceService>::namespaced(
+        ctx.client.clone(),
+        &isvc.namespace().unwrap_or_default(),
+    );
+    if !status_is_current(isvc, &status) {
+        patch_status(&services, isvc, FIELD_MANAGER, serde_json::json!(status)).await?;
     }
     let last_failure = isvc.status.as_ref().and_then(|s| s.last_failure.as_ref());
     let new_failure = plan
@@ -556,22 +598,41 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
         .failure
         .as_ref()
         .filter(|f| Some(*f) != last_failure);
-    if let (Ok(()), Some(failure)) = (&status_written, new_failure) {
-        let failure_patch = serde_json::json!({
-            "apiVersion": InferenceService::api_version(&()),
-            "kind": InferenceService::kind(&()),
-            "status": {"lastFailure": failure},
-        });
-        status_written = services
-            .patch_status(
-                &isvc.name_any(),
-                &PatchParams::apply(labels::LAST_FAILURE_MANAGER).force(),
-                &Patch::Apply(&failure_patch),
-            )
-            .await
-            .map(drop);
+    if let Some(failure) = new_failure {
+        let status = serde_json::json!({"lastFailure": failure});
+        patch_status(&services, isvc, labels::LAST_FAILURE_MANAGER, status).await?;
     }
+    Ok(())
+}
 
+/// Server-side applies `status` to `isvc`'s status under `manager`.
+#[tracing::instrument(skip(services, isvc, status))]
+async fn patch_status(
+    services: &Api<InferenceService>,
+    isvc: &InferenceService,
+    manager: &str,
+    status: serde_json::Value,
+) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({
+        "apiVersion": InferenceService::api_version(&()),
+        "kind": InferenceService::kind(&()),
+        "status": status,
+    });
+    let params = PatchParams::apply(manager).force();
+    services
+        .patch_status(&isvc.name_any(), &params, &Patch::Apply(&patch))
+        .await
+        .map(drop)
+}
+
+/// The plan's events, and one per refused write in place of a refused group's creation.
+async fn publish_notes(
+    ctx: &Context,
+    isvc: &InferenceService,
+    namespace: &str,
+    notes: &[Note],
+    failures: &[Failure],
+) {
     let refusals = failures.iter().map(|f| Note {
         warning: true,
         reason: f.reason(),
@@ -588,25 +649,10 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
                 .iter()
                 .any(|f| f.kind == "Pod" && note.related.as_ref().is_some_and(|r| r.name == f.name))
     };
-    let notes = plan.notes.iter().filter(|note| !refused(note)).cloned();
+    let notes = notes.iter().filter(|note| !refused(note)).cloned();
     for note in notes.chain(refusals) {
-        publish(&ctx, &isvc, &namespace, &note).await;
+        publish(ctx, isvc, namespace, &note).await;
     }
-    status_written?;
-    tracing::debug!(name = %isvc.name_any(), %namespace, created = plan.create_pods.len(), deleted = plan.delete_pods.len(), failed = failures.len(), "reconciled");
-    if let Some(failure) = failures.first() {
-        return Err(Error::Refused {
-            count: failures.len(),
-            first: failure.describe(),
-            transient: failures.iter().all(|f| f.transient),
-        });
-    }
-    ctx.failures_in_a_row(&isvc, false);
-    // One second past a progress deadline, so the group is seen on the other side of it.
-    let next = plan
-        .recheck_after
-        .map_or(RESYNC, |after| (after + Duration::from_secs(1)).min(RESYNC));
-    Ok(Action::requeue(next))
 }
 
 #[cfg(test)]

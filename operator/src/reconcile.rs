@@ -13,9 +13,8 @@ use kube::api::DynamicObject;
 use npufleet_contract::pods;
 use npufleet_crds::{InferenceService, InferenceServiceStatus};
 
-use crate::autoscaler::SCALE_DOWN_ANNOTATION;
+use crate::fleet::{self, ReplicaGroup, phase};
 use crate::labels;
-use crate::replica_group::{self, ReplicaGroup, phase};
 use crate::resources::{self, inference_pool, names, pod, pod_group, rank_table, services};
 use crate::settings::{self, Settings};
 use crate::status::{self, Observation};
@@ -248,343 +247,571 @@ fn left_of(grace: Duration, since: &Time, now: &Time) -> Duration {
     grace.saturating_sub(elapsed)
 }
 
+/// The reconcile, stage by stage: [`count`] the replica groups to run, choose which
+/// ([`membership`]), bring each to the current spec ([`rollout`]), build the objects around
+/// them ([`objects`]) and say how far it got ([`status::build`]).
 pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, now: &Time) -> Plan {
-    let asked = crate::autoscaler::desired_replicas(isvc);
+    let count = count(isvc, settings);
+    let groups = fleet::groups(&observed.pods);
+    let hash = resources::template_hash(isvc, settings);
+    let membership = membership(&groups, count.desired, isvc.spec.rollout.max_surge, &hash);
+    let inputs = Inputs {
+        isvc,
+        observed,
+        settings,
+        now,
+        count: &count,
+        hash: &hash,
+    };
+    let Rollout {
+        changes,
+        rank_tables,
+        mut seen,
+    } = rollout(&inputs, &groups, &membership);
+    let objects = objects(isvc, observed, &membership.kept, count.desired, rank_tables);
+    seen.inference_pool = objects.inference_pool.as_ref().map(|pool| pool.name_any());
+    let mut notes = changes.notes;
+    notes.extend(objects.note);
+    Plan {
+        services: objects.services,
+        disruption_budget: objects.disruption_budget,
+        rank_tables: objects.rank_tables,
+        pod_groups: objects.pod_groups,
+        inference_pool: objects.inference_pool,
+        create_pods: changes.create_pods,
+        delete_pods: changes.delete_pods,
+        make_evictable: changes.make_evictable,
+        force_delete_pods: changes.force_delete_pods,
+        delete_rank_tables: objects.delete_rank_tables,
+        delete_pod_groups: objects.delete_pod_groups,
+        delete_inference_pool: objects.delete_inference_pool,
+        notes,
+        status: status::build(isvc, settings, &seen, now),
+        observation: seen,
+        recheck_after: changes.recheck_after,
+    }
+}
+
+/// Stage one: how many replica groups to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Count {
+    /// The groups asked for by whoever owns the count.
+    pub asked: i32,
+    /// Pods per group.
+    pub ranks: i32,
+    /// The groups to run: those asked for, as far as the operator's pod limit holds them.
+    pub desired: i32,
+    /// Why `desired` is below `asked`.
+    pub pod_limit: Option<String>,
+}
+
+pub fn count(isvc: &InferenceService, settings: &Settings) -> Count {
+    let asked = fleet::desired_groups(isvc);
     let ranks = isvc.pods_per_replica();
     let desired = groups_within_limit(asked, ranks, settings.max_pods_per_service);
-    let hash = resources::template_hash(isvc, settings);
-    let scheduler = pod::scheduler_name(isvc);
-    let wants_volcano = scheduler.as_deref() == Some("volcano");
-    let uses_rank_table = pod::uses_rank_table(isvc);
-
-    let groups = replica_group::groups(&observed.pods);
-
-    let mut create_pods = Vec::new();
-    let mut delete_pods = Vec::new();
-    let mut notes = Vec::new();
-    let force_delete_pods: Vec<String> = observed
-        .pods
-        .iter()
-        .filter(|p| evicted_from_lost_node(p))
-        .map(|p| p.name_any())
-        .collect();
-    for name in &force_delete_pods {
-        notes.push(Note {
-            warning: true,
-            reason: "NodeLost",
-            message: format!(
-                "pod {name} was evicted from a node that stopped reporting; removing it so its group can be made elsewhere"
-            ),
-            related: Some(Related::pod(name.clone())),
-        });
-    }
-    let mut seen = Observation {
-        desired_groups: desired,
-        uses_rank_table,
-        volcano_missing: wants_volcano && !observed.volcano_served,
-        ..Default::default()
-    };
-    if desired < asked {
-        let message = format!(
+    let pod_limit = (desired < asked).then(|| {
+        format!(
             "{asked} replica groups of {ranks} pods would be {} pods; this operator runs at most {} pods per InferenceService (--max-pods-per-service), so {desired} replica groups",
             i64::from(asked) * i64::from(ranks),
             settings.max_pods_per_service
-        );
-        if isvc.status.as_ref().is_none_or(|s| {
-            !s.conditions
-                .iter()
-                .any(|c| c.reason == status::POD_LIMIT_EXCEEDED && c.message == message)
-        }) {
-            notes.push(Note {
-                warning: true,
-                reason: status::POD_LIMIT_EXCEEDED,
-                message: message.clone(),
-                related: None,
-            });
-        }
-        seen.pod_limit = Some(message);
+        )
+    });
+    Count {
+        asked,
+        ranks,
+        desired,
+        pod_limit,
     }
-    let mut make_evictable = Vec::new();
-    // Pods this reconcile may still create: a group is never split, so one larger than the
-    // batch is made alone.
-    let mut create_budget = settings::CREATE_BATCH_PODS.max(u32::try_from(ranks).unwrap_or(1));
-    let mut rank_tables = Vec::new();
-    let mut outdated = Vec::new();
-    let mut in_transition = false;
-    let mut failures = Vec::new();
-    let mut recheck_after = None;
-    let progress_deadline = k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
-        isvc.spec.progress_deadline_seconds,
-    ));
+}
 
+/// The warning that the pod limit cuts the count, unless the status already carries it.
+fn pod_limit_note(isvc: &InferenceService, count: &Count) -> Option<Note> {
+    let message = count.pod_limit.as_ref()?;
+    let said = isvc.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.reason == status::POD_LIMIT_EXCEEDED && &c.message == message)
+    });
+    (!said).then(|| Note {
+        warning: true,
+        reason: status::POD_LIMIT_EXCEEDED,
+        message: message.clone(),
+        related: None,
+    })
+}
+
+/// Stage two: the replica group numbers to run, and the groups with pods that go.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Membership {
+    pub kept: BTreeSet<i32>,
+    pub scaled_down: Vec<i32>,
+}
+
+/// While groups run an outdated spec (`hash` is the current one), up to `max_surge` extra
+/// groups are kept ahead of replacing them, so serving capacity never drops below `desired`
+/// during a rollout.
+pub fn membership(
+    groups: &BTreeMap<i32, ReplicaGroup>,
+    desired: i32,
+    max_surge: i32,
+    hash: &str,
+) -> Membership {
     let existing: BTreeMap<i32, bool> = groups
         .iter()
         .filter(|(_, group)| !group.live.is_empty())
-        .map(|(&g, group)| {
-            let marked = group
-                .live
-                .values()
-                .any(|p| p.annotations().contains_key(SCALE_DOWN_ANNOTATION));
-            (g, marked)
-        })
+        .map(|(&g, group)| (g, group.is_marked()))
         .collect();
-    // While groups run an outdated spec, up to `maxSurge` extra groups are made ahead of
-    // replacing them, so serving capacity never drops below `desired` during a rollout.
-    let stale_groups = groups
+    let stale_groups = groups.values().filter(|g| is_stale(g, hash)).count();
+    let surge = usize::try_from(max_surge).unwrap_or(0).min(stale_groups);
+    let surge = i32::try_from(surge).unwrap_or(i32::MAX);
+    let kept = kept_groups(&existing, desired.saturating_add(surge));
+    let scaled_down = existing
+        .keys()
+        .filter(|g| !kept.contains(g))
+        .copied()
+        .collect();
+    Membership { kept, scaled_down }
+}
+
+/// Some live pod of `group` was built from another spec than the one `hash` digests.
+fn is_stale(group: &ReplicaGroup, hash: &str) -> bool {
+    group
+        .live
         .values()
-        .filter(|group| {
-            group
-                .live
-                .values()
-                .any(|p| p.labels().get(labels::TEMPLATE_HASH) != Some(&hash))
-        })
-        .count();
-    let surge = usize::try_from(isvc.spec.rollout.max_surge)
-        .unwrap_or(0)
-        .min(stale_groups);
-    let kept = kept_groups(&existing, desired.saturating_add(surge as i32));
+        .any(|p| p.labels().get(labels::TEMPLATE_HASH).map(String::as_str) != Some(hash))
+}
 
-    for (&g, group) in &groups {
-        if !group.live.is_empty() && !kept.contains(&g) {
-            delete_pods.extend(group.live.values().map(|p| p.name_any()));
-            notes.push(Note {
-                warning: false,
-                reason: "ScaledDown",
-                message: format!("deleting replica group {g}"),
-                related: Some(Related::pod(names::pod(isvc, g, 0))),
-            });
+/// What the rollout stage reads.
+struct Inputs<'a> {
+    isvc: &'a InferenceService,
+    observed: &'a Observed,
+    settings: &'a Settings,
+    now: &'a Time,
+    count: &'a Count,
+    /// The current [`resources::template_hash`].
+    hash: &'a str,
+}
+
+/// The changes to pods the rollout makes, and why.
+#[derive(Debug, Default, Clone)]
+pub struct PodChanges {
+    pub create_pods: Vec<Pod>,
+    pub delete_pods: Vec<String>,
+    pub make_evictable: Vec<String>,
+    pub force_delete_pods: Vec<String>,
+    pub notes: Vec<Note>,
+    pub recheck_after: Option<Duration>,
+}
+
+/// Stage three's result: the pod changes, the rank tables of the kept groups, and what the
+/// status is built from.
+#[derive(Debug, Clone)]
+pub struct Rollout {
+    pub changes: PodChanges,
+    pub rank_tables: Vec<ConfigMap>,
+    pub seen: Observation,
+}
+
+/// Stage three: every kept group brought towards the current spec — failed ones recreated,
+/// missing ones created a batch at a time, outdated ones replaced one at a time.
+fn rollout(
+    inputs: &Inputs,
+    groups: &BTreeMap<i32, ReplicaGroup>,
+    membership: &Membership,
+) -> Rollout {
+    let mut rolling = Rolling::new(inputs);
+    rolling.remove_lost_node_pods();
+    rolling
+        .changes
+        .notes
+        .extend(pod_limit_note(inputs.isvc, inputs.count));
+    for &g in &membership.scaled_down {
+        rolling.scale_down(g, &groups[&g]);
+    }
+    let empty = ReplicaGroup::default();
+    for &g in &membership.kept {
+        rolling.group(g, groups.get(&g).unwrap_or(&empty));
+    }
+    rolling.finish(groups)
+}
+
+/// The rollout under way.
+struct Rolling<'a> {
+    inputs: &'a Inputs<'a>,
+    changes: PodChanges,
+    rank_tables: Vec<ConfigMap>,
+    seen: Observation,
+    /// Pods this reconcile may still create: a group is never split, so one larger than the
+    /// batch is made alone.
+    create_budget: u32,
+    failures: Vec<String>,
+    /// Some group is being made, repaired or is not ready yet.
+    in_transition: bool,
+    /// Serving groups running an outdated spec.
+    outdated: Vec<i32>,
+}
+
+/// How a kept group's pods stand.
+enum Health {
+    /// No rank is lost or failed (the group may be empty, or not ready yet).
+    Whole,
+    /// A rank failed (that pod) or is missing: the group is made again.
+    Broken { failed_pod: Option<String> },
+    /// Built for another tensor-parallel layout: nothing to keep serving.
+    OtherLayout,
+}
+
+impl<'a> Rolling<'a> {
+    fn new(inputs: &'a Inputs<'a>) -> Self {
+        let ranks = inputs.count.ranks;
+        let wants_volcano = pod::scheduler_name(inputs.isvc).as_deref() == Some("volcano");
+        Self {
+            inputs,
+            changes: PodChanges::default(),
+            rank_tables: Vec::new(),
+            seen: Observation {
+                desired_groups: inputs.count.desired,
+                uses_rank_table: pod::uses_rank_table(inputs.isvc),
+                volcano_missing: wants_volcano && !inputs.observed.volcano_served,
+                pod_limit: inputs.count.pod_limit.clone(),
+                ..Default::default()
+            },
+            create_budget: settings::CREATE_BATCH_PODS.max(u32::try_from(ranks).unwrap_or(1)),
+            failures: Vec::new(),
+            in_transition: false,
+            outdated: Vec::new(),
         }
     }
 
-    for &g in &kept {
-        let empty = ReplicaGroup::default();
-        let group = groups.get(&g).unwrap_or(&empty);
-        let failed = group.live.values().find(|p| phase(p) == "Failed");
-        let complete = group.is_complete(ranks);
-        let stale = group
-            .live
-            .values()
-            .any(|p| p.labels().get(labels::TEMPLATE_HASH) != Some(&hash));
-        let mut recreating = false;
-
-        let mut failed_pod = None;
-        if let Some(failed) = failed {
-            failures.push(failure_of(failed));
-            failed_pod = Some(failed.name_any());
-            recreating = true;
-        } else if !group.live.is_empty() && !complete && !stale {
-            let missing: Vec<String> = (0..ranks)
-                .filter(|r| !group.live.contains_key(r))
-                .map(|r| r.to_string())
-                .collect();
-            failures.push(format!(
-                "replica group {g} lost rank(s) {}",
-                missing.join(",")
-            ));
-            recreating = true;
-        } else if !group.live.is_empty() && !complete {
-            // Built for another tensor-parallel layout: nothing to keep serving.
-            delete_pods.extend(group.live.values().map(|p| p.name_any()));
-            notes.push(Note {
-                warning: false,
-                reason: "RollingGroup",
-                message: format!("replacing replica group {g} with the current spec"),
-                related: Some(Related::pod(names::pod(isvc, g, 0))),
-            });
-            in_transition = true;
-            continue;
-        }
-
-        // A rank lost to an eviction: its peers leave the disruption budget and are left for
-        // the evicting drain, for a while, rather than deleted at once.
-        let drain_grace = observed
-            .evictions
-            .get(&g)
-            .filter(|_| recreating && failed_pod.is_none())
-            .map(|at| left_of(EVICTED_PEER_GRACE, at, now))
-            .filter(|left| !left.is_zero());
-        if let Some(left) = drain_grace {
-            let newly: Vec<String> = group
-                .live
-                .values()
-                .filter(|p| !p.labels().contains_key(labels::EVICTABLE))
-                .map(|p| p.name_any())
-                .collect();
-            if !newly.is_empty() {
-                notes.push(Note {
-                    warning: true,
-                    reason: "GroupRecreating",
-                    message: format!(
-                        "recreating replica group {g}: {}; evicted, so its other pods ({}) leave the disruption budget for the eviction's drain, and are deleted in {}s if it does not evict them",
-                        failures.last().cloned().unwrap_or_default(),
-                        newly.join(", "),
-                        left.as_secs()
-                    ),
-                    related: Some(Related::pod(names::pod(isvc, g, 0))),
-                });
-            }
-            make_evictable.extend(newly);
-            recheck_within(&mut recheck_after, left);
-            in_transition = true;
-        } else if recreating {
-            delete_pods.extend(group.live.values().map(|p| p.name_any()));
-            notes.push(Note {
-                warning: true,
-                reason: "GroupRecreating",
-                message: format!(
-                    "recreating replica group {g}: {}",
-                    failures.last().cloned().unwrap_or_default()
-                ),
-                related: Some(Related::pod(
-                    failed_pod.unwrap_or_else(|| names::pod(isvc, g, 0)),
-                )),
-            });
-            in_transition = true;
-        } else if group.live.is_empty() {
-            in_transition = true;
-            let fits = u32::try_from(ranks).unwrap_or(0) <= create_budget;
-            if group.terminating == 0 && fits {
-                create_budget -= u32::try_from(ranks).unwrap_or(0);
-                create_pods.extend((0..ranks).map(|r| pod::build(isvc, settings, g, r, &hash)));
-                notes.push(Note {
-                    warning: false,
-                    reason: CREATING_GROUP,
-                    message: format!("creating replica group {g} ({ranks} pods)"),
-                    related: Some(Related::pod(names::pod(isvc, g, 0))),
-                });
-            } else if group.terminating == 0 {
-                // Made by a later reconcile, rank table and all; this one's status shows
-                // how far it got.
-                seen.groups_to_create += 1;
-                continue;
-            }
-        } else {
-            if group.is_ready(ranks) {
-                seen.ready_groups += 1;
-            } else {
-                in_transition = true;
-                let waiting = group
-                    .live
-                    .values()
-                    .filter(|p| !pods::serves(p))
-                    .find_map(|p| waiting_reason(p));
-                let pods: Vec<&Pod> = group.live.values().copied().collect();
-                let deadline = waiting_since(&pods).map(|since| since + progress_deadline);
-                match deadline {
-                    Some(deadline) if deadline <= now.0 => {
-                        let message = format!(
-                            "replica group {g} not ready within spec.progressDeadlineSeconds ({}s): {}",
-                            isvc.spec.progress_deadline_seconds,
-                            waiting.as_deref().unwrap_or("its pods are not ready")
-                        );
-                        if seen.stalled.is_none() {
-                            notes.push(Note {
-                                warning: true,
-                                reason: "ProgressDeadlineExceeded",
-                                message: message.clone(),
-                                related: Some(Related::pod(names::pod(isvc, g, 0))),
-                            });
-                            seen.stalled = Some(message);
-                        }
-                    }
-                    Some(deadline) => {
-                        let left =
-                            Duration::try_from(deadline.duration_since(now.0)).unwrap_or_default();
-                        recheck_within(&mut recheck_after, left);
-                    }
-                    None => {}
-                }
-                if seen.waiting.is_none() {
-                    seen.waiting = waiting;
-                }
-            }
-            if stale {
-                outdated.push(g);
-            }
-        }
-        seen.any_pod_running |= group.live.values().any(|p| phase(p) == "Running");
-
-        if uses_rank_table {
-            let members: Vec<Option<&Pod>> = (0..ranks)
-                .map(|r| {
-                    if recreating {
-                        None
-                    } else {
-                        group.live.get(&r).copied()
-                    }
-                })
-                .collect();
-            let table = rank_table::build(&members, isvc.spec.accelerator.devices_per_pod);
-            if table.status == npufleet_contract::rank_table::STATUS_COMPLETED {
-                seen.rank_tables_completed += 1;
-            }
-            rank_tables.push(resources::rank_table_config_map(isvc, g, &table));
-        }
-    }
-
-    // Every change reaches the reconcile through a watch, but a pod the cluster is moving on
-    // (terminating, or on a node and not ready) is looked at again soon regardless: one
-    // missed event must not leave a group unrepaired until the periodic resync.
-    if observed.pods.iter().any(is_settling) {
-        recheck_within(&mut recheck_after, SETTLING_RECHECK);
-    }
-    if seen.groups_to_create > 0 {
-        recheck_within(&mut recheck_after, Duration::ZERO);
-    }
-    seen.outdated_groups = outdated.len() as i32;
-    // Roll one group at a time, and only while every other group (surge groups included) is
-    // serving: with a surge group ready, taking an outdated one out leaves `desired` serving.
-    if let (false, Some(&g)) = (in_transition, outdated.first()) {
-        if let Some(group) = groups.get(&g) {
-            delete_pods.extend(group.live.values().map(|p| p.name_any()));
-        }
-        notes.push(Note {
-            warning: false,
-            reason: "RollingGroup",
-            message: format!("replacing replica group {g} with the current spec"),
-            related: Some(Related::pod(names::pod(isvc, g, 0))),
+    fn note(&mut self, warning: bool, reason: &'static str, message: String, pod: String) {
+        self.changes.notes.push(Note {
+            warning,
+            reason,
+            message,
+            related: Some(Related::pod(pod)),
         });
     }
-    seen.existing_groups = groups.values().filter(|g| !g.live.is_empty()).count() as i32;
-    if !failures.is_empty() {
-        seen.failure = Some(failures.join("; "));
+
+    fn first_pod(&self, g: i32) -> String {
+        names::pod(self.inputs.isvc, g, 0)
     }
 
-    let rank_table_names: Vec<String> = kept
-        .iter()
-        .filter(|_| uses_rank_table)
-        .map(|&g| names::rank_table(isvc, g))
-        .collect();
+    fn delete_group(&mut self, group: &ReplicaGroup) {
+        let names = group.live.values().map(|p| p.name_any());
+        self.changes.delete_pods.extend(names);
+    }
+
+    fn remove_lost_node_pods(&mut self) {
+        let lost: Vec<String> = self
+            .inputs
+            .observed
+            .pods
+            .iter()
+            .filter(|p| evicted_from_lost_node(p))
+            .map(|p| p.name_any())
+            .collect();
+        for name in &lost {
+            let message = format!(
+                "pod {name} was evicted from a node that stopped reporting; removing it so its group can be made elsewhere"
+            );
+            self.note(true, "NodeLost", message, name.clone());
+        }
+        self.changes.force_delete_pods = lost;
+    }
+
+    fn scale_down(&mut self, g: i32, group: &ReplicaGroup) {
+        self.delete_group(group);
+        let pod = self.first_pod(g);
+        self.note(
+            false,
+            "ScaledDown",
+            format!("deleting replica group {g}"),
+            pod,
+        );
+    }
+
+    /// One kept group: repaired, made, or watched until it serves; and its rank table.
+    fn group(&mut self, g: i32, group: &ReplicaGroup) {
+        let failed_pod = match self.health(g, group) {
+            Health::OtherLayout => return self.replace_now(g, group),
+            Health::Broken { failed_pod } => Some(failed_pod),
+            Health::Whole => None,
+        };
+        let recreating = failed_pod.is_some();
+        let drain_grace = self
+            .inputs
+            .observed
+            .evictions
+            .get(&g)
+            .filter(|_| matches!(failed_pod, Some(None)))
+            .map(|at| left_of(EVICTED_PEER_GRACE, at, self.inputs.now))
+            .filter(|left| !left.is_zero());
+        if let Some(left) = drain_grace {
+            self.leave_for_drain(g, group, left);
+        } else if let Some(failed_pod) = failed_pod {
+            self.recreate(g, group, failed_pod);
+        } else if group.live.is_empty() {
+            if !self.create(g, group) {
+                return;
+            }
+        } else {
+            self.watch(g, group);
+        }
+        self.seen.any_pod_running |= group.live.values().any(|p| phase(p) == "Running");
+        if self.seen.uses_rank_table {
+            self.rank_table(g, group, recreating);
+        }
+    }
+
+    /// Whether `group` lost or failed a rank; a loss is recorded as a failure.
+    fn health(&mut self, g: i32, group: &ReplicaGroup) -> Health {
+        let ranks = self.inputs.count.ranks;
+        if let Some(failed) = group.live.values().find(|p| phase(p) == "Failed") {
+            self.failures.push(failure_of(failed));
+            return Health::Broken {
+                failed_pod: Some(failed.name_any()),
+            };
+        }
+        if group.live.is_empty() || group.is_complete(ranks) {
+            return Health::Whole;
+        }
+        if is_stale(group, self.inputs.hash) {
+            return Health::OtherLayout;
+        }
+        let missing: Vec<String> = (0..ranks)
+            .filter(|r| !group.live.contains_key(r))
+            .map(|r| r.to_string())
+            .collect();
+        self.failures.push(format!(
+            "replica group {g} lost rank(s) {}",
+            missing.join(",")
+        ));
+        Health::Broken { failed_pod: None }
+    }
+
+    fn replace_now(&mut self, g: i32, group: &ReplicaGroup) {
+        self.delete_group(group);
+        self.note_replacing(g);
+        self.in_transition = true;
+    }
+
+    fn note_replacing(&mut self, g: i32) {
+        let message = format!("replacing replica group {g} with the current spec");
+        let pod = self.first_pod(g);
+        self.note(false, "RollingGroup", message, pod);
+    }
+
+    /// A rank lost to an eviction: its peers leave the disruption budget and are left for
+    /// the evicting drain, for a while, rather than deleted at once.
+    fn leave_for_drain(&mut self, g: i32, group: &ReplicaGroup, left: Duration) {
+        let newly: Vec<String> = group
+            .live
+            .values()
+            .filter(|p| !p.labels().contains_key(labels::EVICTABLE))
+            .map(|p| p.name_any())
+            .collect();
+        if !newly.is_empty() {
+            let message = format!(
+                "recreating replica group {g}: {}; evicted, so its other pods ({}) leave the disruption budget for the eviction's drain, and are deleted in {}s if it does not evict them",
+                self.failures.last().cloned().unwrap_or_default(),
+                newly.join(", "),
+                left.as_secs()
+            );
+            let pod = self.first_pod(g);
+            self.note(true, "GroupRecreating", message, pod);
+        }
+        self.changes.make_evictable.extend(newly);
+        recheck_within(&mut self.changes.recheck_after, left);
+        self.in_transition = true;
+    }
+
+    fn recreate(&mut self, g: i32, group: &ReplicaGroup, failed_pod: Option<String>) {
+        self.delete_group(group);
+        let message = format!(
+            "recreating replica group {g}: {}",
+            self.failures.last().cloned().unwrap_or_default()
+        );
+        let pod = failed_pod.unwrap_or_else(|| self.first_pod(g));
+        self.note(true, "GroupRecreating", message, pod);
+        self.in_transition = true;
+    }
+
+    /// Makes a group with no live pods once its old pods are gone, if the batch holds it;
+    /// `false` when a later reconcile makes it, rank table and all.
+    fn create(&mut self, g: i32, group: &ReplicaGroup) -> bool {
+        self.in_transition = true;
+        if group.terminating > 0 {
+            return true;
+        }
+        let ranks = self.inputs.count.ranks;
+        let size = u32::try_from(ranks).unwrap_or(0);
+        if size > self.create_budget {
+            // This reconcile's status shows how far it got.
+            self.seen.groups_to_create += 1;
+            return false;
+        }
+        self.create_budget -= size;
+        let Inputs {
+            isvc,
+            settings,
+            hash,
+            ..
+        } = *self.inputs;
+        let pods = (0..ranks).map(|r| pod::build(isvc, settings, g, r, hash));
+        self.changes.create_pods.extend(pods);
+        let message = format!("creating replica group {g} ({ranks} pods)");
+        let pod = self.first_pod(g);
+        self.note(false, CREATING_GROUP, message, pod);
+        true
+    }
+
+    /// A group with all its ranks: counted when it serves, else timed against the progress
+    /// deadline; queued for replacement when it runs an outdated spec.
+    fn watch(&mut self, g: i32, group: &ReplicaGroup) {
+        if group.is_ready(self.inputs.count.ranks) {
+            self.seen.ready_groups += 1;
+        } else {
+            self.in_transition = true;
+            self.wait_for_ready(g, group);
+        }
+        if is_stale(group, self.inputs.hash) {
+            self.outdated.push(g);
+        }
+    }
+
+    fn wait_for_ready(&mut self, g: i32, group: &ReplicaGroup) {
+        let isvc = self.inputs.isvc;
+        let now = self.inputs.now;
+        let waiting = group
+            .live
+            .values()
+            .filter(|p| !pods::serves(p))
+            .find_map(|p| waiting_reason(p));
+        let progress_deadline = k8s_openapi::jiff::SignedDuration::from_secs(i64::from(
+            isvc.spec.progress_deadline_seconds,
+        ));
+        let pods: Vec<&Pod> = group.live.values().copied().collect();
+        match waiting_since(&pods).map(|since| since + progress_deadline) {
+            Some(deadline) if deadline <= now.0 => self.stall(g, waiting.as_deref()),
+            Some(deadline) => {
+                let left = Duration::try_from(deadline.duration_since(now.0)).unwrap_or_default();
+                recheck_within(&mut self.changes.recheck_after, left);
+            }
+            None => {}
+        }
+        if self.seen.waiting.is_none() {
+            self.seen.waiting = waiting;
+        }
+    }
+
+    /// Says once per reconcile that a group missed its progress deadline, and why.
+    fn stall(&mut self, g: i32, waiting: Option<&str>) {
+        if self.seen.stalled.is_some() {
+            return;
+        }
+        let message = format!(
+            "replica group {g} not ready within spec.progressDeadlineSeconds ({}s): {}",
+            self.inputs.isvc.spec.progress_deadline_seconds,
+            waiting.unwrap_or("its pods are not ready")
+        );
+        let pod = self.first_pod(g);
+        self.note(true, "ProgressDeadlineExceeded", message.clone(), pod);
+        self.seen.stalled = Some(message);
+    }
+
+    /// The group's rank table; a group being made again lists none of its old pods.
+    fn rank_table(&mut self, g: i32, group: &ReplicaGroup, recreating: bool) {
+        let isvc = self.inputs.isvc;
+        let members: Vec<Option<&Pod>> = (0..self.inputs.count.ranks)
+            .map(|r| group.live.get(&r).copied().filter(|_| !recreating))
+            .collect();
+        let table = rank_table::build(&members, isvc.spec.accelerator.devices_per_pod);
+        if table.status == npufleet_contract::rank_table::STATUS_COMPLETED {
+            self.seen.rank_tables_completed += 1;
+        }
+        self.rank_tables
+            .push(resources::rank_table_config_map(isvc, g, &table));
+    }
+
+    /// Rolls one outdated group, when nothing else is in transition, and counts what was seen.
+    fn finish(mut self, groups: &BTreeMap<i32, ReplicaGroup>) -> Rollout {
+        // Every change reaches the reconcile through a watch, but a pod the cluster is moving
+        // on (terminating, or on a node and not ready) is looked at again soon regardless:
+        // one missed event must not leave a group unrepaired until the periodic resync.
+        if self.inputs.observed.pods.iter().any(is_settling) {
+            recheck_within(&mut self.changes.recheck_after, SETTLING_RECHECK);
+        }
+        if self.seen.groups_to_create > 0 {
+            recheck_within(&mut self.changes.recheck_after, Duration::ZERO);
+        }
+        self.seen.outdated_groups = i32::try_from(self.outdated.len()).unwrap_or(i32::MAX);
+        // Roll one group at a time, and only while every other group (surge groups included)
+        // is serving: with a surge group ready, taking an outdated one out leaves `desired`
+        // serving.
+        if let (false, Some(&g)) = (self.in_transition, self.outdated.first()) {
+            if let Some(group) = groups.get(&g) {
+                self.delete_group(group);
+            }
+            self.note_replacing(g);
+        }
+        let existing = groups.values().filter(|g| !g.live.is_empty()).count();
+        self.seen.existing_groups = i32::try_from(existing).unwrap_or(i32::MAX);
+        if !self.failures.is_empty() {
+            self.seen.failure = Some(self.failures.join("; "));
+        }
+        Rollout {
+            changes: self.changes,
+            rank_tables: self.rank_tables,
+            seen: self.seen,
+        }
+    }
+}
+
+/// Stage four: the objects around the groups, those to apply and those to delete.
+#[derive(Debug, Clone, Default)]
+pub struct Objects {
+    pub services: Vec<Service>,
+    pub disruption_budget: Option<PodDisruptionBudget>,
+    pub rank_tables: Vec<ConfigMap>,
+    pub pod_groups: Vec<DynamicObject>,
+    pub inference_pool: Option<DynamicObject>,
+    pub delete_rank_tables: Vec<String>,
+    pub delete_pod_groups: Vec<String>,
+    pub delete_inference_pool: Option<String>,
+    /// Why an endpoint picker gets no InferencePool.
+    pub note: Option<Note>,
+}
+
+/// The objects of the `kept` groups, given their `rank_tables`, and of the service; only
+/// those that differ from what was last applied are kept for applying.
+pub fn objects(
+    isvc: &InferenceService,
+    observed: &Observed,
+    kept: &BTreeSet<i32>,
+    desired: i32,
+    rank_tables: Vec<ConfigMap>,
+) -> Objects {
+    let wants_volcano = pod::scheduler_name(isvc).as_deref() == Some("volcano");
     let pod_groups: Vec<DynamicObject> = if wants_volcano && observed.volcano_served {
         kept.iter().map(|&g| pod_group::build(isvc, g)).collect()
     } else {
         Vec::new()
     };
+    let not_in = |names: &[String], wanted: &[String]| -> Vec<String> {
+        let unwanted = names.iter().filter(|n| !wanted.contains(n));
+        unwanted.cloned().collect()
+    };
+    // Every kept group's, also of a group this reconcile did not get to.
+    let rank_table_names: Vec<String> = kept
+        .iter()
+        .filter(|_| pod::uses_rank_table(isvc))
+        .map(|&g| names::rank_table(isvc, g))
+        .collect();
     let pod_group_names: Vec<String> = pod_groups.iter().map(|o| o.name_any()).collect();
-
-    let picker = isvc.spec.routing.endpoint_picker.as_ref();
-    let inference_pool = picker
-        .filter(|_| observed.inference_pools_served)
-        .map(|picker| inference_pool::build(isvc, picker));
-    if picker.is_some() && !observed.inference_pools_served {
-        notes.push(Note {
-            warning: true,
-            reason: "InferencePoolNotServed",
-            message: format!(
-                "spec.routing.endpointPicker is set but {} InferencePools are not served; install the Gateway API Inference Extension CRDs",
-                inference_pool::API_VERSION
-            ),
-            related: None,
-        });
-    }
-    seen.inference_pool = inference_pool.as_ref().map(|pool| pool.name_any());
+    let (inference_pool, note) = inference_pool(isvc, observed);
     let made_pool = isvc.status.as_ref().and_then(|s| s.inference_pool.clone());
-    // Where the API is no longer served, the pools went with it.
-    let delete_inference_pool =
-        made_pool.filter(|_| inference_pool.is_none() && observed.inference_pools_served);
-
     let changed = Changed(&observed.applied);
-    Plan {
+    Objects {
         services: [services::headless(isvc), services::client(isvc)]
             .into_iter()
             .filter_map(|s| changed.stamp(s))
@@ -598,29 +825,37 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
             .into_iter()
             .filter_map(|g| changed.stamp(g))
             .collect(),
+        // Where the API is no longer served, the pools went with it.
+        delete_inference_pool: made_pool
+            .filter(|_| inference_pool.is_none() && observed.inference_pools_served),
         inference_pool,
-        create_pods,
-        delete_pods,
-        make_evictable,
-        force_delete_pods,
-        delete_rank_tables: observed
-            .rank_tables
-            .iter()
-            .filter(|n| !rank_table_names.contains(n))
-            .cloned()
-            .collect(),
-        delete_pod_groups: observed
-            .pod_groups
-            .iter()
-            .filter(|n| !pod_group_names.contains(n))
-            .cloned()
-            .collect(),
-        delete_inference_pool,
-        notes,
-        status: status::build(isvc, settings, &seen, now),
-        observation: seen,
-        recheck_after,
+        delete_rank_tables: not_in(&observed.rank_tables, &rank_table_names),
+        delete_pod_groups: not_in(&observed.pod_groups, &pod_group_names),
+        note,
     }
+}
+
+/// The InferencePool for the spec's endpoint picker, or why there is none.
+fn inference_pool(
+    isvc: &InferenceService,
+    observed: &Observed,
+) -> (Option<DynamicObject>, Option<Note>) {
+    let Some(picker) = isvc.spec.routing.endpoint_picker.as_ref() else {
+        return (None, None);
+    };
+    if observed.inference_pools_served {
+        return (Some(inference_pool::build(isvc, picker)), None);
+    }
+    let note = Note {
+        warning: true,
+        reason: "InferencePoolNotServed",
+        message: format!(
+            "spec.routing.endpointPicker is set but {} InferencePools are not served; install the Gateway API Inference Extension CRDs",
+            inference_pool::API_VERSION
+        ),
+        related: None,
+    };
+    (None, Some(note))
 }
 
 /// Picks out the desired objects that need applying.

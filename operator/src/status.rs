@@ -96,6 +96,13 @@ fn is_true<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition
         .find(|c| c.type_ == type_ && c.status == "True")
 }
 
+/// A condition's status, reason and message.
+type Verdict = (bool, String, String);
+
+fn verdict(status: bool, reason: &str, message: String) -> Verdict {
+    (status, reason.to_string(), message)
+}
+
 pub fn build(
     isvc: &InferenceService,
     settings: &Settings,
@@ -105,207 +112,29 @@ pub fn build(
     let previous = isvc.status.clone().unwrap_or_default();
     let generation = isvc.metadata.generation;
     let desired = seen.desired_groups;
-    // Ready says whether the service serves at full size; a rollout in progress is told by
-    // Progressing, as a Deployment keeps the two apart, so a surging rollout stays Ready.
-    let serving = seen.ready_groups >= desired;
-    let all_ready = serving && seen.outdated_groups == 0;
-    let steady = all_ready && seen.existing_groups == desired;
-    let mut conditions = Vec::new();
-
-    let ready = if desired == 0 {
+    let degraded = degraded(seen, &previous.conditions);
+    let mut verdicts = vec![
+        (READY, ready(seen)),
         (
-            true,
-            "ScaledToZero",
-            "no replica groups are desired".to_string(),
-        )
-    } else if serving {
-        (
-            true,
-            "AllReplicasReady",
-            format!("{desired} of {desired} replica groups ready"),
-        )
-    } else {
-        let mut message = format!("{} of {desired} replica groups ready", seen.ready_groups);
-        if let Some(waiting) = &seen.waiting {
-            message.push_str("; ");
-            message.push_str(waiting);
-        }
-        (
-            false,
-            "ReplicasNotReady",
-            truncate(&message, MAX_CONDITION_MESSAGE),
-        )
-    };
-    set(
-        &mut conditions,
-        &previous.conditions,
-        generation,
-        now,
-        (READY, ready.0, ready.1, ready.2),
-    );
-
-    let min_available = (desired - isvc.spec.rollout.max_unavailable).max(0);
-    let available = if seen.ready_groups >= min_available {
-        (
-            true,
-            "MinimumReplicasAvailable",
-            format!(
-                "{} replica groups ready, at least {min_available} needed",
-                seen.ready_groups
-            ),
-        )
-    } else {
-        (
-            false,
-            "MinimumReplicasUnavailable",
-            format!(
-                "{} replica groups ready, {min_available} needed (replicas less spec.rollout.maxUnavailable)",
-                seen.ready_groups
-            ),
-        )
-    };
-    set(
-        &mut conditions,
-        &previous.conditions,
-        generation,
-        now,
-        (AVAILABLE, available.0, available.1, available.2),
-    );
-
-    let progressing = if steady {
-        (
-            false,
-            "Converged",
-            "every replica group runs the current spec".to_string(),
-        )
-    } else if let Some(stalled) = &seen.stalled {
-        (
-            false,
-            "ProgressDeadlineExceeded",
-            truncate(stalled, MAX_CONDITION_MESSAGE),
-        )
-    } else if seen.volcano_missing {
-        (
-            true,
-            "WaitingForVolcano",
-            "schedulerName is volcano but scheduling.volcano.sh/v1beta1 PodGroups are not served"
-                .to_string(),
-        )
-    } else if seen.groups_to_create > 0 {
-        (
-            true,
-            "CreatingGroups",
-            format!(
-                "{} of {desired} replica groups created, {} ready; {} pods are created at a time",
-                desired - seen.groups_to_create,
-                seen.ready_groups,
-                crate::settings::CREATE_BATCH_PODS
-            ),
-        )
-    } else if seen.outdated_groups > 0 {
-        (
-            true,
-            "RollingGroups",
-            format!("{} replica groups run an older spec", seen.outdated_groups),
-        )
-    } else {
-        (
-            true,
-            "ReconcilingGroups",
-            format!(
-                "{} of {desired} replica groups ready, {} exist",
-                seen.ready_groups, seen.existing_groups
-            ),
-        )
-    };
-    set(
-        &mut conditions,
-        &previous.conditions,
-        generation,
-        now,
-        (PROGRESSING, progressing.0, progressing.1, progressing.2),
-    );
-
-    // Degraded stays on from a rank failure until every group is ready again, so the
-    // recovery is visible rather than a blip between two reconciles.
-    let degraded = match (&seen.failure, is_true(&previous.conditions, DEGRADED)) {
-        (Some(failure), _) => (true, "RankFailed".to_string(), failure.clone()),
-        (None, Some(prev)) if !all_ready => (true, prev.reason.clone(), prev.message.clone()),
-        _ => (
-            false,
-            "Healthy".to_string(),
-            "no replica group is recovering from a failure".to_string(),
+            AVAILABLE,
+            available(seen, isvc.spec.rollout.max_unavailable),
         ),
-    };
-    set(
-        &mut conditions,
-        &previous.conditions,
-        generation,
-        now,
-        (DEGRADED, degraded.0, &degraded.1, degraded.2.clone()),
-    );
-
-    let replica_failure = if !seen.apply_failures.is_empty() {
-        Some(("FailedCreate", seen.apply_failures.join("; ")))
-    } else {
-        seen.pod_limit
-            .as_ref()
-            .map(|limit| (POD_LIMIT_EXCEEDED, limit.clone()))
-    };
-    if let Some((reason, message)) = replica_failure {
+        (PROGRESSING, progressing(seen)),
+        (DEGRADED, degraded.clone()),
+    ];
+    verdicts.extend(replica_failure(seen).map(|v| (REPLICA_FAILURE, v)));
+    verdicts.push((RANK_TABLE_READY, rank_table_ready(seen)));
+    let mut conditions = Vec::new();
+    for (type_, (status, reason, message)) in verdicts {
+        let update = (type_, status, reason.as_str(), message);
         set(
             &mut conditions,
             &previous.conditions,
             generation,
             now,
-            (
-                REPLICA_FAILURE,
-                true,
-                reason,
-                truncate(&message, MAX_CONDITION_MESSAGE),
-            ),
+            update,
         );
     }
-
-    let rank_table = if !seen.uses_rank_table {
-        (
-            true,
-            "NotRequired",
-            "a single CPU pod per group needs no rank table".to_string(),
-        )
-    } else if seen.rank_tables_completed >= desired {
-        (
-            true,
-            "AllRanksKnown",
-            format!("{desired} rank tables completed"),
-        )
-    } else {
-        (
-            false,
-            "WaitingForRanks",
-            format!(
-                "{} of {desired} rank tables completed",
-                seen.rank_tables_completed
-            ),
-        )
-    };
-    set(
-        &mut conditions,
-        &previous.conditions,
-        generation,
-        now,
-        (RANK_TABLE_READY, rank_table.0, rank_table.1, rank_table.2),
-    );
-
-    let model_state = if seen.ready_groups > 0 {
-        ModelState::Loaded
-    } else if degraded.0 {
-        ModelState::FailedToLoad
-    } else if seen.any_pod_running {
-        ModelState::Loading
-    } else {
-        ModelState::Pending
-    };
 
     let host = format!(
         "{}.{}.svc.{}",
@@ -324,7 +153,7 @@ pub fn build(
             grpc: format!("{host}:{}", ports::GRPC_PORT),
             http: format!("http://{host}:{}", ports::HTTP_PORT),
         }),
-        model_state: Some(model_state),
+        model_state: Some(model_state(seen, degraded.0)),
         // Written on its own by the controller (`LAST_FAILURE_MANAGER`), so a later status
         // write that no longer sees the failed pod, or reads a cache that predates the write,
         // cannot take it away: it stays after recovery, like a container's `lastState`.
@@ -332,5 +161,248 @@ pub fn build(
         // Left out of the operator's apply so the autoscaler's field manager keeps it.
         autoscaling: None,
         inference_pool: seen.inference_pool.clone(),
+    }
+}
+
+/// Every desired group serves.
+fn serving(seen: &Observation) -> bool {
+    seen.ready_groups >= seen.desired_groups
+}
+
+/// Serving at full size, every group on the current spec.
+fn all_ready(seen: &Observation) -> bool {
+    serving(seen) && seen.outdated_groups == 0
+}
+
+/// Ready says whether the service serves at full size; a rollout in progress is told by
+/// Progressing, as a Deployment keeps the two apart, so a surging rollout stays Ready.
+fn ready(seen: &Observation) -> Verdict {
+    let desired = seen.desired_groups;
+    if desired == 0 {
+        return verdict(true, "ScaledToZero", "no replica groups are desired".into());
+    }
+    if serving(seen) {
+        let message = format!("{desired} of {desired} replica groups ready");
+        return verdict(true, "AllReplicasReady", message);
+    }
+    let mut message = format!("{} of {desired} replica groups ready", seen.ready_groups);
+    if let Some(waiting) = &seen.waiting {
+        message.push_str("; ");
+        message.push_str(waiting);
+    }
+    let message = truncate(&message, MAX_CONDITION_MESSAGE);
+    verdict(false, "ReplicasNotReady", message)
+}
+
+fn available(seen: &Observation, max_unavailable: i32) -> Verdict {
+    let min_available = (seen.desired_groups - max_unavailable).max(0);
+    let ready = seen.ready_groups;
+    if ready >= min_available {
+        let message = format!("{ready} replica groups ready, at least {min_available} needed");
+        verdict(true, "MinimumReplicasAvailable", message)
+    } else {
+        let message = format!(
+            "{ready} replica groups ready, {min_available} needed (replicas less spec.rollout.maxUnavailable)"
+        );
+        verdict(false, "MinimumReplicasUnavailable", message)
+    }
+}
+
+fn progressing(seen: &Observation) -> Verdict {
+    let desired = seen.desired_groups;
+    let steady = all_ready(seen) && seen.existing_groups == desired;
+    if steady {
+        let message = "every replica group runs the current spec".into();
+        verdict(false, "Converged", message)
+    } else if let Some(stalled) = &seen.stalled {
+        let message = truncate(stalled, MAX_CONDITION_MESSAGE);
+        verdict(false, "ProgressDeadlineExceeded", message)
+    } else if seen.volcano_missing {
+        let message =
+            "schedulerName is volcano but scheduling.volcano.sh/v1beta1 PodGroups are not served";
+        verdict(true, "WaitingForVolcano", message.into())
+    } else if seen.groups_to_create > 0 {
+        let message = format!(
+            "{} of {desired} replica groups created, {} ready; {} pods are created at a time",
+            desired - seen.groups_to_create,
+            seen.ready_groups,
+            crate::settings::CREATE_BATCH_PODS
+        );
+        verdict(true, "CreatingGroups", message)
+    } else if seen.outdated_groups > 0 {
+        let message = format!("{} replica groups run an older spec", seen.outdated_groups);
+        verdict(true, "RollingGroups", message)
+    } else {
+        let message = format!(
+            "{} of {desired} replica groups ready, {} exist",
+            seen.ready_groups, seen.existing_groups
+        );
+        verdict(true, "ReconcilingGroups", message)
+    }
+}
+
+/// Degraded stays on from a rank failure until every group is ready again, so the recovery
+/// is visible rather than a blip between two reconciles.
+fn degraded(seen: &Observation, previous: &[Condition]) -> Verdict {
+    match (&seen.failure, is_true(previous, DEGRADED)) {
+        (Some(failure), _) => verdict(true, "RankFailed", failure.clone()),
+        (None, Some(prev)) if !all_ready(seen) => (true, prev.reason.clone(), prev.message.clone()),
+        _ => {
+            let message = "no replica group is recovering from a failure".into();
+            verdict(false, "Healthy", message)
+        }
+    }
+}
+
+/// Present only while a write was refused or the pod limit cuts the count.
+fn replica_failure(seen: &Observation) -> Option<Verdict> {
+    let (reason, message) = if !seen.apply_failures.is_empty() {
+        ("FailedCreate", seen.apply_failures.join("; "))
+    } else {
+        (POD_LIMIT_EXCEEDED, seen.pod_limit.clone()?)
+    };
+    Some(verdict(
+        true,
+        reason,
+        truncate(&message, MAX_CONDITION_MESSAGE),
+    ))
+}
+
+fn rank_table_ready(seen: &Observation) -> Verdict {
+    let desired = seen.desired_groups;
+    if !seen.uses_rank_table {
+        let message = "a single CPU pod per group needs no rank table".into();
+        verdict(true, "NotRequired", message)
+    } else if seen.rank_tables_completed >= desired {
+        let message = format!("{desired} rank tables completed");
+        verdict(true, "AllRanksKnown", message)
+    } else {
+        let message = format!(
+            "{} of {desired} rank tables completed",
+            seen.rank_tables_completed
+        );
+        verdict(false, "WaitingForRanks", message)
+    }
+}
+
+fn model_state(seen: &Observation, degraded: bool) -> ModelState {
+    if seen.ready_groups > 0 {
+        ModelState::Loaded
+    } else if degraded {
+        ModelState::FailedToLoad
+    } else if seen.any_pod_running {
+        ModelState::Loading
+    } else {
+        ModelState::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(desired: i32, ready: i32) -> Observation {
+        Observation {
+            desired_groups: desired,
+            existing_groups: desired,
+            ready_groups: ready,
+            uses_rank_table: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn ready_counts_serving_groups_and_says_why_one_waits() {
+        assert_eq!(ready(&seen(0, 0)).1, "ScaledToZero");
+        assert!(ready(&seen(2, 2)).0);
+        let waiting = Observation {
+            waiting: Some("pod llm-1-0 Unschedulable: no nodes".into()),
+            ..seen(2, 1)
+        };
+        let (status, reason, message) = ready(&waiting);
+        assert_eq!((status, reason.as_str()), (false, "ReplicasNotReady"));
+        assert_eq!(
+            message,
+            "1 of 2 replica groups ready; pod llm-1-0 Unschedulable: no nodes"
+        );
+    }
+
+    #[test]
+    fn availability_allows_max_unavailable_groups_down() {
+        assert!(available(&seen(3, 2), 1).0);
+        assert!(!available(&seen(3, 1), 1).0);
+    }
+
+    #[test]
+    fn progressing_names_what_the_rollout_waits_for_first() {
+        assert_eq!(progressing(&seen(2, 2)).1, "Converged");
+        let creating = Observation {
+            groups_to_create: 1,
+            volcano_missing: true,
+            ..seen(2, 0)
+        };
+        assert_eq!(progressing(&creating).1, "WaitingForVolcano");
+        let rolling = Observation {
+            outdated_groups: 1,
+            ..seen(2, 2)
+        };
+        assert_eq!(
+            progressing(&rolling),
+            verdict(
+                true,
+                "RollingGroups",
+                "1 replica groups run an older spec".into()
+            )
+        );
+    }
+
+    #[test]
+    fn degraded_lasts_from_a_failure_until_every_group_is_ready() {
+        let failed = Observation {
+            failure: Some("pod llm-0-1 failed (Error)".into()),
+            ..seen(2, 1)
+        };
+        let (status, reason, _) = degraded(&failed, &[]);
+        assert!(status);
+        let previous = vec![Condition {
+            type_: DEGRADED.into(),
+            status: "True".into(),
+            reason: reason.clone(),
+            message: "pod llm-0-1 failed (Error)".into(),
+            observed_generation: None,
+            last_transition_time: Time(Default::default()),
+        }];
+        assert_eq!(degraded(&seen(2, 1), &previous).1, "RankFailed");
+        assert_eq!(degraded(&seen(2, 2), &previous).1, "Healthy");
+    }
+
+    #[test]
+    fn a_refused_write_outranks_the_pod_limit_as_the_replica_failure() {
+        assert_eq!(replica_failure(&seen(1, 1)), None);
+        let limited = Observation {
+            pod_limit: Some("too many pods".into()),
+            ..seen(1, 1)
+        };
+        assert_eq!(replica_failure(&limited).unwrap().1, POD_LIMIT_EXCEEDED);
+        let refused = Observation {
+            apply_failures: vec!["pods is forbidden".into()],
+            ..limited
+        };
+        assert_eq!(replica_failure(&refused).unwrap().1, "FailedCreate");
+    }
+
+    #[test]
+    fn rank_tables_are_ready_once_every_desired_group_has_one_completed() {
+        assert_eq!(rank_table_ready(&seen(2, 0)).1, "WaitingForRanks");
+        let completed = Observation {
+            rank_tables_completed: 2,
+            ..seen(2, 0)
+        };
+        assert_eq!(rank_table_ready(&completed).1, "AllRanksKnown");
+        let cpu = Observation {
+            uses_rank_table: false,
+            ..seen(2, 0)
+        };
+        assert_eq!(rank_table_ready(&cpu).1, "NotRequired");
     }
 }

@@ -131,7 +131,7 @@ async fn divergence(
             )));
         }
         if let Some(service) = &live {
-            let desired = npufleet_operator::autoscaler::desired_replicas(service);
+            let desired = npufleet_operator::fleet::desired_groups(service);
             let budget = budgets
                 .get(&children::disruption_budget(service, desired).name_any())
                 .await?;

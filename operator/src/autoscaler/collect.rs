@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::core::SelectorExt;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
@@ -19,11 +18,11 @@ use npufleet_crds::InferenceService;
 
 use super::load::LoadReader;
 use super::policy::{GroupState, Observation};
-use super::{WorkerView, desired_replicas, group_loads, readings};
+use super::{WorkerView, group_loads, readings};
 use crate::cache::{WatchScope, without_managed_fields};
-use crate::external_metrics::{MetricsStore, ServiceLoad, parse_selector};
+use crate::external_metrics::{MetricsStore, ServiceLoad};
+use crate::fleet;
 use crate::labels::{self, FIELD_MANAGER};
-use crate::replica_group;
 
 /// Reads the load of every service's workers and keeps the metrics store current.
 pub struct Collector {
@@ -94,7 +93,7 @@ impl Collector {
         read.into_iter()
             .map(|(service, workers)| {
                 let observation = Observation {
-                    spec_replicas: u32::try_from(desired_replicas(&service)).unwrap_or(0),
+                    spec_replicas: u32::try_from(fleet::desired_groups(&service)).unwrap_or(0),
                     groups: group_loads(&workers),
                     wake_requested: false,
                     readings: readings(&workers),
@@ -154,21 +153,10 @@ impl Collector {
 
     /// The worker pods of `service` with the address of their load signal.
     fn worker_pods(&self, service: &InferenceService) -> Vec<(WorkerView, Option<String>)> {
-        let Some(selector) = service
-            .status
-            .as_ref()
-            .and_then(|s| s.selector.as_deref())
-            .and_then(|s| parse_selector(s).ok())
-        else {
-            return Vec::new();
-        };
-        let namespace = service.namespace();
-        self.pods
-            .state()
-            .iter()
-            .filter(|pod| pod.namespace() == namespace && selector.matches(pod.labels()))
+        let pods = self.pods.state();
+        fleet::serving_pods(service, pods.iter().map(AsRef::as_ref))
             .filter_map(|pod| {
-                let (group, rank) = replica_group::group_and_rank(pod)?;
+                let (group, rank) = fleet::group_and_rank(pod)?;
                 let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
                 let status = pod.status.as_ref();
                 let pod_ready = pods::serves(pod);

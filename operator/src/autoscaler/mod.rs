@@ -16,7 +16,7 @@
 //! as an HPA rescales a Deployment scaled by hand. With `mode: hpa` the
 //! HorizontalPodAutoscaler owns `spec.replicas`, and a manifest should leave `replicas` out,
 //! as for any HPA target. Either way the count is clamped to `[minReplicas, maxReplicas]`
-//! before anything is created ([`desired_replicas`]).
+//! before anything is created ([`fleet::desired_groups`]).
 //!
 //! A load that cannot be read is not a low one: the policy then never lowers the count, the
 //! external metric is refused rather than summed without the missing workers, and the
@@ -36,7 +36,6 @@ use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
-use kube::core::SelectorExt;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
@@ -46,7 +45,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::cache::Stores;
-use crate::external_metrics::{MetricsStore, parse_selector};
+use crate::external_metrics::MetricsStore;
+use crate::fleet::{self, SCALE_DOWN_ANNOTATION};
 use crate::labels::GROUP as GROUP_LABEL;
 use collect::Collector;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
@@ -54,9 +54,6 @@ use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig,
 
 /// Field manager of everything the autoscaler writes.
 pub const FIELD_MANAGER: &str = "npufleet-autoscaler";
-/// Set on every pod of a group chosen for removal just before a scale-down is written, and
-/// taken off the pods of groups not chosen; the reconcile removes marked groups first.
-pub const SCALE_DOWN_ANNOTATION: &str = "npufleet.io/scale-down";
 /// The condition in `status.autoscaling.conditions` saying whether the autoscaler reads the
 /// load it scales on, named as on a HorizontalPodAutoscaler.
 pub const SCALING_ACTIVE: &str = "ScalingActive";
@@ -88,27 +85,6 @@ impl Default for Settings {
             policy: PolicyConfig::default(),
         }
     }
-}
-
-/// The replica groups the reconcile runs: `spec.replicas` by hand or under an HPA, the
-/// built-in autoscaler's own count once it has one, always within the autoscaling bounds.
-pub fn desired_replicas(service: &InferenceService) -> i32 {
-    let spec = &service.spec;
-    let Some(autoscaling) = spec.autoscaling.as_ref() else {
-        return spec.replicas.max(0);
-    };
-    let decided = match autoscaling.mode {
-        AutoscalingMode::Builtin => service
-            .status
-            .as_ref()
-            .and_then(|s| s.autoscaling.as_ref())
-            .and_then(|a| a.desired_replicas),
-        AutoscalingMode::Hpa => None,
-    };
-    let min = autoscaling.min_replicas.max(0);
-    decided
-        .unwrap_or(spec.replicas)
-        .clamp(min, autoscaling.max_replicas.max(min))
 }
 
 /// Whether a router asked to wake `service` since it went to zero: the wake annotation is
@@ -705,7 +681,7 @@ impl Autoscaler {
         }
     }
 
-    /// Annotates every pod of the chosen groups so that the reconcile removes exactly those,
+    /// Annotates the serving pod of each chosen group so that the reconcile removes exactly those,
     /// and clears the mark from groups an earlier decision chose but that stayed.
     async fn mark_for_removal(
         &self,
@@ -716,19 +692,8 @@ impl Autoscaler {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let chosen: HashSet<String> = groups.iter().map(u32::to_string).collect();
-        let selector = service
-            .status
-            .as_ref()
-            .and_then(|s| s.selector.as_deref())
-            .map(parse_selector)
-            .transpose()
-            .map_err(|e| anyhow::anyhow!("status.selector: {e}"))?
-            .unwrap_or_default();
         let pods = self.stores.pods.state();
-        let service_pods = pods.iter().filter(|pod| {
-            pod.namespace().as_deref() == Some(namespace.as_str()) && selector.matches(pod.labels())
-        });
-        for pod in service_pods {
+        for pod in fleet::serving_pods(service, pods.iter().map(AsRef::as_ref)) {
             let marked = pod.annotations().contains_key(SCALE_DOWN_ANNOTATION);
             let in_chosen = pod
                 .labels()
@@ -937,42 +902,6 @@ mod tests {
             object["spec"][key] = value.clone();
         }
         serde_json::from_value(object).unwrap()
-    }
-
-    #[test]
-    fn the_count_is_the_autoscalers_and_always_within_bounds() {
-        let builtin = json!({"mode": "builtin", "minReplicas": 1, "maxReplicas": 3});
-        let decided = json!({"autoscaling": {"desiredReplicas": 2}});
-        // A manifest's replicas above the maximum never creates more than the maximum.
-        let fresh = service(json!({"replicas": 10, "autoscaling": builtin}), json!({}));
-        assert_eq!(desired_replicas(&fresh), 3);
-        // Once the autoscaler decided, a re-applied manifest's replicas changes nothing.
-        let reapplied = service(
-            json!({"replicas": 10, "autoscaling": builtin}),
-            decided.clone(),
-        );
-        assert_eq!(desired_replicas(&reapplied), 2);
-        let lowered = service(
-            json!({"replicas": 1, "autoscaling": {"maxReplicas": 1}}),
-            decided.clone(),
-        );
-        assert_eq!(
-            desired_replicas(&lowered),
-            1,
-            "a lowered maximum cuts at once"
-        );
-        // Under an HPA, spec.replicas is the HPA's count, clamped too.
-        let hpa = json!({"mode": "hpa", "minReplicas": 2, "maxReplicas": 4});
-        let under_hpa = service(json!({"replicas": 9, "autoscaling": hpa}), decided);
-        assert_eq!(desired_replicas(&under_hpa), 4);
-        let by_hand = service(json!({"replicas": 9}), json!({}));
-        assert_eq!(desired_replicas(&by_hand), 9);
-        let zero = json!({"minReplicas": 0, "maxReplicas": 3});
-        let at_zero = service(
-            json!({"replicas": 1, "autoscaling": zero}),
-            json!({"autoscaling": {"desiredReplicas": 0}}),
-        );
-        assert_eq!(desired_replicas(&at_zero), 0);
     }
 
     #[test]

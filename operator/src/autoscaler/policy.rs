@@ -407,7 +407,7 @@ impl Policy {
 
     /// Decides the replica-group count for time `now` (monotonic, any origin).
     pub fn decide(&mut self, now: Duration, observation: &Observation) -> Decision {
-        let config = &self.config;
+        let config = self.config.clone();
         // With no history the autoscaler cannot know a burst is over, so it starts as if
         // one were under way: a restart never scales down on an empty window.
         if self.demand.is_empty() {
@@ -482,6 +482,54 @@ impl Policy {
             reason = Reason::HoldWhileWarming;
         }
 
+        (desired, reason) = self.limit(now, observation, desired, reason);
+
+        // Zero is never a load decision: only the idle window below takes a fleet there.
+        let floor = config.min_replicas.max(1);
+        let clamped = desired.clamp(floor, config.max_replicas);
+        if clamped != desired {
+            desired = clamped;
+            reason = if desired == current {
+                Reason::Steady
+            } else {
+                Reason::Bounds
+            };
+        }
+
+        let (desired, reason, idle_for) = self.idle(now, observation, floor, (desired, reason));
+
+        // A scale-up that got past the hold starts a new catch-up window.
+        if desired > current && !catching_up {
+            self.scaled_up_at = Some(now);
+        }
+
+        Decision {
+            desired,
+            reason,
+            stable_demand,
+            panic_demand,
+            queue_per_replica: (!readings.none()).then(|| queue / f64::from(ready.max(1))),
+            panicking,
+            idle_for,
+            unread: readings
+                .incomplete()
+                .then_some((readings.failed, readings.asked)),
+        }
+    }
+
+    /// `desired` within the scale-up and scale-down rates, never lower on a load not read,
+    /// and no lower than any recommendation within the scale-down delay.
+    fn limit(
+        &mut self,
+        now: Duration,
+        observation: &Observation,
+        mut desired: u32,
+        mut reason: Reason,
+    ) -> (u32, Reason) {
+        let config = &self.config;
+        let current = observation.spec_replicas;
+        let ready = observation.ready();
+        let readings = &observation.readings;
         let up_limit = (f64::from(current.max(1)) * config.max_scale_up_rate).ceil();
         if f64::from(desired) > up_limit {
             desired = to_count(up_limit);
@@ -517,18 +565,22 @@ impl Policy {
             };
         }
 
-        // Zero is never a load decision: only the idle window below takes a fleet there.
-        let floor = config.min_replicas.max(1);
-        let clamped = desired.clamp(floor, config.max_replicas);
-        if clamped != desired {
-            desired = clamped;
-            reason = if desired == current {
-                Reason::Steady
-            } else {
-                Reason::Bounds
-            };
-        }
+        (desired, reason)
+    }
 
+    /// Takes an idle fleet to zero, and wakes one at zero, where `minReplicas` is 0; returns
+    /// the count, its reason, and how long the fleet has been idle.
+    fn idle(
+        &mut self,
+        now: Duration,
+        observation: &Observation,
+        floor: u32,
+        (mut desired, mut reason): (u32, Reason),
+    ) -> (u32, Reason, Duration) {
+        let config = &self.config;
+        let current = observation.spec_replicas;
+        let warming = observation.warming();
+        let readings = &observation.readings;
         let active = observation.wake_requested
             || observation.queue_depth() > 0
             || (current > 0 && warming > 0)
@@ -549,23 +601,7 @@ impl Policy {
             }
         }
 
-        // A scale-up that got past the hold starts a new catch-up window.
-        if desired > current && !catching_up {
-            self.scaled_up_at = Some(now);
-        }
-
-        Decision {
-            desired,
-            reason,
-            stable_demand,
-            panic_demand,
-            queue_per_replica: (!readings.none()).then(|| queue / f64::from(ready.max(1))),
-            panicking,
-            idle_for,
-            unread: readings
-                .incomplete()
-                .then_some((readings.failed, readings.asked)),
-        }
+        (desired, reason, idle_for)
     }
 }
 

@@ -168,25 +168,7 @@ pub fn run(
             held.pop_front();
         }
 
-        for group in &mut groups {
-            if group.state == GroupState::Warming && group.ready_at <= now {
-                group.state = GroupState::Ready;
-            }
-            group.running.retain(|&(arrival, finish)| {
-                if finish <= now {
-                    latencies.push(finish - arrival);
-                    false
-                } else {
-                    true
-                }
-            });
-            while group.running.len() < model.batch as usize {
-                let Some(arrival) = group.waiting.pop_front() else {
-                    break;
-                };
-                group.running.push((arrival, now + model.service_time));
-            }
-        }
+        serve(&mut groups, model, now, &mut latencies);
         let in_system = held.len() + groups.iter().map(SimGroup::depth).sum::<usize>();
         if building_since.is_none() && in_system > building_at {
             building_since = Some(now);
@@ -196,45 +178,13 @@ pub fn run(
 
         if now + 1e-9 >= next_sample {
             next_sample += SAMPLE_INTERVAL;
-            let observation = Observation {
-                spec_replicas: spec,
-                groups: groups
-                    .iter()
-                    .map(|g| GroupLoad {
-                        group: g.id,
-                        state: g.state,
-                        waiting: g.waiting.len() as u32,
-                        running: g.running.len() as u32,
-                        kv_usage: g.running.len() as f64 / f64::from(model.batch),
-                    })
-                    .collect(),
-                wake_requested: false,
-                readings: Readings::default(),
-            };
+            let observation = observe(&groups, model, spec);
             if let Some(desired) = scaler.observe(now, &observation) {
-                if desired > spec {
-                    if first_scale_up.is_none() {
-                        first_scale_up = Some(now);
-                    }
-                    for _ in spec..desired {
-                        groups.push(SimGroup {
-                            id: next_id,
-                            state: GroupState::Warming,
-                            ready_at: now + model.warm_up,
-                            waiting: VecDeque::new(),
-                            running: Vec::new(),
-                        });
-                        next_id += 1;
-                    }
-                } else if desired < spec {
-                    let victims =
-                        scale_down_victims(&observation.groups, (spec - desired) as usize);
-                    groups.retain(|g| !(victims.contains(&g.id) && g.state == GroupState::Warming));
-                    // A draining group finishes its queue and batch, and takes nothing new.
-                    for group in groups.iter_mut().filter(|g| victims.contains(&g.id)) {
-                        group.state = GroupState::Draining;
-                    }
+                if desired > spec && first_scale_up.is_none() {
+                    first_scale_up = Some(now);
                 }
+                let change = (spec, desired);
+                rescale(&mut groups, &observation, change, model, now, &mut next_id);
                 spec = desired;
                 max_replicas = max_replicas.max(spec);
             }
@@ -271,6 +221,80 @@ pub fn run(
         replica_seconds,
         max_replicas,
         p99_latency,
+    }
+}
+
+/// One step of every group: warmed-up groups turn ready, finished requests leave with their
+/// latency, and waiting ones fill the batch.
+fn serve(groups: &mut [SimGroup], model: &FleetModel, now: f64, latencies: &mut Vec<f64>) {
+    for group in groups.iter_mut() {
+        if group.state == GroupState::Warming && group.ready_at <= now {
+            group.state = GroupState::Ready;
+        }
+        group.running.retain(|&(arrival, finish)| {
+            if finish <= now {
+                latencies.push(finish - arrival);
+                false
+            } else {
+                true
+            }
+        });
+        while group.running.len() < model.batch as usize {
+            let Some(arrival) = group.waiting.pop_front() else {
+                break;
+            };
+            group.running.push((arrival, now + model.service_time));
+        }
+    }
+}
+
+/// What the autoscaler would read from `groups`.
+fn observe(groups: &[SimGroup], model: &FleetModel, spec: u32) -> Observation {
+    Observation {
+        spec_replicas: spec,
+        groups: groups
+            .iter()
+            .map(|g| GroupLoad {
+                group: g.id,
+                state: g.state,
+                waiting: g.waiting.len() as u32,
+                running: g.running.len() as u32,
+                kv_usage: g.running.len() as f64 / f64::from(model.batch),
+            })
+            .collect(),
+        wake_requested: false,
+        readings: Readings::default(),
+    }
+}
+
+/// Goes from `spec` to `desired` groups: new ones warm up, removed ones drain (or go at once
+/// while still warming).
+fn rescale(
+    groups: &mut Vec<SimGroup>,
+    observation: &Observation,
+    (spec, desired): (u32, u32),
+    model: &FleetModel,
+    now: f64,
+    next_id: &mut u32,
+) {
+    if desired > spec {
+        for _ in spec..desired {
+            groups.push(SimGroup {
+                id: *next_id,
+                state: GroupState::Warming,
+                ready_at: now + model.warm_up,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+            });
+            *next_id += 1;
+        }
+    } else if desired < spec {
+        let victims = scale_down_victims(&observation.groups, (spec - desired) as usize);
+        groups.retain(|g| !(victims.contains(&g.id) && g.state == GroupState::Warming));
+        // A draining group finishes its queue and batch, and takes nothing new.
+        for group in groups.iter_mut().filter(|g| victims.contains(&g.id)) {
+            group.state = GroupState::Draining;
+        }
     }
 }
 

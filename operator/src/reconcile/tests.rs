@@ -6,7 +6,7 @@ use npufleet_crds::{
     ModelFormat, ModelSource, ModelSpec, Platform,
 };
 
-use super::{Observed, kept_groups, plan};
+use super::{Membership, Observed, count, kept_groups, membership, objects, plan};
 use crate::labels;
 use crate::resources::{self, pod};
 use crate::settings::Settings;
@@ -353,7 +353,7 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
         .map(|mut p| {
             if p.name_any() == "llm-1-0" {
                 p.annotations_mut().insert(
-                    crate::autoscaler::SCALE_DOWN_ANNOTATION.into(),
+                    crate::fleet::SCALE_DOWN_ANNOTATION.into(),
                     "2026-01-01T00:00:00Z".into(),
                 );
             }
@@ -1423,4 +1423,71 @@ fn a_rank_lost_without_an_eviction_has_its_group_recreated_at_once() {
     let p = plan(&isvc, &observed, &Settings::default(), &now());
     assert!(p.make_evictable.is_empty());
     assert_eq!(p.delete_pods, ["llm-0-1"]);
+}
+
+// The stages on their own.
+
+#[test]
+fn the_count_stage_cuts_the_asked_groups_to_the_pod_limit() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 1, 4, 5);
+    let settings = Settings {
+        max_pods_per_service: 10,
+        ..Settings::default()
+    };
+    let count = count(&isvc, &settings);
+    assert_eq!((count.asked, count.ranks, count.desired), (5, 4, 2));
+    let limit = count.pod_limit.unwrap();
+    assert!(
+        limit.contains("5 replica groups of 4 pods would be 20 pods"),
+        "{limit}"
+    );
+    let within = super::count(&isvc, &Settings::default());
+    assert_eq!((within.desired, within.pod_limit), (5, None));
+}
+
+#[test]
+fn the_membership_stage_keeps_surge_groups_only_while_groups_are_outdated() {
+    let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 2);
+    let hash = resources::template_hash(&isvc, &Settings::default());
+    let mut pods = running(&isvc, true);
+    let current = crate::fleet::groups(&pods);
+    let kept = |m: Membership| (m.kept.into_iter().collect::<Vec<_>>(), m.scaled_down);
+    assert_eq!(
+        kept(membership(&current, 2, 1, &hash)),
+        (vec![0, 1], vec![])
+    );
+    assert_eq!(kept(membership(&current, 1, 1, &hash)), (vec![0], vec![1]));
+    pods[1]
+        .labels_mut()
+        .insert(labels::TEMPLATE_HASH.into(), "older".into());
+    let outdated = crate::fleet::groups(&pods);
+    assert_eq!(
+        kept(membership(&outdated, 2, 1, &hash)),
+        (vec![0, 1, 2], vec![]),
+        "one group is made ahead of replacing the outdated one"
+    );
+    assert_eq!(
+        kept(membership(&outdated, 2, 0, &hash)),
+        (vec![0, 1], vec![])
+    );
+}
+
+#[test]
+fn the_objects_stage_deletes_what_the_kept_groups_no_longer_need() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 2, 4, 1);
+    let observed = Observed {
+        rank_tables: vec!["rings-config-llm-0".into(), "rings-config-llm-1".into()],
+        ..Default::default()
+    };
+    let kept = [0].into_iter().collect();
+    let objects = objects(&isvc, &observed, &kept, 1, Vec::new());
+    assert_eq!(objects.delete_rank_tables, ["rings-config-llm-1"]);
+    assert_eq!(objects.services.len(), 2);
+    let budget = objects.disruption_budget.unwrap();
+    assert_eq!(
+        budget.spec.unwrap().min_available,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1)),
+        "two pods of one group, one may go"
+    );
+    assert!(objects.inference_pool.is_none() && objects.note.is_none());
 }

@@ -382,41 +382,14 @@ pub fn affinity(isvc: &InferenceService, group: i32) -> Option<Affinity> {
     Some(affinity)
 }
 
-/// The pod of rank `rank` in replica group `group`, labelled with `template_hash` so a
-/// changed spec can be rolled group by group.
-pub fn build(
+/// The worker container: the model server with its ports, probes and drain, locked down.
+fn worker_container(
     isvc: &InferenceService,
     settings: &Settings,
-    group: i32,
-    rank: i32,
-    template_hash: &str,
-) -> Pod {
+    volume_mounts: Vec<VolumeMount>,
+) -> Container {
     let spec = &isvc.spec;
-    let name = names::pod(isvc, group, rank);
-    let mut pod_labels = labels::common(isvc);
-    pod_labels.insert(labels::GROUP.to_string(), group.to_string());
-    pod_labels.insert(labels::RANK.to_string(), rank.to_string());
-    pod_labels.insert(labels::TEMPLATE_HASH.to_string(), template_hash.to_string());
-    if spec.accelerator.kind == AcceleratorType::Ascend910 {
-        pod_labels.insert(
-            labels::RING_CONTROLLER.to_string(),
-            "ascend-910".to_string(),
-        );
-    }
-    let mut annotations = BTreeMap::from([(labels::HCCL_RANK_INDEX.to_string(), rank.to_string())]);
-    let scheduler = scheduler_name(isvc);
-    if scheduler.as_deref() == Some("volcano") {
-        annotations.insert(
-            labels::VOLCANO_GROUP_NAME.to_string(),
-            names::group(isvc, group),
-        );
-    }
-    let mut node_selector = spec.accelerator.node_selector();
-    node_selector.extend(spec.scheduling.node_selector.clone());
-    let (volumes, volume_mounts) = volumes(isvc, group);
-    let drain_seconds = i64::from(spec.engine.drain_seconds);
-
-    let container = Container {
+    Container {
         name: WORKER_CONTAINER.to_string(),
         image: Some(
             spec.template
@@ -472,7 +445,44 @@ pub fn build(
         }),
         termination_message_policy: Some("FallbackToLogsOnError".to_string()),
         ..Default::default()
-    };
+    }
+}
+
+/// The pod of rank `rank` in replica group `group`, labelled with `template_hash` so a
+/// changed spec can be rolled group by group.
+pub fn build(
+    isvc: &InferenceService,
+    settings: &Settings,
+    group: i32,
+    rank: i32,
+    template_hash: &str,
+) -> Pod {
+    let spec = &isvc.spec;
+    let name = names::pod(isvc, group, rank);
+    let mut pod_labels = labels::common(isvc);
+    pod_labels.insert(labels::GROUP.to_string(), group.to_string());
+    pod_labels.insert(labels::RANK.to_string(), rank.to_string());
+    pod_labels.insert(labels::TEMPLATE_HASH.to_string(), template_hash.to_string());
+    if spec.accelerator.kind == AcceleratorType::Ascend910 {
+        pod_labels.insert(
+            labels::RING_CONTROLLER.to_string(),
+            "ascend-910".to_string(),
+        );
+    }
+    let mut annotations = BTreeMap::from([(labels::HCCL_RANK_INDEX.to_string(), rank.to_string())]);
+    let scheduler = scheduler_name(isvc);
+    if scheduler.as_deref() == Some("volcano") {
+        annotations.insert(
+            labels::VOLCANO_GROUP_NAME.to_string(),
+            names::group(isvc, group),
+        );
+    }
+    let mut node_selector = spec.accelerator.node_selector();
+    node_selector.extend(spec.scheduling.node_selector.clone());
+    let (volumes, volume_mounts) = volumes(isvc, group);
+    let drain_seconds = i64::from(spec.engine.drain_seconds);
+
+    let container = worker_container(isvc, settings, volume_mounts);
 
     Pod {
         metadata: ObjectMeta {
