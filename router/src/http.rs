@@ -212,7 +212,10 @@ async fn forward(
     let sent = retry::send(&state.router, request, None, |lease| {
         let attempt = state
             .upstream
-            .request(upstream.method.clone(), format!("http://{}:{HTTP_PORT}{path}", lease.ip))
+            .request(
+                upstream.method.clone(),
+                format!("http://{}:{HTTP_PORT}{path}", lease.ip),
+            )
             .headers(headers.clone())
             .body(upstream.body.clone());
         let pod = lease.pod.clone();

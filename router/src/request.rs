@@ -144,7 +144,14 @@ impl RoutedRequest {
 
     /// A call that names only a model (Open Inference Protocol model metadata).
     pub fn named(model: &str, trace: Option<TraceParent>) -> Self {
-        Self::new(model.to_owned(), None, None, None, trace, |_: &str, _: &[u8]| None)
+        Self::new(
+            model.to_owned(),
+            None,
+            None,
+            None,
+            trace,
+            |_: &str, _: &[u8]| None,
+        )
     }
 }
 
@@ -278,7 +285,10 @@ mod tests {
         assert_eq!(request.priority, None);
         assert_eq!(request.id, request.trace.trace_id_hex());
         let again = RoutedRequest::openai(body.as_bytes(), &invalid, length_key).unwrap();
-        assert_ne!(request.trace, again.trace, "each request starts its own trace");
+        assert_ne!(
+            request.trace, again.trace,
+            "each request starts its own trace"
+        );
     }
 
     #[test]
@@ -288,8 +298,8 @@ mod tests {
             ("{\"prompt\": \"hi\"}", "names no model (field `model`)"),
             ("{\"model\": 7}", "`model` must be a string"),
         ] {
-            let error = RoutedRequest::openai(body.as_bytes(), &HeaderMap::new(), length_key)
-                .unwrap_err();
+            let error =
+                RoutedRequest::openai(body.as_bytes(), &HeaderMap::new(), length_key).unwrap_err();
             assert!(
                 matches!(&error, RouteError::BadRequest(m) if m.contains(wanted)),
                 "{body}: {error}"
@@ -306,11 +316,18 @@ mod tests {
         let with_body = headers(&[(REQUEST_ID, "header-id")]);
         let request = RoutedRequest::v2_rest("m", body.as_bytes(), &with_body, length_key).unwrap();
         assert_eq!(
-            (request.model.as_str(), request.prefix_key, request.id.as_str()),
+            (
+                request.model.as_str(),
+                request.prefix_key,
+                request.id.as_str()
+            ),
             ("m", Some(7), "v2-1")
         );
         let metadata = RoutedRequest::v2_rest("m", b"", &with_body, length_key).unwrap();
-        assert_eq!((metadata.prefix_key, metadata.id.as_str()), (None, "header-id"));
+        assert_eq!(
+            (metadata.prefix_key, metadata.id.as_str()),
+            (None, "header-id")
+        );
         assert!(RoutedRequest::v2_rest("m", b"{", &with_body, length_key).is_err());
     }
 

@@ -145,7 +145,11 @@ where
         let lease = match (lease, refused.take()) {
             (Ok(lease), None) => lease,
             (Ok(lease), Some((reason, _, _))) => {
-                router.metrics.retries.with_label_values(&[model, reason.as_str()]).inc();
+                router
+                    .metrics
+                    .retries
+                    .with_label_values(&[model, reason.as_str()])
+                    .inc();
                 lease
             }
             // Every replica was tried: the last refusal is the answer.
@@ -160,7 +164,10 @@ where
         let (reason, error) = match attempt(&lease).await {
             Attempt::Answered(answer) => return Ok((lease, answer)),
             Attempt::Failed(error) => {
-                return Err(Unanswered::Replica { pod: lease.pod.clone(), error });
+                return Err(Unanswered::Replica {
+                    pod: lease.pod.clone(),
+                    error,
+                });
             }
             Attempt::Refused(reason, error) => (reason, error),
         };
@@ -196,14 +203,36 @@ mod tests {
 
     #[test]
     fn refusals_before_an_answer_are_retried_and_answers_are_not() {
-        assert_eq!(Reason::of_http_status(StatusCode::SERVICE_UNAVAILABLE), Some(Reason::Unavailable));
-        assert_eq!(Reason::of_http_status(StatusCode::TOO_MANY_REQUESTS), Some(Reason::Busy));
-        for answered in [StatusCode::OK, StatusCode::BAD_REQUEST, StatusCode::INTERNAL_SERVER_ERROR, StatusCode::BAD_GATEWAY] {
+        assert_eq!(
+            Reason::of_http_status(StatusCode::SERVICE_UNAVAILABLE),
+            Some(Reason::Unavailable)
+        );
+        assert_eq!(
+            Reason::of_http_status(StatusCode::TOO_MANY_REQUESTS),
+            Some(Reason::Busy)
+        );
+        for answered in [
+            StatusCode::OK,
+            StatusCode::BAD_REQUEST,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            StatusCode::BAD_GATEWAY,
+        ] {
             assert_eq!(Reason::of_http_status(answered), None, "{answered}");
         }
-        assert_eq!(Reason::of_grpc_code(Code::Unavailable), Some(Reason::Unavailable));
-        assert_eq!(Reason::of_grpc_code(Code::ResourceExhausted), Some(Reason::Busy));
-        for answered in [Code::InvalidArgument, Code::Internal, Code::Unauthenticated, Code::Cancelled] {
+        assert_eq!(
+            Reason::of_grpc_code(Code::Unavailable),
+            Some(Reason::Unavailable)
+        );
+        assert_eq!(
+            Reason::of_grpc_code(Code::ResourceExhausted),
+            Some(Reason::Busy)
+        );
+        for answered in [
+            Code::InvalidArgument,
+            Code::Internal,
+            Code::Unauthenticated,
+            Code::Cancelled,
+        ] {
             assert_eq!(Reason::of_grpc_code(answered), None, "{answered:?}");
         }
     }
@@ -213,8 +242,15 @@ mod tests {
         assert!(POLICY.next_attempt(1, 0.0).is_some());
         assert!(POLICY.next_attempt(4, 0.0).is_some());
         assert_eq!(POLICY.next_attempt(5, 0.0), None);
-        let once = RetryPolicy { max_attempts: 1, ..POLICY };
-        assert_eq!(once.next_attempt(1, 0.5), None, "one attempt leaves no retry");
+        let once = RetryPolicy {
+            max_attempts: 1,
+            ..POLICY
+        };
+        assert_eq!(
+            once.next_attempt(1, 0.5),
+            None,
+            "one attempt leaves no retry"
+        );
     }
 
     #[test]
