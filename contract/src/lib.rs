@@ -1,8 +1,9 @@
 //! What npufleet's operator, worker and router agree on, written once: the gRPC protocols, the
 //! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
 //! environment variables the operator sets on worker pods, labels and annotations, the
-//! router's response headers, the names of precisions and accelerators, how the worker's and
-//! the router's listeners take connections, and how every process logs.
+//! router's response headers, the trace context the router passes to the workers, the names
+//! of precisions and accelerators, how the worker's and the router's listeners take
+//! connections, and how every process logs.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
 //! rather than a fleet that does not start.
@@ -24,3 +25,4 @@ pub mod precision;
 #[cfg(feature = "grpc")]
 pub mod proto;
 pub mod rank_table;
+pub mod trace;

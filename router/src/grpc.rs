@@ -21,6 +21,7 @@ use npufleet_contract::proto::inference::{
     ServerReadyResponse,
 };
 use npufleet_contract::proto::stream_error;
+use npufleet_contract::trace::TraceParent;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::ReceiverStream;
@@ -31,10 +32,9 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use crate::error::RouteError;
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
+use crate::request::{RoutedRequest, grpc_trace};
+use crate::retry::{self, Attempt, Reason, Unanswered};
 use crate::route::Router;
-
-/// The worker's text input (see the worker's Open Inference Protocol mapping).
-const TEXT_INPUT: &str = "text_input";
 
 /// The client's credentials, passed to the replica as they came: workers of an
 /// InferenceService with an API key check it, the router holds none.
@@ -42,13 +42,22 @@ fn credentials(metadata: &MetadataMap) -> Option<AsciiMetadataValue> {
     metadata.get(AUTHORIZATION).cloned()
 }
 
-/// `message` as an upstream request carrying the client's `credentials`.
-fn with_credentials<T>(message: T, credentials: Option<&AsciiMetadataValue>) -> Request<T> {
-    let mut request = Request::new(message);
+/// `message` as an upstream call for `request`, carrying the client's `credentials` and the
+/// request's trace.
+fn upstream<T>(
+    message: T,
+    credentials: Option<&AsciiMetadataValue>,
+    request: &RoutedRequest,
+) -> Request<T> {
+    let mut upstream = Request::new(message);
+    let metadata = upstream.metadata_mut();
     if let Some(value) = credentials {
-        request.metadata_mut().insert(AUTHORIZATION, value.clone());
+        metadata.insert(AUTHORIZATION, value.clone());
     }
-    request
+    if let Ok(trace) = request.trace.to_string().parse() {
+        metadata.insert(headers::TRACEPARENT, trace);
+    }
+    upstream
 }
 
 /// Responses of one `ModelStreamInfer` stream buffered ahead of its client.
@@ -117,18 +126,35 @@ impl GrpcFrontDoor {
         status
     }
 
-    fn prefix_key(&self, request: &ModelInferRequest) -> Option<u64> {
-        let text = text_input(request)?;
-        self.router.prefix_key(&request.model_name, text)
+    fn routed(&self, message: &ModelInferRequest, trace: Option<TraceParent>) -> RoutedRequest {
+        RoutedRequest::oip(message, trace, |model, prompt| {
+            self.router.prefix_key(model, prompt)
+        })
     }
 
-    /// Sends one unary call to replicas of `model` in turn until one answers, retrying only
-    /// failures that mean the replica did not take the request.
+    /// The status of a request no replica answered, counted.
+    fn unanswered(&self, model: &str, unanswered: Unanswered<Status>) -> Status {
+        match unanswered {
+            Unanswered::Route(error) => self.route_error(model, error),
+            Unanswered::Replica { pod, error } => {
+                self.count(model, &pod, error.code());
+                error
+            }
+        }
+    }
+
+    /// One unary call, sent to replicas of the request's model per the retry policy.
+    #[tracing::instrument(name = "request", skip_all, fields(
+        model = %request.model,
+        request_id = %request.id,
+        trace_id = %request.trace.trace_id_hex(),
+        priority = request.priority,
+        replica = tracing::field::Empty,
+    ))]
     async fn unary<Req, Resp, F, Fut>(
         &self,
-        model: &str,
-        prefix_key: Option<u64>,
-        request: Request<Req>,
+        request: RoutedRequest,
+        message: Request<Req>,
         call: F,
     ) -> Result<Response<Resp>, Status>
     where
@@ -136,13 +162,13 @@ impl GrpcFrontDoor {
         F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
-        let credentials = credentials(request.metadata());
+        let credentials = credentials(message.metadata());
+        let model = request.model.as_str();
         let (lease, sent_at, mut response) = self
             .send(
-                model,
-                prefix_key,
+                &request,
                 None,
-                request.into_inner(),
+                message.into_inner(),
                 credentials.as_ref(),
                 call,
             )
@@ -159,14 +185,13 @@ impl GrpcFrontDoor {
         Ok(response)
     }
 
-    /// Sends `message` to replicas of `model` in turn until one takes it, retrying only
-    /// failures that mean the replica did not: the replica's response, the lease that counts
-    /// the request there, and when it was sent. `lease`, if given, is the replica to try first.
+    /// Sends `message` to replicas of the request's model per the retry policy (`first`, if
+    /// given, is the replica to try first): the replica's response, the lease that counts the
+    /// request there, and when it was sent.
     async fn send<Req, Resp, F, Fut>(
         &self,
-        model: &str,
-        prefix_key: Option<u64>,
-        mut lease: Option<Lease>,
+        request: &RoutedRequest,
+        first: Option<Lease>,
         message: Req,
         credentials: Option<&AsciiMetadataValue>,
         call: F,
@@ -176,68 +201,54 @@ impl GrpcFrontDoor {
         F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
-        let router = &self.router;
-        let mut tried: Vec<String> = Vec::new();
-        let mut last: Option<Status> = None;
-        while tried.len() < router.settings.max_attempts {
-            let lease = match lease.take() {
-                Some(lease) => lease,
-                None => match router.lease(model, prefix_key, &tried).await {
-                    Ok(lease) => lease,
-                    Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
-                    Err(error) => return Err(self.route_error(model, error)),
-                },
-            };
-            tried.push(lease.pod.clone());
-            let sent_at = Instant::now();
-            let attempt = with_credentials(message.clone(), credentials);
-            match call(self.client(lease.ip), attempt).await {
-                Ok(response) => return Ok((lease, sent_at, response)),
-                Err(status) if retryable(&status) => {
-                    let reason = if status.code() == Code::ResourceExhausted {
-                        "busy"
-                    } else {
-                        "unavailable"
-                    };
-                    if tried.len() < router.settings.max_attempts {
-                        router
-                            .metrics
-                            .retries
-                            .with_label_values(&[model, reason])
-                            .inc();
-                    }
-                    last = Some(status);
-                }
-                Err(status) => {
-                    self.count(model, &lease.pod, status.code());
-                    return Err(status);
+        let sent = retry::send(&self.router, request, first, |lease| {
+            let call = call(
+                self.client(lease.ip),
+                upstream(message.clone(), credentials, request),
+            );
+            async move {
+                let sent_at = Instant::now();
+                match call.await {
+                    Ok(response) => Attempt::Answered((sent_at, response)),
+                    Err(status) => match Reason::of_grpc_code(status.code()) {
+                        Some(reason) => Attempt::Refused(reason, status),
+                        None => Attempt::Failed(status),
+                    },
                 }
             }
+        })
+        .await;
+        match sent {
+            Ok((lease, (sent_at, response))) => Ok((lease, sent_at, response)),
+            Err(unanswered) => Err(self.unanswered(&request.model, unanswered)),
         }
-        let last = last.expect("the loop ends early only after a failed attempt");
-        self.count(model, NO_REPLICA, last.code());
-        Err(last)
     }
 
     /// One request of a client's stream, sent as a stream call of its own to the replica
     /// picked for it (or `lease`), its responses passed to `out` as they arrive. The call ends
     /// with the request's last response, and with it the lease that counts the request in
     /// flight there. A request that cannot be sent is answered in the stream with the reason.
+    #[tracing::instrument(name = "request", skip_all, fields(
+        model = %request.model,
+        request_id = %request.id,
+        trace_id = %request.trace.trace_id_hex(),
+        priority = request.priority,
+        replica = tracing::field::Empty,
+    ))]
     async fn stream_one(
         self,
-        request: ModelInferRequest,
+        message: ModelInferRequest,
+        request: RoutedRequest,
         lease: Option<Lease>,
         credentials: Option<AsciiMetadataValue>,
         out: StreamSender,
     ) {
-        let model = request.model_name.clone();
-        let key = self.prefix_key(&request);
+        let model = request.model.as_str();
         let sent = self
             .send(
-                &model,
-                key,
+                &request,
                 lease,
-                request.clone(),
+                message.clone(),
                 credentials.as_ref(),
                 |mut client, request| async move {
                     client
@@ -249,7 +260,7 @@ impl GrpcFrontDoor {
         let (lease, sent_at, response) = match sent {
             Ok(sent) => sent,
             Err(status) => {
-                let error = stream_error(&model, &request.id, &status);
+                let error = stream_error(model, &message.id, &status);
                 let _ = out.send(Ok(error)).await;
                 return;
             }
@@ -258,15 +269,15 @@ impl GrpcFrontDoor {
         let mut first = true;
         let code = loop {
             match upstream.message().await {
-                Ok(Some(message)) => {
+                Ok(Some(answer)) => {
                     if std::mem::take(&mut first) {
                         self.router
                             .metrics
                             .upstream_ttft_seconds
-                            .with_label_values(&[&model])
+                            .with_label_values(&[model])
                             .observe(sent_at.elapsed().as_secs_f64());
                     }
-                    if out.send(Ok(message)).await.is_err() {
+                    if out.send(Ok(answer)).await.is_err() {
                         // The client went; dropping the call cancels the request upstream.
                         break Code::Cancelled;
                     }
@@ -282,39 +293,14 @@ impl GrpcFrontDoor {
                         ),
                     );
                     let _ = out
-                        .send(Ok(stream_error(&model, &request.id, &failed)))
+                        .send(Ok(stream_error(model, &message.id, &failed)))
                         .await;
                     break status.code();
                 }
             }
         };
-        self.count(&model, &lease.pod, code);
+        self.count(model, &lease.pod, code);
     }
-}
-
-/// The replica refused or never saw the request: another may take it.
-fn retryable(status: &Status) -> bool {
-    matches!(status.code(), Code::Unavailable | Code::ResourceExhausted)
-}
-
-/// The prompt of an infer request: its `text_input` tensor's first element, given in
-/// `contents` or, length-prefixed, in `raw_input_contents`.
-fn text_input(request: &ModelInferRequest) -> Option<&[u8]> {
-    let (index, input) = request
-        .inputs
-        .iter()
-        .enumerate()
-        .find(|(_, input)| input.name == TEXT_INPUT)?;
-    if let Some(first) = input
-        .contents
-        .as_ref()
-        .and_then(|c| c.bytes_contents.first())
-    {
-        return Some(first);
-    }
-    let raw = request.raw_input_contents.get(index)?;
-    let length = u32::from_le_bytes(raw.get(..4)?.try_into().ok()?) as usize;
-    raw.get(4..4 + length)
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ModelStreamInferResponse, Status>> + Send>>;
@@ -366,8 +352,8 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
-        let model = request.get_ref().name.clone();
-        self.unary(&model, None, request, |mut client, request| async move {
+        let routed = RoutedRequest::named(&request.get_ref().name, grpc_trace(request.metadata()));
+        self.unary(routed, request, |mut client, request| async move {
             client.model_metadata(request).await
         })
         .await
@@ -377,9 +363,8 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let model = request.get_ref().model_name.clone();
-        let key = self.prefix_key(request.get_ref());
-        self.unary(&model, key, request, |mut client, request| async move {
+        let routed = self.routed(request.get_ref(), grpc_trace(request.metadata()));
+        self.unary(routed, request, |mut client, request| async move {
             client.model_infer(request).await
         })
         .await
@@ -398,18 +383,19 @@ impl GrpcInferenceService for GrpcFrontDoor {
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let credentials = credentials(request.metadata());
+        let trace = grpc_trace(request.metadata());
         let mut incoming = request.into_inner();
         let Some(first) = incoming.message().await? else {
             return Err(Status::invalid_argument(
                 "the stream ended before its first request",
             ));
         };
-        let model = first.model_name.clone();
+        let routed = self.routed(&first, trace);
         let lease = self
             .router
-            .lease(&model, self.prefix_key(&first), &[])
+            .lease(&routed, &[])
             .await
-            .map_err(|e| self.route_error(&model, e))?;
+            .map_err(|e| self.route_error(&routed.model, e))?;
         let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
         let door = self.clone();
         // The response stream ends, with an OK status, once the client has closed its side and
@@ -418,6 +404,7 @@ impl GrpcInferenceService for GrpcFrontDoor {
             let mut requests = JoinSet::new();
             requests.spawn(door.clone().stream_one(
                 first,
+                routed,
                 Some(lease),
                 credentials.clone(),
                 out.clone(),
@@ -426,9 +413,11 @@ impl GrpcInferenceService for GrpcFrontDoor {
             loop {
                 tokio::select! {
                     message = incoming.message(), if !client_done => match message {
-                        Ok(Some(request)) => {
+                        Ok(Some(message)) => {
+                            let routed = door.routed(&message, trace);
                             requests.spawn(door.clone().stream_one(
-                                request,
+                                message,
+                                routed,
                                 None,
                                 credentials.clone(),
                                 out.clone(),
@@ -451,51 +440,5 @@ impl GrpcInferenceService for GrpcFrontDoor {
         Ok(Response::new(
             Box::pin(ReceiverStream::new(responses)) as ResponseStream
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use npufleet_contract::proto::inference::InferTensorContents;
-    use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
-
-    use super::*;
-
-    fn text(name: &str) -> InferInputTensor {
-        InferInputTensor {
-            name: name.to_owned(),
-            datatype: "BYTES".to_owned(),
-            shape: vec![1],
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn text_input_is_read_from_contents_or_raw_bytes() {
-        let mut with_contents = ModelInferRequest {
-            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
-            ..Default::default()
-        };
-        with_contents.inputs[1].contents = Some(InferTensorContents {
-            bytes_contents: vec![b"hello".to_vec()],
-            ..Default::default()
-        });
-        assert_eq!(text_input(&with_contents), Some(&b"hello"[..]));
-
-        let mut raw = 5u32.to_le_bytes().to_vec();
-        raw.extend_from_slice(b"world");
-        let with_raw = ModelInferRequest {
-            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
-            raw_input_contents: vec![8u32.to_le_bytes().to_vec(), raw],
-            ..Default::default()
-        };
-        assert_eq!(text_input(&with_raw), Some(&b"world"[..]));
-
-        let truncated = ModelInferRequest {
-            inputs: vec![text(TEXT_INPUT)],
-            raw_input_contents: vec![vec![9, 0, 0, 0, b'x']],
-            ..Default::default()
-        };
-        assert_eq!(text_input(&truncated), None);
     }
 }

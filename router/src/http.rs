@@ -20,7 +20,8 @@ use serde_json::{Value, json};
 use crate::error::{Flavor, RouteError};
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
-use crate::prompt;
+use crate::request::RoutedRequest;
+use crate::retry::{self, Attempt, Reason, Unanswered};
 use crate::route::Router;
 
 #[derive(Clone)]
@@ -57,51 +58,28 @@ fn body_or_error(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<By
     })
 }
 
-fn parse_json(body: &[u8]) -> Result<Value, RouteError> {
-    serde_json::from_slice(body)
-        .map_err(|e| RouteError::BadRequest(format!("the request body is not valid JSON: {e}")))
-}
-
 async fn openai(
     State(state): State<HttpState>,
     uri: Uri,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let request = async {
-        let body = body_or_error(body, state.router.settings.max_body_bytes)?;
-        let json = parse_json(&body)?;
-        let model = match json.get("model") {
-            Some(Value::String(model)) => model.clone(),
-            Some(_) => {
-                return Err(RouteError::BadRequest(
-                    "the field `model` must be a string".to_owned(),
-                ));
-            }
-            None => {
-                return Err(RouteError::BadRequest(
-                    "the request names no model (field `model`)".to_owned(),
-                ));
-            }
-        };
-        let key = prompt::openai_prompt(&json)
-            .and_then(|p| state.router.prefix_key(&model, p.as_bytes()));
-        Ok((model, key, body))
-    }
-    .await;
+    let router = &state.router;
+    let request = body_or_error(body, router.settings.max_body_bytes).and_then(|body| {
+        let request = RoutedRequest::openai(&body, &headers, |model, prompt| {
+            router.prefix_key(model, prompt)
+        })?;
+        Ok((request, body))
+    });
     match request {
-        Ok((model, key, body)) => {
-            forward(
-                &state,
-                Flavor::OpenAi,
-                &model,
-                key,
-                Method::POST,
-                &uri,
-                &headers,
+        Ok((request, body)) => {
+            let upstream = Upstream {
+                method: Method::POST,
+                uri: &uri,
+                headers: &headers,
                 body,
-            )
-            .await
+            };
+            forward(&state, Flavor::OpenAi, &request, upstream).await
         }
         Err(error) => answer_error(&state, Flavor::OpenAi, None, error),
     }
@@ -113,17 +91,17 @@ async fn v2_model_metadata(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    forward(
-        &state,
-        Flavor::V2,
-        &name,
-        None,
-        Method::GET,
-        &uri,
-        &headers,
-        Bytes::new(),
-    )
-    .await
+    let request = RoutedRequest::v2_rest(&name, &[], &headers, |_, _| None);
+    let upstream = Upstream {
+        method: Method::GET,
+        uri: &uri,
+        headers: &headers,
+        body: Bytes::new(),
+    };
+    match request {
+        Ok(request) => forward(&state, Flavor::V2, &request, upstream).await,
+        Err(error) => answer_error(&state, Flavor::V2, Some(&name), error),
+    }
 }
 
 async fn v2(
@@ -134,20 +112,22 @@ async fn v2(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let request = async {
-        let body = body_or_error(body, state.router.settings.max_body_bytes)?;
-        let key = if body.is_empty() {
-            None
-        } else {
-            let json = parse_json(&body)?;
-            prompt::v2_rest_prompt(&json).and_then(|p| state.router.prefix_key(&name, p.as_bytes()))
-        };
-        Ok((key, body))
-    }
-    .await;
+    let router = &state.router;
+    let request = body_or_error(body, router.settings.max_body_bytes).and_then(|body| {
+        let request = RoutedRequest::v2_rest(&name, &body, &headers, |model, prompt| {
+            router.prefix_key(model, prompt)
+        })?;
+        Ok((request, body))
+    });
     match request {
-        Ok((key, body)) => {
-            forward(&state, Flavor::V2, &name, key, method, &uri, &headers, body).await
+        Ok((request, body)) => {
+            let upstream = Upstream {
+                method,
+                uri: &uri,
+                headers: &headers,
+                body,
+            };
+            forward(&state, Flavor::V2, &request, upstream).await
         }
         Err(error) => answer_error(&state, Flavor::V2, Some(&name), error),
     }
@@ -173,132 +153,129 @@ fn count(state: &HttpState, model: &str, replica: &str, status: StatusCode) {
         .inc();
 }
 
-/// Request headers not passed upstream: hop-by-hop ones and those the client sets anew.
-fn forwarded(headers: &HeaderMap) -> HeaderMap {
-    let mut out = headers.clone();
-    for name in [
-        header::HOST,
-        header::CONNECTION,
-        header::CONTENT_LENGTH,
-        header::TRANSFER_ENCODING,
-        header::TE,
-        header::UPGRADE,
-        HeaderName::from_static("keep-alive"),
-        HeaderName::from_static("proxy-connection"),
-    ] {
-        out.remove(name);
-    }
-    out
+/// The client's request as it goes to a replica: its method, path and body, and its headers
+/// less hop-by-hop ones and those the client sets anew, with the request's trace.
+struct Upstream<'a> {
+    method: Method,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    body: Bytes,
 }
 
-/// Why an attempt is retried on another replica: it failed before any answer began.
+impl Upstream<'_> {
+    fn headers(&self, request: &RoutedRequest) -> HeaderMap {
+        let mut out = self.headers.clone();
+        for name in [
+            header::HOST,
+            header::CONNECTION,
+            header::CONTENT_LENGTH,
+            header::TRANSFER_ENCODING,
+            header::TE,
+            header::UPGRADE,
+            HeaderName::from_static("keep-alive"),
+            HeaderName::from_static("proxy-connection"),
+        ] {
+            out.remove(name);
+        }
+        if let Ok(trace) = HeaderValue::from_str(&request.trace.to_string()) {
+            out.insert(headers::TRACEPARENT, trace);
+        }
+        out
+    }
+}
+
+/// An attempt's failure, kept to answer the client with when no replica takes the request.
 enum Failure {
     Transport(String),
-    /// 503 (draining, warming up) or 429 (queue full): the worker refused the request.
+    /// The replica's refusal (503 draining or warming up, 429 queue full), relayed as it came.
     Refused(reqwest::Response),
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Sends the request to replicas of its model per the retry policy, and streams back the
+/// answer of the one that takes it.
+#[tracing::instrument(name = "request", skip_all, fields(
+    model = %request.model,
+    request_id = %request.id,
+    trace_id = %request.trace.trace_id_hex(),
+    priority = request.priority,
+    replica = tracing::field::Empty,
+))]
 async fn forward(
     state: &HttpState,
     flavor: Flavor,
-    model: &str,
-    prefix_key: Option<u64>,
-    method: Method,
-    uri: &Uri,
-    headers: &HeaderMap,
-    body: Bytes,
+    request: &RoutedRequest,
+    upstream: Upstream<'_>,
 ) -> Response {
-    let router = &state.router;
+    let uri = upstream.uri;
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
-    let headers = forwarded(headers);
-    let mut tried: Vec<String> = Vec::new();
-    let mut last: Option<(Failure, String)> = None;
-    while tried.len() < router.settings.max_attempts {
-        let lease = match router.lease(model, prefix_key, &tried).await {
-            Ok(lease) => lease,
-            Err(RouteError::ReplicasFailed { .. }) if last.is_some() => break,
-            Err(error) => return answer_error(state, flavor, Some(model), error),
-        };
-        tried.push(lease.pod.clone());
-        let url = format!("http://{}:{HTTP_PORT}{path}", lease.ip);
-        let sent_at = Instant::now();
+    let headers = upstream.headers(request);
+    let sent = retry::send(&state.router, request, None, |lease| {
         let attempt = state
             .upstream
-            .request(method.clone(), url)
+            .request(
+                upstream.method.clone(),
+                format!("http://{}:{HTTP_PORT}{path}", lease.ip),
+            )
             .headers(headers.clone())
-            .body(body.clone())
-            .send()
-            .await;
-        let (failure, reason) = match attempt {
-            Ok(response)
-                if response.status() == StatusCode::SERVICE_UNAVAILABLE
-                    || response.status() == StatusCode::TOO_MANY_REQUESTS =>
-            {
-                let reason = if response.status() == StatusCode::TOO_MANY_REQUESTS {
-                    "busy"
-                } else {
-                    "unavailable"
-                };
-                (Failure::Refused(response), reason)
+            .body(upstream.body.clone());
+        let pod = lease.pod.clone();
+        async move {
+            let sent_at = Instant::now();
+            match attempt.send().await {
+                Ok(response) => match Reason::of_http_status(response.status()) {
+                    Some(reason) => Attempt::Refused(reason, Failure::Refused(response)),
+                    None => Attempt::Answered((sent_at, response)),
+                },
+                Err(error) => Attempt::Refused(
+                    Reason::of_http_error(&error),
+                    Failure::Transport(format!("{pod}: {error}")),
+                ),
             }
-            Ok(response) => return stream_back(state, model, lease, sent_at, response),
-            Err(error) => {
-                let reason = if error.is_connect() {
-                    "connect"
-                } else {
-                    "transport"
-                };
-                (
-                    Failure::Transport(format!("{}: {error}", lease.pod)),
-                    reason,
-                )
-            }
-        };
-        tracing::debug!(model, replica = %lease.pod, reason, "attempt failed before the first byte");
-        if tried.len() < router.settings.max_attempts {
-            router
-                .metrics
-                .retries
-                .with_label_values(&[model, reason])
-                .inc();
         }
-        last = Some((failure, lease.pod.clone()));
-    }
-    match last {
-        Some((Failure::Refused(response), pod)) => {
-            let status = response.status();
-            count(state, model, &pod, status);
-            let mut out = Response::builder().status(status);
-            for (name, value) in response.headers() {
-                if is_end_to_end(name) {
-                    out = out.header(name, value);
-                }
-            }
-            let body = response.bytes().await.unwrap_or_default();
-            out.header(headers::REPLICA, pod)
-                .body(Body::from(body))
-                .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
-        }
-        Some((Failure::Transport(message), _)) => answer_error(
+    })
+    .await;
+    let model = request.model.as_str();
+    match sent {
+        Ok((lease, (sent_at, response))) => stream_back(state, model, lease, sent_at, response),
+        Err(Unanswered::Route(error)) => answer_error(state, flavor, Some(model), error),
+        Err(Unanswered::Replica {
+            pod,
+            error: Failure::Refused(response),
+        }) => relay_refusal(state, model, pod, response).await,
+        Err(Unanswered::Replica {
+            error: Failure::Transport(last),
+            ..
+        }) => answer_error(
             state,
             flavor,
             Some(model),
             RouteError::ReplicasFailed {
                 model: model.to_owned(),
-                last: message,
-            },
-        ),
-        None => answer_error(
-            state,
-            flavor,
-            Some(model),
-            RouteError::ReplicasFailed {
-                model: model.to_owned(),
-                last: "no attempt was made".to_owned(),
+                last,
             },
         ),
     }
+}
+
+/// The last replica's refusal, as the client's answer.
+async fn relay_refusal(
+    state: &HttpState,
+    model: &str,
+    pod: String,
+    response: reqwest::Response,
+) -> Response {
+    let status = response.status();
+    count(state, model, &pod, status);
+    let mut out = Response::builder().status(status);
+    for (name, value) in response.headers() {
+        if is_end_to_end(name) {
+            out = out.header(name, value);
+        }
+    }
+    let body = response.bytes().await.unwrap_or_default();
+    out.header(headers::REPLICA, pod)
+        .body(Body::from(body))
+        .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
 }
 
 fn is_end_to_end(name: &HeaderName) -> bool {
@@ -349,6 +326,7 @@ fn stream_back(
     let body = Passthrough {
         upstream: Box::pin(upstream),
         lease,
+        span: tracing::Span::current(),
         sent_at,
         ttft: Some(ttft),
         event_stream,
@@ -364,6 +342,8 @@ type UpstreamBytes = std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>>
 struct Passthrough {
     upstream: UpstreamBytes,
     lease: Lease,
+    /// The request's span: the body streams after the handler that entered it returned.
+    span: tracing::Span,
     sent_at: Instant,
     ttft: Option<prometheus::Histogram>,
     /// Server-sent events: pass whole events only, so that a failure mid-event can still
@@ -413,7 +393,7 @@ impl Passthrough {
                     }
                     Some(Err(error)) => {
                         s.finished = true;
-                        tracing::warn!(replica = %s.lease.pod, %error, "the replica failed mid-response");
+                        tracing::warn!(parent: &s.span, %error, "the replica failed mid-response");
                         let message = format!(
                             "replica {} failed after the response began: {error}",
                             s.lease.pod

@@ -4,7 +4,8 @@
 //! InferenceService), retries on another replica when one fails before answering, and holds
 //! requests for a fleet with no ready replica while it wakes.
 //!
-//! Where a request goes: [`http`] or [`grpc`] → [`route`] (lookup, hold, wake) → [`pool`]
+//! Where a request goes: [`http`] or [`grpc`] read it into a [`request::RoutedRequest`] and
+//! send it through [`retry`] (the attempts) → [`route`] (lookup, hold, wake) → [`pool`]
 //! (per-replica state) → [`policy`] (the pick, pure) — with [`discovery`] (watches) and
 //! [`load`] (the workers' load streams) keeping the view current.
 
@@ -17,6 +18,8 @@ pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod prompt;
+pub mod request;
+pub mod retry;
 pub mod route;
 pub mod server;
 

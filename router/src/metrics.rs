@@ -14,6 +14,9 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     /// Attempts sent to another replica after one failed before its first byte, by reason.
     pub retries: IntCounterVec,
+    /// Requests whose last attempt was refused with no retry left (budget spent or every
+    /// replica tried), by the last refusal's reason.
+    pub retries_exhausted: IntCounterVec,
     /// Requests waiting for a model's first ready replica now.
     pub held: IntGaugeVec,
     /// How long held requests waited, by how the wait ended (`replica`, `timeout`, `gone`).
@@ -44,6 +47,13 @@ impl Metrics {
             Opts::new(
                 "npufleet_router_retries_total",
                 "Requests sent to another replica after a failure before the first byte",
+            ),
+            &["model", "reason"],
+        )?;
+        let retries_exhausted = IntCounterVec::new(
+            Opts::new(
+                "npufleet_router_retries_exhausted_total",
+                "Requests refused by every replica they could be sent to, by the last reason",
             ),
             &["model", "reason"],
         )?;
@@ -104,6 +114,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(retries_exhausted.clone()))?;
         registry.register(Box::new(held.clone()))?;
         registry.register(Box::new(hold_seconds.clone()))?;
         registry.register(Box::new(hold_rejected.clone()))?;
@@ -115,6 +126,7 @@ impl Metrics {
             registry,
             requests,
             retries,
+            retries_exhausted,
             held,
             hold_seconds,
             hold_rejected,

@@ -12,8 +12,6 @@
 //! characters a token). Requests that share a system prompt and differ in their question
 //! land together.
 
-use serde_json::Value;
-
 use crate::policy::{Fnv1a, mix};
 
 /// Bytes of UTF-8 prompt text per token, for cutting blocks without a tokenizer.
@@ -57,51 +55,8 @@ pub fn cache_block_size(metrics: &str) -> Option<usize> {
         .filter(|&size| size > 0)
 }
 
-/// The prompt text of an OpenAI `/v1/completions` or `/v1/chat/completions` body, in the order
-/// the model sees it: each chat message's role and text, or the completion prompt (the first
-/// of a list). Token-id prompts have no text and give `None`.
-pub fn openai_prompt(body: &Value) -> Option<String> {
-    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-        let mut text = String::new();
-        for message in messages {
-            text.push_str(message.get("role").and_then(Value::as_str).unwrap_or(""));
-            text.push('\n');
-            match message.get("content") {
-                Some(Value::String(content)) => text.push_str(content),
-                Some(Value::Array(parts)) => {
-                    for part in parts {
-                        if let Some(part) = part.get("text").and_then(Value::as_str) {
-                            text.push_str(part);
-                        }
-                    }
-                }
-                _ => {}
-            }
-            text.push('\n');
-        }
-        return Some(text);
-    }
-    match body.get("prompt")? {
-        Value::String(prompt) => Some(prompt.clone()),
-        Value::Array(prompts) => prompts.first()?.as_str().map(str::to_owned),
-        _ => None,
-    }
-}
-
-/// The prompt of a KServe v2 REST infer body: the first input whose first element is a string
-/// (the worker's `BYTES` text input).
-pub fn v2_rest_prompt(body: &Value) -> Option<String> {
-    body.get("inputs")?
-        .as_array()?
-        .iter()
-        .find_map(|input| input.get("data")?.as_array()?.first()?.as_str())
-        .map(str::to_owned)
-}
-
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
 
     const BLOCKS: PrefixBlocks = PrefixBlocks { max_blocks: 2 };
@@ -158,41 +113,5 @@ mod tests {
             cache_block_size("vllm:cache_config_info{block_size=\"0\"} 1\n"),
             None
         );
-    }
-
-    #[test]
-    fn chat_messages_give_roles_and_texts_in_order() {
-        let body = json!({"model": "m", "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]},
-        ]});
-        assert_eq!(
-            openai_prompt(&body).unwrap(),
-            "system\nBe brief.\nuser\nHello there\n"
-        );
-    }
-
-    #[test]
-    fn completion_prompts_are_read_as_strings_or_the_first_of_a_list() {
-        assert_eq!(
-            openai_prompt(&json!({"prompt": "Once upon"})).as_deref(),
-            Some("Once upon")
-        );
-        assert_eq!(
-            openai_prompt(&json!({"prompt": ["first", "second"]})).as_deref(),
-            Some("first")
-        );
-        assert_eq!(openai_prompt(&json!({"prompt": [1, 2, 3]})), None);
-        assert_eq!(openai_prompt(&json!({"model": "m"})), None);
-    }
-
-    #[test]
-    fn v2_rest_prompt_is_the_first_text_input() {
-        let body = json!({"inputs": [
-            {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [8]},
-            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Tell me a story"]},
-        ]});
-        assert_eq!(v2_rest_prompt(&body).as_deref(), Some("Tell me a story"));
-        assert_eq!(v2_rest_prompt(&json!({"inputs": []})), None);
     }
 }

@@ -16,15 +16,16 @@ use crate::error::RouteError;
 use crate::metrics::Metrics;
 use crate::pool::{Lease, PickSettings, Pool};
 use crate::prompt::PrefixBlocks;
+use crate::request::RoutedRequest;
+use crate::retry::RetryPolicy;
 
 /// The field manager of the router's writes (only the wake-up annotation).
 pub const FIELD_MANAGER: &str = "npufleet-router";
 
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// Replicas one request may be sent to (the first try included) when earlier ones fail
-    /// before answering.
-    pub max_attempts: usize,
+    /// When a request is tried again on another replica.
+    pub retry: RetryPolicy,
     /// Requests per model that may wait for a ready replica at once.
     pub hold_queue: usize,
     /// How long a request waits for a ready replica before it is answered 503.
@@ -111,15 +112,15 @@ impl Router {
         self.settings.prefix.key(prompt, block_tokens)
     }
 
-    /// A replica of `model_name` for one attempt, skipping the pods in `tried`. With nothing
-    /// tried yet and no replica ready, holds the request until one is (or the hold ends);
-    /// with every replica tried, fails at once, as retrying the same replicas would.
+    /// A replica of the request's model for one attempt, skipping the pods in `tried`. With
+    /// nothing tried yet and no replica ready, holds the request until one is (or the hold
+    /// ends); with every replica tried, fails at once, as retrying the same replicas would.
     pub async fn lease(
         &self,
-        model_name: &str,
-        prefix_key: Option<u64>,
+        request: &RoutedRequest,
         tried: &[String],
     ) -> Result<Lease, RouteError> {
+        let (model_name, prefix_key) = (request.model.as_str(), request.prefix_key);
         let model = self.model(model_name)?;
         if let Some(lease) = self.pick(model_name, &model, prefix_key, tried) {
             return Ok(lease);

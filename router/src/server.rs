@@ -17,6 +17,7 @@ use crate::http::{HttpState, app};
 use crate::metrics::Metrics;
 use crate::pool::{PickSettings, Pool};
 use crate::prompt::PrefixBlocks;
+use crate::retry::RetryPolicy;
 use crate::route::{Router, Settings};
 
 /// Routes OpenAI, KServe v2 REST and Open Inference Protocol requests over the ready replicas
@@ -37,6 +38,13 @@ pub struct Args {
     /// answering (refused, reset, 503 draining, 429 queue full).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub max_attempts: u32,
+    /// Milliseconds to wait before the first retry; each further one waits twice as long, up
+    /// to --retry-backoff-max-ms, less a random part of up to half.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub retry_backoff_ms: u64,
+    /// The longest wait, in milliseconds, between two attempts of one request.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub retry_backoff_max_ms: u64,
     /// Requests per model that may wait at once for a first ready replica; more get 429.
     #[arg(long, default_value_t = 256)]
     pub hold_queue: usize,
@@ -81,12 +89,23 @@ impl Args {
                 self.prefix_load_factor
             );
         }
+        if self.retry_backoff_max_ms < self.retry_backoff_ms {
+            anyhow::bail!(
+                "--retry-backoff-max-ms ({}) must be at least --retry-backoff-ms ({})",
+                self.retry_backoff_max_ms,
+                self.retry_backoff_ms
+            );
+        }
         if self.hold_queue == 0 {
             anyhow::bail!("--hold-queue must be at least 1");
         }
         let load_interval = Duration::from_millis(self.load_interval_ms.into());
         Ok(Settings {
-            max_attempts: self.max_attempts as usize,
+            retry: RetryPolicy {
+                max_attempts: self.max_attempts as usize,
+                backoff_base: Duration::from_millis(self.retry_backoff_ms),
+                backoff_max: Duration::from_millis(self.retry_backoff_max_ms),
+            },
             hold_queue: self.hold_queue,
             hold_timeout: Duration::from_secs(self.hold_timeout_seconds),
             hold_retry_after: Duration::from_secs(self.hold_retry_after_seconds),

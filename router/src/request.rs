@@ -1,0 +1,434 @@
+//! One routed request: what the router reads from a request of any protocol (OpenAI HTTP,
+//! KServe v2 REST, an Open Inference Protocol `ModelInfer` call or one request of a
+//! `ModelStreamInfer` stream) to pick a replica for it and to name it in its logs. The body
+//! itself is passed on to the replica untouched.
+
+use http::HeaderMap;
+use npufleet_contract::headers::{REQUEST_ID, TRACEPARENT};
+use npufleet_contract::proto::inference::ModelInferRequest;
+use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
+use npufleet_contract::trace::TraceParent;
+use serde_json::Value;
+use tonic::metadata::MetadataMap;
+
+use crate::error::RouteError;
+
+/// The worker's text input (see the worker's Open Inference Protocol mapping).
+const TEXT_INPUT: &str = "text_input";
+
+/// The request field (OpenAI) or parameter (Open Inference Protocol) that names a priority.
+const PRIORITY: &str = "priority";
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutedRequest {
+    pub model: String,
+    /// The prompt's prefix-affinity key ([`crate::prompt::PrefixBlocks`]); `None` places the
+    /// request by load alone.
+    pub prefix_key: Option<u64>,
+    /// The client's priority, when it gave an integer one. The replica judges it: a value the
+    /// router cannot read is left for the replica to refuse with its own error.
+    pub priority: Option<i64>,
+    /// The client's name for the request (`x-request-id`, the v2 or OIP request `id`), else
+    /// the trace id, so that every request's log lines share a name.
+    pub id: String,
+    /// The client's trace, or one the router started; passed on to the replica.
+    pub trace: TraceParent,
+}
+
+/// Each constructor takes the prefix-affinity key of a model's prompt as `prefix_key`:
+/// [`crate::route::Router::prefix_key`], or a stand-in in tests.
+impl RoutedRequest {
+    fn new(
+        model: String,
+        prompt: Option<&[u8]>,
+        priority: Option<i64>,
+        id: Option<&str>,
+        trace: Option<TraceParent>,
+        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+    ) -> Self {
+        let trace = trace.unwrap_or_else(|| TraceParent::start(rand::random(), rand::random()));
+        RoutedRequest {
+            prefix_key: prompt.and_then(|prompt| prefix_key(&model, prompt)),
+            model,
+            priority,
+            id: id
+                .filter(|id| !id.is_empty())
+                .map_or_else(|| trace.trace_id_hex(), str::to_owned),
+            trace,
+        }
+    }
+
+    /// An OpenAI `/v1/completions` or `/v1/chat/completions` request.
+    pub fn openai(
+        body: &[u8],
+        headers: &HeaderMap,
+        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+    ) -> Result<Self, RouteError> {
+        let json = parse_json(body)?;
+        let model = match json.get("model") {
+            Some(Value::String(model)) => model.clone(),
+            Some(_) => {
+                return Err(RouteError::BadRequest(
+                    "the field `model` must be a string".to_owned(),
+                ));
+            }
+            None => {
+                return Err(RouteError::BadRequest(
+                    "the request names no model (field `model`)".to_owned(),
+                ));
+            }
+        };
+        let prompt = openai_prompt(&json);
+        Ok(Self::new(
+            model,
+            prompt.as_deref().map(str::as_bytes),
+            json.get(PRIORITY).and_then(Value::as_i64),
+            header(headers, REQUEST_ID),
+            http_trace(headers),
+            prefix_key,
+        ))
+    }
+
+    /// A KServe v2 REST request for `model` (named by its path); an empty body (a metadata or
+    /// readiness call) has no prompt.
+    pub fn v2_rest(
+        model: &str,
+        body: &[u8],
+        headers: &HeaderMap,
+        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+    ) -> Result<Self, RouteError> {
+        let json = if body.is_empty() {
+            Value::Null
+        } else {
+            parse_json(body)?
+        };
+        let prompt = v2_rest_prompt(&json);
+        let id = json
+            .get("id")
+            .and_then(Value::as_str)
+            .or_else(|| header(headers, REQUEST_ID));
+        Ok(Self::new(
+            model.to_owned(),
+            prompt.as_deref().map(str::as_bytes),
+            None,
+            id,
+            http_trace(headers),
+            prefix_key,
+        ))
+    }
+
+    /// An Open Inference Protocol infer request, unary or one of a stream's; `trace` is the
+    /// call's (a stream's requests share the client's, or each starts its own).
+    pub fn oip(
+        message: &ModelInferRequest,
+        trace: Option<TraceParent>,
+        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+    ) -> Self {
+        let priority = message
+            .parameters
+            .get(PRIORITY)
+            .and_then(|p| match p.parameter_choice {
+                Some(ParameterChoice::Int64Param(priority)) => Some(priority),
+                Some(ParameterChoice::Uint64Param(priority)) => i64::try_from(priority).ok(),
+                _ => None,
+            });
+        Self::new(
+            message.model_name.clone(),
+            text_input(message),
+            priority,
+            Some(&message.id),
+            trace,
+            prefix_key,
+        )
+    }
+
+    /// A call that names only a model (Open Inference Protocol model metadata).
+    pub fn named(model: &str, trace: Option<TraceParent>) -> Self {
+        Self::new(
+            model.to_owned(),
+            None,
+            None,
+            None,
+            trace,
+            |_: &str, _: &[u8]| None,
+        )
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name)?.to_str().ok()
+}
+
+/// The client's trace of an HTTP request; an invalid `traceparent` counts as none, as the
+/// specification asks.
+pub fn http_trace(headers: &HeaderMap) -> Option<TraceParent> {
+    TraceParent::parse(header(headers, TRACEPARENT)?)
+}
+
+/// The client's trace of a gRPC call.
+pub fn grpc_trace(metadata: &MetadataMap) -> Option<TraceParent> {
+    TraceParent::parse(metadata.get(TRACEPARENT)?.to_str().ok()?)
+}
+
+fn parse_json(body: &[u8]) -> Result<Value, RouteError> {
+    serde_json::from_slice(body)
+        .map_err(|e| RouteError::BadRequest(format!("the request body is not valid JSON: {e}")))
+}
+
+/// The prompt text of an OpenAI `/v1/completions` or `/v1/chat/completions` body, in the order
+/// the model sees it: each chat message's role and text, or the completion prompt (the first
+/// of a list). Token-id prompts have no text and give `None`.
+fn openai_prompt(body: &Value) -> Option<String> {
+    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+        let mut text = String::new();
+        for message in messages {
+            text.push_str(message.get("role").and_then(Value::as_str).unwrap_or(""));
+            text.push('\n');
+            match message.get("content") {
+                Some(Value::String(content)) => text.push_str(content),
+                Some(Value::Array(parts)) => {
+                    for part in parts {
+                        if let Some(part) = part.get("text").and_then(Value::as_str) {
+                            text.push_str(part);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            text.push('\n');
+        }
+        return Some(text);
+    }
+    match body.get("prompt")? {
+        Value::String(prompt) => Some(prompt.clone()),
+        Value::Array(prompts) => prompts.first()?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// The prompt of a KServe v2 REST infer body: the first input whose first element is a string
+/// (the worker's `BYTES` text input).
+fn v2_rest_prompt(body: &Value) -> Option<String> {
+    body.get("inputs")?
+        .as_array()?
+        .iter()
+        .find_map(|input| input.get("data")?.as_array()?.first()?.as_str())
+        .map(str::to_owned)
+}
+
+/// The prompt of an Open Inference Protocol infer request: its `text_input` tensor's first
+/// element, given in `contents` or, length-prefixed, in `raw_input_contents`.
+fn text_input(request: &ModelInferRequest) -> Option<&[u8]> {
+    let (index, input) = request
+        .inputs
+        .iter()
+        .enumerate()
+        .find(|(_, input)| input.name == TEXT_INPUT)?;
+    if let Some(first) = input
+        .contents
+        .as_ref()
+        .and_then(|c| c.bytes_contents.first())
+    {
+        return Some(first);
+    }
+    let raw = request.raw_input_contents.get(index)?;
+    let length = u32::from_le_bytes(raw.get(..4)?.try_into().ok()?) as usize;
+    raw.get(4..4 + length)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+    use npufleet_contract::proto::inference::model_infer_request::InferInputTensor;
+    use npufleet_contract::proto::inference::{InferParameter, InferTensorContents};
+    use serde_json::json;
+
+    use super::*;
+
+    const CLIENT_TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    /// A stand-in key: the prompt's length, so a test can see which text was keyed.
+    fn length_key(_model: &str, prompt: &[u8]) -> Option<u64> {
+        Some(prompt.len() as u64)
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn an_openai_request_gives_model_prompt_key_priority_and_the_clients_ids() {
+        let body = json!({"model": "m", "prompt": "Once upon", "priority": 3}).to_string();
+        let request = RoutedRequest::openai(
+            body.as_bytes(),
+            &headers(&[(REQUEST_ID, "req-7"), (TRACEPARENT, CLIENT_TRACE)]),
+            length_key,
+        )
+        .unwrap();
+        assert_eq!(request.model, "m");
+        assert_eq!(request.prefix_key, Some(9));
+        assert_eq!(request.priority, Some(3));
+        assert_eq!(request.id, "req-7");
+        assert_eq!(request.trace.to_string(), CLIENT_TRACE);
+    }
+
+    #[test]
+    fn without_the_clients_trace_or_id_the_router_starts_a_trace_and_names_the_request_by_it() {
+        let body = json!({"model": "m", "prompt": [1, 2]}).to_string();
+        let invalid = headers(&[(TRACEPARENT, "00-nonsense")]);
+        let request = RoutedRequest::openai(body.as_bytes(), &invalid, length_key).unwrap();
+        assert_eq!(request.prefix_key, None, "token ids have no text to key");
+        assert_eq!(request.priority, None);
+        assert_eq!(request.id, request.trace.trace_id_hex());
+        let again = RoutedRequest::openai(body.as_bytes(), &invalid, length_key).unwrap();
+        assert_ne!(
+            request.trace, again.trace,
+            "each request starts its own trace"
+        );
+    }
+
+    #[test]
+    fn openai_requests_without_a_readable_model_are_bad_requests() {
+        for (body, wanted) in [
+            ("{\"model\": ", "not valid JSON"),
+            ("{\"prompt\": \"hi\"}", "names no model (field `model`)"),
+            ("{\"model\": 7}", "`model` must be a string"),
+        ] {
+            let error =
+                RoutedRequest::openai(body.as_bytes(), &HeaderMap::new(), length_key).unwrap_err();
+            assert!(
+                matches!(&error, RouteError::BadRequest(m) if m.contains(wanted)),
+                "{body}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_v2_rest_request_takes_its_model_from_the_path_and_its_id_from_the_body() {
+        let body = json!({"id": "v2-1", "inputs": [
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Tell me"]},
+        ]})
+        .to_string();
+        let with_body = headers(&[(REQUEST_ID, "header-id")]);
+        let request = RoutedRequest::v2_rest("m", body.as_bytes(), &with_body, length_key).unwrap();
+        assert_eq!(
+            (
+                request.model.as_str(),
+                request.prefix_key,
+                request.id.as_str()
+            ),
+            ("m", Some(7), "v2-1")
+        );
+        let metadata = RoutedRequest::v2_rest("m", b"", &with_body, length_key).unwrap();
+        assert_eq!(
+            (metadata.prefix_key, metadata.id.as_str()),
+            (None, "header-id")
+        );
+        assert!(RoutedRequest::v2_rest("m", b"{", &with_body, length_key).is_err());
+    }
+
+    #[test]
+    fn chat_messages_give_roles_and_texts_in_order() {
+        let body = json!({"model": "m", "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]},
+        ]});
+        assert_eq!(
+            openai_prompt(&body).unwrap(),
+            "system\nBe brief.\nuser\nHello there\n"
+        );
+    }
+
+    #[test]
+    fn completion_prompts_are_read_as_strings_or_the_first_of_a_list() {
+        assert_eq!(
+            openai_prompt(&json!({"prompt": "Once upon"})).as_deref(),
+            Some("Once upon")
+        );
+        assert_eq!(
+            openai_prompt(&json!({"prompt": ["first", "second"]})).as_deref(),
+            Some("first")
+        );
+        assert_eq!(openai_prompt(&json!({"prompt": [1, 2, 3]})), None);
+        assert_eq!(openai_prompt(&json!({"model": "m"})), None);
+    }
+
+    #[test]
+    fn v2_rest_prompt_is_the_first_text_input() {
+        let body = json!({"inputs": [
+            {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [8]},
+            {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Tell me a story"]},
+        ]});
+        assert_eq!(v2_rest_prompt(&body).as_deref(), Some("Tell me a story"));
+        assert_eq!(v2_rest_prompt(&json!({"inputs": []})), None);
+    }
+
+    fn text(name: &str) -> InferInputTensor {
+        InferInputTensor {
+            name: name.to_owned(),
+            datatype: "BYTES".to_owned(),
+            shape: vec![1],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_oip_request_gives_model_prompt_key_priority_and_id() {
+        let mut message = ModelInferRequest {
+            model_name: "m".to_owned(),
+            id: "oip-1".to_owned(),
+            inputs: vec![text(TEXT_INPUT)],
+            ..Default::default()
+        };
+        message.inputs[0].contents = Some(InferTensorContents {
+            bytes_contents: vec![b"hello".to_vec()],
+            ..Default::default()
+        });
+        message.parameters.insert(
+            PRIORITY.to_owned(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Uint64Param(2)),
+            },
+        );
+        let client = TraceParent::parse(CLIENT_TRACE);
+        let request = RoutedRequest::oip(&message, client, length_key);
+        assert_eq!(request.model, "m");
+        assert_eq!(request.prefix_key, Some(5));
+        assert_eq!(request.priority, Some(2));
+        assert_eq!(request.id, "oip-1");
+        assert_eq!(Some(request.trace), client);
+    }
+
+    #[test]
+    fn text_input_is_read_from_contents_or_raw_bytes() {
+        let mut with_contents = ModelInferRequest {
+            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
+            ..Default::default()
+        };
+        with_contents.inputs[1].contents = Some(InferTensorContents {
+            bytes_contents: vec![b"hello".to_vec()],
+            ..Default::default()
+        });
+        assert_eq!(text_input(&with_contents), Some(&b"hello"[..]));
+
+        let mut raw = 5u32.to_le_bytes().to_vec();
+        raw.extend_from_slice(b"world");
+        let with_raw = ModelInferRequest {
+            inputs: vec![text("max_tokens"), text(TEXT_INPUT)],
+            raw_input_contents: vec![8u32.to_le_bytes().to_vec(), raw],
+            ..Default::default()
+        };
+        assert_eq!(text_input(&with_raw), Some(&b"world"[..]));
+
+        let truncated = ModelInferRequest {
+            inputs: vec![text(TEXT_INPUT)],
+            raw_input_contents: vec![vec![9, 0, 0, 0, b'x']],
+            ..Default::default()
+        };
+        assert_eq!(text_input(&truncated), None);
+    }
+}
