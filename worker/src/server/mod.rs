@@ -111,7 +111,10 @@ pub async fn serve(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    tokio::spawn(track_readiness(shared.clone(), health_reporter));
+    // Every service has a status before the first connection is accepted: a probe that comes
+    // early must read NOT_SERVING, never "service not registered".
+    let initial = report_readiness(&shared, &health_reporter, None).await;
+    tokio::spawn(track_readiness(shared.clone(), health_reporter, initial));
     if let Some(tool) = telemetry::find_npu_smi() {
         tokio::spawn(sample_npus(shared.clone(), tool));
     }
@@ -302,23 +305,35 @@ async fn wait_drained(shared: &Shared, deadline: Instant) -> bool {
 }
 
 /// Keeps gRPC health in step with readiness, for the whole server and the inference service.
-async fn track_readiness(shared: Arc<Shared>, reporter: tonic_health::server::HealthReporter) {
-    let mut last = None;
+async fn track_readiness(
+    shared: Arc<Shared>,
+    reporter: tonic_health::server::HealthReporter,
+    mut last: ServingStatus,
+) {
     let mut ticks = tokio::time::interval(Duration::from_millis(100));
     loop {
         ticks.tick().await;
-        let status = if shared.ready() {
-            ServingStatus::Serving
-        } else {
-            ServingStatus::NotServing
-        };
-        if last != Some(status) {
-            for service in ["", "inference.GRPCInferenceService"] {
-                reporter.set_service_status(service, status).await;
-            }
-            last = Some(status);
+        last = report_readiness(&shared, &reporter, Some(last)).await;
+    }
+}
+
+/// Publishes readiness as the gRPC health of every service, when it differs from `last`.
+async fn report_readiness(
+    shared: &Shared,
+    reporter: &tonic_health::server::HealthReporter,
+    last: Option<ServingStatus>,
+) -> ServingStatus {
+    let status = if shared.ready() {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    if last != Some(status) {
+        for service in ["", "inference.GRPCInferenceService"] {
+            reporter.set_service_status(service, status).await;
         }
     }
+    status
 }
 
 /// Reads `npu-smi info` periodically for the metrics endpoint.
