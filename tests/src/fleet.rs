@@ -75,8 +75,13 @@ pub struct Load {
 impl Load {
     /// Clients that send through the router at `router`.
     pub fn through(router: &RunningRouter) -> Arc<Self> {
+        Self::at(router.url(""))
+    }
+
+    /// Clients that send to `base_url` (`http://host:port`), e.g. a router's Service.
+    pub fn at(base_url: String) -> Arc<Self> {
         Arc::new(Load {
-            base_url: router.url(""),
+            base_url,
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             rejected: AtomicU64::new(0),

@@ -1,32 +1,44 @@
-//! The sample InferenceService (`deploy/samples/cpu-smollm2.yaml`) on the real node: the
-//! operator makes its worker pod from the project's own `smollm2` worker image (imported into
-//! the node's containerd from `tests/setup/images.sh`'s archive), kubelet's probes make it
-//! Ready, and it answers an OpenAI streaming request at its pod address.
+//! The product as a user installs it, on the real node: `helm install` of the chart as shipped
+//! (only the image references set to this build's local images) runs the operator and the
+//! router as pods, Ready by kubelet's probes and reaching the apiserver through the
+//! `kubernetes` Service; the sample InferenceService (`deploy/samples/cpu-smollm2.yaml`) gets a
+//! worker container made Ready by kubelet's probes; a stream goes through the router's Service
+//! ClusterIP from the node and its DNS name answers from a pod; the service scales 1 → 2 → 1
+//! under streaming load with no failed request, the removed pod gone within its grace period;
+//! the worker's memory stays under its cgroup limit.
 //!
 //! Its own test binary: it needs its own real node (one per machine) and the images of this
 //! build.
 
+use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use npufleet_contract::labels;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::InferenceService;
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
-use npufleet_tests::fleet::request_once;
-use npufleet_tests::real_node;
-use npufleet_tests::{crd, operator, paths, wait};
+use npufleet_tests::fleet::{Load, request_once};
+use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL};
+use npufleet_tests::{operator, paths, process, wait};
 use serde_json::json;
 
 const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
+const RELEASE: &str = "npufleet";
+const ROUTER: &str = "npufleet-router";
 const MANAGER: &str = "node-real-worker-test";
 /// Pulling nothing, but starting the engine and warming it up on 2 shared cores.
 const TIMEOUT: Duration = Duration::from_secs(180);
+/// The images of this build the test runs, by their names in `tests/setup/images.sh`.
+const IMAGES: [&str; 3] = ["npufleet-operator", "npufleet-router", "npufleet-worker"];
 
-/// The archive of `image` (`repository:tag`) among the images of this build.
-fn image_archive(image: &str) -> Result<std::path::PathBuf> {
+/// Builds (or finds) this build's images; their archives and `repository:tag` names.
+fn build_images() -> Result<Vec<(String, std::path::PathBuf)>> {
     let script = paths::repo_root().join("tests/setup/images.sh");
     let out = Command::new("bash")
         .arg(&script)
@@ -40,13 +52,10 @@ fn image_archive(image: &str) -> Result<std::path::PathBuf> {
         script.display(),
         out.status
     );
-    // `<repository> <tag> <archive>` lines, the shape of node.sh's image lines.
-    let images = paths::parse_image_lines(&String::from_utf8(out.stdout)?)?;
-    let found = images
+    Ok(paths::parse_image_lines(&String::from_utf8(out.stdout)?)?
         .into_iter()
-        .find(|i| format!("{}:{}", i.name, i.tag) == image)
-        .with_context(|| format!("images.sh built no {image}"))?;
-    Ok(found.path)
+        .map(|i| (format!("{}:{}", i.name, i.tag), i.path))
+        .collect())
 }
 
 fn is_ready(pod: &Pod) -> bool {
@@ -56,12 +65,109 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-#[tokio::test]
-async fn the_sample_serves_a_stream_from_a_container_made_ready_by_kubelets_probes() -> Result<()> {
+/// A namespace that enforces the restricted Pod Security Standard.
+async fn restricted_namespace(c: &Cluster, client: &Client, name: &str) -> Result<String> {
+    let ns = c.namespace(client, name).await?;
+    let labels =
+        json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
+    Api::<Namespace>::all(client.clone())
+        .patch(&ns, &PatchParams::default(), &Patch::Merge(&labels))
+        .await?;
+    Ok(ns)
+}
+
+/// The worker pods of `service`, by name.
+async fn workers(pods: &Api<Pod>, service: &str) -> Result<Vec<Pod>> {
+    let selector = format!("{}={service}", labels::INFERENCE_SERVICE);
+    Ok(pods
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items)
+}
+
+async fn set_replicas(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
+    services
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The pod's memory cgroup (v1, kubelet's cgroupfs layout): peak usage, working set (usage
+/// less inactive file pages, what kubelet evicts and reports by) and limit, in bytes.
+fn memory_of(pod: &Pod) -> Result<(u64, u64, u64)> {
+    let uid = pod.metadata.uid.as_deref().context("the pod has no uid")?;
+    let root = std::path::Path::new("/sys/fs/cgroup/memory/kubepods");
+    let dir = [
+        root.join(format!("pod{uid}")),
+        root.join(format!("burstable/pod{uid}")),
+        root.join(format!("besteffort/pod{uid}")),
+    ]
+    .into_iter()
+    .find(|d| d.is_dir())
+    .with_context(|| format!("no memory cgroup for pod {uid} under {}", root.display()))?;
+    let read = |file: &str| -> Result<String> {
+        std::fs::read_to_string(dir.join(file))
+            .with_context(|| format!("{}", dir.join(file).display()))
+    };
+    let number = |file: &str| -> Result<u64> { Ok(read(file)?.trim().parse()?) };
+    let inactive_file = read("memory.stat")?
+        .lines()
+        .find_map(|l| l.strip_prefix("total_inactive_file "))
+        .context("memory.stat has no total_inactive_file")?
+        .parse::<u64>()?;
+    let usage = number("memory.usage_in_bytes")?;
+    Ok((
+        number("memory.max_usage_in_bytes")?,
+        usage.saturating_sub(inactive_file),
+        number("memory.limit_in_bytes")?,
+    ))
+}
+
+/// The burst that fills the KV cache: requests at once, and the prompt's length in repeats of a
+/// six-token phrase: about 12,000 tokens, of the 20,000 the sample's 1 GiB limit gives.
+const BURST_REQUESTS: usize = 8;
+const BURST_PROMPT_REPEATS: usize = 250;
+
+/// The worker's `vllm:kv_cache_usage_perc`, a fraction.
+async fn kv_cache_usage(http: &reqwest::Client, ip: &str) -> Result<f64> {
+    let metrics = http
+        .get(format!("http://{ip}:{HTTP_PORT}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:kv_cache_usage_perc"))
+        .and_then(|l| l.rsplit_once(' '))
+        .context("no vllm:kv_cache_usage_perc")?
+        .1
+        .parse()
+        .context("vllm:kv_cache_usage_perc")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node() -> Result<()> {
     if let Some(why) = real_node::unavailable() {
         println!("skipping the real-node test: {why}");
         return Ok(());
     }
+    let images = tokio::task::spawn_blocking(build_images).await??;
+    let local = |name: &str| -> Result<&(String, std::path::PathBuf)> {
+        images
+            .iter()
+            .find(|(image, _)| {
+                image.rsplit_once(':').is_some_and(|(repository, tag)| {
+                    repository.ends_with(&format!("/{name}")) && !tag.ends_with("-smollm2")
+                })
+            })
+            .with_context(|| format!("images.sh built no {name}"))
+    };
+
     let mut sample: InferenceService =
         serde_yaml::from_str(&std::fs::read_to_string(paths::repo_root().join(SAMPLE))?)?;
     // The sample names the published image; the same image of this build, by its local name.
@@ -74,22 +180,97 @@ async fn the_sample_serves_a_stream_from_a_container_made_ready_by_kubelets_prob
     let (_, name_and_tag) = published
         .rsplit_once('/')
         .context("the sample's image has no repository path")?;
-    let image = format!("localhost/npufleet/{name_and_tag}");
-    sample.spec.template.image = Some(image.clone());
-    let archive = tokio::task::spawn_blocking(move || image_archive(&image)).await??;
+    let worker_image = format!("localhost/npufleet/{name_and_tag}");
+    sample.spec.template.image = Some(worker_image.clone());
+    // The sample asks a whole core per replica; this node has two, shared with the chart's
+    // pods, and the test runs two replicas.
+    sample
+        .spec
+        .template
+        .resources
+        .get_or_insert_default()
+        .requests
+        .insert(
+            "cpu".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("500m".into()),
+        );
+
+    let mut archives = vec![
+        images
+            .iter()
+            .find(|(image, _)| *image == worker_image)
+            .with_context(|| format!("images.sh built no {worker_image}"))?
+            .1
+            .clone(),
+    ];
+    for name in &IMAGES[..2] {
+        archives.push(local(name)?.1.clone());
+    }
 
     let c = Cluster::start(ClusterOptions::real_node()).await?;
     let node = c.real_node().context("the cluster has a real node")?;
     let imported = Instant::now();
-    node.import(&[archive])?;
+    node.import(&archives)?;
     println!(
-        "worker image imported in {:.1} s",
+        "images imported in {:.1} s",
         imported.elapsed().as_secs_f64()
     );
     let client = c.client().await?;
-    crd::install_inference_service(&client, MANAGER).await?;
-    let ns = c.namespace(&client, "real-node-worker").await?;
-    let _operator = operator::start_with_builtin_autoscaler(&client, &ns)?;
+
+    // helm install, as a user would, with the images of this build.
+    let release_ns = restricted_namespace(&c, &client, "npufleet-system").await?;
+    let repository = |name: &str| -> Result<String> {
+        Ok(local(name)?
+            .0
+            .rsplit_once(':')
+            .context("image tag")?
+            .0
+            .to_owned())
+    };
+    let installed = Instant::now();
+    let mut helm = c.helm();
+    helm.args(["install", RELEASE])
+        .arg(paths::repo_root().join("charts/npufleet"))
+        .args(["--namespace", &release_ns])
+        .args([
+            "--set",
+            &format!("image.repository={}", repository(IMAGES[0])?),
+        ])
+        .args([
+            "--set",
+            &format!("router.image.repository={}", repository(IMAGES[1])?),
+        ])
+        .args([
+            "--set",
+            &format!("workerImage.repository={}", repository(IMAGES[2])?),
+        ]);
+    tokio::task::spawn_blocking(move || process::stdout_of(helm))
+        .await?
+        .context("helm install")?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &release_ns);
+    c.diagnose(
+        wait::until(
+            "the chart's operator and router pods Ready by their probes",
+            TIMEOUT,
+            || async {
+                let list = deployments.list(&ListParams::default()).await?.items;
+                let available = list.len() == 2
+                    && list.iter().all(|d| {
+                        let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+                        d.status.as_ref().and_then(|s| s.available_replicas) == Some(want)
+                    });
+                Ok(available.then_some(()))
+            },
+        )
+        .await,
+    )?;
+    println!(
+        "helm install -> operator and router pods Ready: {:.1} s",
+        installed.elapsed().as_secs_f64()
+    );
+
+    // kubectl apply of the sample.
+    let ns = restricted_namespace(&c, &client, "serving").await?;
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
     let name = sample
         .metadata
@@ -97,47 +278,354 @@ async fn the_sample_serves_a_stream_from_a_container_made_ready_by_kubelets_prob
         .clone()
         .context("the sample has a name")?;
     sample.metadata.namespace = Some(ns.clone());
-
     let created = Instant::now();
     operator::apply(&services, MANAGER, &sample).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pod = c.diagnose(
+    let first = c.diagnose(
         wait::until(
             "a worker pod Ready by kubelet's probes",
             TIMEOUT,
-            || async {
-                let list = pods.list(&ListParams::default()).await?;
-                Ok(list.items.into_iter().find(is_ready))
-            },
+            || async { Ok(workers(&pods, &name).await?.into_iter().find(is_ready)) },
         )
         .await,
     )?;
     println!(
-        "InferenceService applied -> worker pod Ready on the real node: {:.1} s",
+        "InferenceService applied -> worker pod Ready: {:.1} s",
         created.elapsed().as_secs_f64()
     );
-    let ip = pod
-        .status
-        .and_then(|s| s.pod_ip)
-        .context("the Ready pod has no address")?;
 
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()?;
+    // A stream through the router's Service, from the node.
+    let router: Service = Api::namespaced(client.clone(), &release_ns)
+        .get(ROUTER)
+        .await?;
+    let router_ip = router
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the router's Service has no ClusterIP")?;
+    // The chart's router Service listens on the contract's ports, like the workers.
+    let router_port = HTTP_PORT;
+    let base = format!("http://{router_ip}:{router_port}");
     let body = json!({
         "model": sample.spec.model.name,
         "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 8,
+        "max_tokens": 16,
         "stream": true,
     });
-    let url = format!("http://{ip}:{HTTP_PORT}/v1/chat/completions");
-    let asked = Instant::now();
-    request_once(&http, &url, &body)
-        .await
-        .with_context(|| format!("streaming from {url} ({name})"))?;
-    println!(
-        "a streamed answer of 8 tokens from the pod in {:.2} s",
-        asked.elapsed().as_secs_f64()
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(0)
+        .build()?;
+    let url = format!("{base}/v1/chat/completions");
+    // The routers learn of the pod from their watch; until then they hold the request.
+    c.diagnose(
+        wait::until(
+            "a stream through the router's ClusterIP",
+            TIMEOUT,
+            || async { Ok(request_once(&http, &url, &body).await.ok()) },
+        )
+        .await,
+    )?;
+
+    // The router's DNS name, from a pod.
+    let dns_name = format!("{ROUTER}.{release_ns}.svc.{CLUSTER_DOMAIN}");
+    let netcheck = node
+        .images()
+        .iter()
+        .find(|image| image.name == "netcheck")
+        .context("tests/setup/node.sh lists the netcheck image")?
+        .tag
+        .clone();
+    let fetch: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "fetch-models"},
+        "spec": {
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "restartPolicy": "Never",
+            "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "netcheck",
+                "image": netcheck,
+                "imagePullPolicy": "Never",
+                "args": ["fetch", format!("http://{dns_name}:{router_port}/v1/models")],
+                "securityContext": {
+                    "allowPrivilegeEscalation": false,
+                    "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": true,
+                },
+            }],
+        },
+    }))?;
+    pods.create(&PostParams::default(), &fetch).await?;
+    let phase = c.diagnose(
+        wait::until(
+            "the pod fetching /v1/models by DNS name",
+            TIMEOUT,
+            || async {
+                let phase = pods.get("fetch-models").await?.status.and_then(|s| s.phase);
+                Ok(phase.filter(|p| p == "Succeeded" || p == "Failed"))
+            },
+        )
+        .await,
+    )?;
+    let log = pods.logs("fetch-models", &Default::default()).await?;
+    ensure!(
+        phase == "Succeeded" && log.contains(&sample.spec.model.name),
+        "fetching /v1/models from {dns_name} in a pod: {phase}: {log}"
     );
+
+    // Scale 1 -> 2 under streaming load.
+    let load = Load::at(base.clone());
+    load.start(4, "/v1/chat/completions", body.clone());
+    load.wait_sent(8, "requests at one replica").await?;
+    let scaled_up = Instant::now();
+    set_replicas(&services, &name, 2).await?;
+    c.diagnose(
+        wait::until(
+            "both replicas answering through the router",
+            TIMEOUT,
+            || async { Ok((load.answered_by().await.len() == 2).then_some(())) },
+        )
+        .await,
+    )?;
+    println!(
+        "replicas 1 -> 2: second replica answering through the router {:.1} s after the patch",
+        scaled_up.elapsed().as_secs_f64()
+    );
+
+    load.stop().await?;
+    ensure!(
+        load.failed() == 0,
+        "{} of {} requests failed while scaling up: {:?}",
+        load.failed(),
+        load.sent(),
+        load.failures().await
+    );
+
+    // The runtime kills one replica's container: kubelet restarts it, and meanwhile the router
+    // sends every new request to the other. Only streams already running on it may break.
+    let clients = 4;
+    let load = Load::at(base.clone());
+    load.start(clients, "/v1/chat/completions", body.clone());
+    load.wait_sent(8, "requests at two replicas").await?;
+    let victim = workers(&pods, &name)
+        .await?
+        .into_iter()
+        .find(|p| p.metadata.name.as_deref() != first.metadata.name.as_deref())
+        .context("no second replica")?;
+    let victim_name = victim.metadata.name.clone().unwrap_or_default();
+    let container = victim
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first())
+        .and_then(|c| c.container_id.as_deref())
+        .and_then(|id| id.strip_prefix("containerd://"))
+        .context("the second replica has no containerd id")?
+        .to_owned();
+    let survivor = first.metadata.name.clone().unwrap_or_default();
+    let survivor_before = load
+        .answered_by()
+        .await
+        .get(&survivor)
+        .copied()
+        .unwrap_or(0);
+    let mut kill = node.ctr();
+    kill.args(["tasks", "kill", "--signal", "SIGKILL", &container]);
+    process::stdout_of(kill)?;
+    let killed = Instant::now();
+    c.diagnose(
+        wait::until(
+            "the killed container restarted by kubelet and Ready",
+            TIMEOUT,
+            || async {
+                let pod = pods.get(&victim_name).await?;
+                let restarts = pod
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .and_then(|cs| cs.first())
+                    .map_or(0, |c| c.restart_count);
+                Ok((restarts >= 1 && is_ready(&pod)).then_some(()))
+            },
+        )
+        .await,
+    )?;
+    let restarted_in = killed.elapsed();
+    let survivor_answered = load
+        .answered_by()
+        .await
+        .get(&survivor)
+        .copied()
+        .unwrap_or(0)
+        - survivor_before;
+    load.stop().await?;
+    println!(
+        "a killed worker container: restarted and Ready again in {:.1} s; meanwhile {survivor_answered} answers from the other replica; requests sent {}, failed {}",
+        restarted_in.as_secs_f64(),
+        load.sent(),
+        load.failed(),
+    );
+    ensure!(
+        survivor_answered > 0,
+        "no request was answered while {victim_name} restarted"
+    );
+    ensure!(
+        load.failed() <= u64::from(clients),
+        "{} requests failed, more than the {clients} that can have been running on the killed container: {:?}",
+        load.failed(),
+        load.failures().await
+    );
+
+    // Scale 2 -> 1 under load: the removed pod drains and goes within its grace.
+    let load = Load::at(base.clone());
+    load.start(clients, "/v1/chat/completions", body.clone());
+    load.wait_sent(8, "requests before the scale-down").await?;
+    let before: HashSet<String> = workers(&pods, &name)
+        .await?
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    let scaled_down = Instant::now();
+    set_replicas(&services, &name, 1).await?;
+    let grace = Duration::from_secs(
+        first
+            .spec
+            .as_ref()
+            .and_then(|s| s.termination_grace_period_seconds)
+            .context("the worker pod has no grace period")? as u64,
+    );
+    let deleting_since = std::sync::Mutex::new(None);
+    let removed = c.diagnose(
+        wait::until("one replica left", TIMEOUT, || async {
+            let now = workers(&pods, &name).await?;
+            if now.iter().any(|p| p.metadata.deletion_timestamp.is_some()) {
+                deleting_since
+                    .lock()
+                    .expect("deletion time")
+                    .get_or_insert_with(Instant::now);
+            }
+            let names: HashSet<String> = now.into_iter().filter_map(|p| p.metadata.name).collect();
+            Ok((names.len() == 1).then(|| before.difference(&names).cloned().collect::<Vec<_>>()))
+        })
+        .await,
+    )?;
+    let drained_in = deleting_since
+        .into_inner()
+        .expect("deletion time")
+        .map_or(Duration::ZERO, |t: Instant| t.elapsed());
+    load.wait_sent(8, "requests after the scale-down").await?;
+    load.stop().await?;
+    println!(
+        "replicas 2 -> 1: {removed:?} gone {:.1} s after the patch, {:.1} s after its deletion (grace {} s); requests sent {}, failed {}, refused as overload {}",
+        scaled_down.elapsed().as_secs_f64(),
+        drained_in.as_secs_f64(),
+        grace.as_secs(),
+        load.sent(),
+        load.failed(),
+        load.rejected(),
+    );
+    ensure!(
+        load.failed() == 0,
+        "{} of {} requests failed: {:?}",
+        load.failed(),
+        load.sent(),
+        load.failures().await
+    );
+    ensure!(
+        drained_in < grace,
+        "the removed pod took {drained_in:?}, beyond its grace period {grace:?}"
+    );
+
+    // A burst of long, distinct prompts, enough to fill most of the KV cache at once.
+    // Prefill of the whole burst shares two cores with everything else here.
+    let patient = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()?;
+    let burst_started = Instant::now();
+    let burst: Vec<_> = (0..BURST_REQUESTS)
+        .map(|i| {
+            let http = patient.clone();
+            let url = url.clone();
+            let prompt = format!(
+                "{i} {}",
+                "tell me more about the sea ".repeat(BURST_PROMPT_REPEATS)
+            );
+            let body = json!({
+                "model": sample.spec.model.name,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 8,
+                "stream": true,
+            });
+            tokio::spawn(async move { request_once(&http, &url, &body).await })
+        })
+        .collect();
+    let mut kv_peak = 0.0_f64;
+    let left_ip = workers(&pods, &name)
+        .await?
+        .into_iter()
+        .find_map(|p| p.status.and_then(|s| s.pod_ip))
+        .context("no worker address")?;
+    while !burst.iter().all(|b| b.is_finished()) {
+        kv_peak = kv_peak.max(kv_cache_usage(&http, &left_ip).await.unwrap_or(0.0));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for request in burst {
+        request.await?.context("a request of the burst")?;
+    }
+    println!(
+        "a burst of {BURST_REQUESTS} long prompts: answered in {:.1} s, peak KV-cache use {:.0}%",
+        burst_started.elapsed().as_secs_f64(),
+        kv_peak * 100.0
+    );
+
+    // The remaining worker was never OOM-killed, and stays under its cgroup limit.
+    let left = workers(&pods, &name)
+        .await?
+        .into_iter()
+        .next()
+        .context("no worker left")?;
+    let status = left
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.first())
+        .context("the worker has no container status")?;
+    ensure!(
+        status.restart_count == 0
+            && status
+                .last_state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .is_none(),
+        "the worker container restarted: {:?}",
+        status.last_state
+    );
+    let (peak, working_set, limit) = memory_of(&left)?;
+    println!(
+        "worker memory: peak {} MiB, working set {} MiB, limit {} MiB",
+        peak >> 20,
+        working_set >> 20,
+        limit >> 20
+    );
+    ensure!(
+        working_set < limit,
+        "working set {working_set} at or above the limit {limit}"
+    );
+    let pod_ip = left
+        .status
+        .and_then(|s| s.pod_ip)
+        .context("the worker has no address")?;
+    let metrics = http
+        .get(format!("http://{pod_ip}:{HTTP_PORT}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let cache = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info"))
+        .context("the worker exports no vllm:cache_config_info")?;
+    println!("worker KV cache, sized from its limit: {cache}");
     Ok(())
 }

@@ -29,6 +29,8 @@ use crate::wait;
 /// The Services' ClusterIP range: part of 198.18.0.0/15 (RFC 2544), which no real network
 /// uses, so no Service address can shadow one the machine reaches.
 pub const SERVICE_CLUSTER_IP_RANGE: &str = "198.19.0.0/16";
+/// The `kubernetes` Service's ClusterIP: the first address of [`SERVICE_CLUSTER_IP_RANGE`].
+pub const KUBERNETES_SERVICE_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 19, 0, 1);
 
 /// The label KWOK selects the nodes it fakes by.
 pub const KWOK_NODE_LABEL: &str = "npufleet.io/fake-node";
@@ -264,11 +266,19 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
 
     let server_key = KeyPair::generate()?;
+    // Pods reach the apiserver at the `kubernetes` Service, by its ClusterIP
+    // (KUBERNETES_SERVICE_HOST) or its DNS names.
     let mut server_params = CertificateParams::new(vec![
         "127.0.0.1".to_string(),
         "localhost".to_string(),
+        KUBERNETES_SERVICE_IP.to_string(),
         "kubernetes".to_string(),
+        "kubernetes.default".to_string(),
         "kubernetes.default.svc".to_string(),
+        format!(
+            "kubernetes.default.svc.{}",
+            crate::real_node::CLUSTER_DOMAIN
+        ),
     ])?;
     server_params
         .distinguished_name

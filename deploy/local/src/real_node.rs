@@ -5,7 +5,9 @@
 //!
 //! Pods get addresses of [`POD_CIDR`] on a bridge the node makes, with a route to
 //! 198.18.0.0/15 only: no default route, no masquerade, and the host drops whatever a pod sends
-//! anywhere but the bridge, so no pod traffic leaves the machine.
+//! anywhere but the bridge, so no pod traffic leaves the machine. Pods reach the apiserver, which
+//! listens on loopback only, through the `kubernetes` Service: its endpoint is a relay on the
+//! bridge address, so the chart's operator and router run in-cluster as they do on CCE.
 //!
 //! The node takes host-wide names (the bridge, kube-proxy's iptables chains, the `kubepods`
 //! cgroups, port 53 on the bridge address), so one machine runs one at a time: a second is
@@ -15,16 +17,18 @@
 //! groups, its pods' containers by [`RealNode`]'s drop or the exit clean-up.
 
 use std::io::ErrorKind;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -71,6 +75,8 @@ pub struct RealNode {
     images: Vec<ImageArchive>,
     clean_up: u64,
     started_in: Duration,
+    /// Pods' way to the apiserver, which listens on loopback only.
+    _relay: Option<ApiRelay>,
     /// Held for as long as the node runs: one real node per machine.
     _claim: UnixListener,
 }
@@ -111,9 +117,13 @@ impl RealNode {
             images,
             clean_up: process::register_clean_up(tear_down),
             started_in: Duration::ZERO,
+            _relay: None,
             _claim: claim,
         };
         make_network()?;
+        let api_port = cluster_api_port(cluster)?;
+        let relay = ApiRelay::start(api_port)?;
+        publish_apiserver(client, api_port).await?;
 
         let containerd_config = dir.join("containerd.toml");
         std::fs::write(&containerd_config, containerd_toml(&dir, &pause))?;
@@ -224,6 +234,7 @@ impl RealNode {
             .await
             .map_err(|e| anyhow::anyhow!("{e:#}{}", node.log_tails(20)))?;
         }
+        node._relay = Some(relay);
         node.started_in = started.elapsed();
         Ok(node)
     }
@@ -296,6 +307,94 @@ impl Drop for RealNode {
         tear_down();
         process::unregister_clean_up(self.clean_up);
     }
+}
+
+/// The apiserver's port, from the cluster's URL.
+fn cluster_api_port(cluster: &Cluster) -> Result<u16> {
+    let url = cluster.server_url();
+    url.rsplit_once(':')
+        .and_then(|(_, port)| port.parse().ok())
+        .with_context(|| format!("no port in the apiserver's URL {url}"))
+}
+
+/// Relays TCP from the node's bridge address to the apiserver on loopback, so that pods reach
+/// it through the `kubernetes` Service without the apiserver listening beyond loopback. Stops
+/// accepting when dropped.
+struct ApiRelay {
+    stop: Arc<AtomicBool>,
+    address: std::net::SocketAddr,
+}
+
+impl ApiRelay {
+    fn start(api_port: u16) -> Result<ApiRelay> {
+        let address = std::net::SocketAddr::from((NODE_ADDRESS, api_port));
+        let listener = TcpListener::bind(address)
+            .with_context(|| format!("listening on {address} for the apiserver relay"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("apiserver-relay".into())
+            .spawn(move || {
+                for pod in listener.incoming() {
+                    if stopped.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(pod) = pod else { continue };
+                    let Ok(apiserver) = TcpStream::connect((Ipv4Addr::LOCALHOST, api_port)) else {
+                        continue;
+                    };
+                    let _ = relay_both_ways(pod, apiserver);
+                }
+            })?;
+        Ok(ApiRelay { stop, address })
+    }
+}
+
+impl Drop for ApiRelay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accept loop so that it sees the flag and closes the listener.
+        let _ = TcpStream::connect(self.address);
+    }
+}
+
+fn relay_both_ways(a: TcpStream, b: TcpStream) -> std::io::Result<()> {
+    for (mut from, mut to) in [(a.try_clone()?, b.try_clone()?), (b, a)] {
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from, &mut to);
+            let _ = to.shutdown(std::net::Shutdown::Write);
+        });
+    }
+    Ok(())
+}
+
+/// Points the `kubernetes` Service at the relay. The apiserver keeps no endpoints of its own
+/// (`--endpoint-reconciler-type=none`: it listens on loopback, which no endpoint may name).
+async fn publish_apiserver(client: &Client, api_port: u16) -> Result<()> {
+    let slice = json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kubernetes",
+            "namespace": "default",
+            "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "npufleet-local",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [NODE_ADDRESS.to_string()], "conditions": {"ready": true}}],
+        "ports": [{"name": "https", "port": api_port, "protocol": "TCP"}],
+    });
+    Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .patch(
+            "kubernetes",
+            &PatchParams::apply("npufleet-local").force(),
+            &Patch::Apply(slice),
+        )
+        .await
+        .context("publishing the apiserver as the kubernetes Service's endpoint")?;
+    Ok(())
 }
 
 /// One real node per machine: an abstract Unix socket held while it runs (released however
