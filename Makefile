@@ -14,11 +14,15 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run test setup lint build images unit-and-e2e python-clients crds bench bench-7b-shape bench-router bench-autoscaler scale-test fuzz chaos
+.PHONY: run run-real-node test setup lint build images unit-and-e2e python-clients crds bench bench-7b-shape bench-router bench-autoscaler scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) run --release -p npufleet-local -- --target-dir "$(CARGO_TARGET_DIR)/release"
+
+run-real-node: setup
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) run --release -p npufleet-local -- --target-dir "$(CARGO_TARGET_DIR)/release" --real-node
 
 setup:
 	@tests/setup/control-plane.sh >/dev/null

@@ -12,4 +12,6 @@ pub mod inventory;
 pub mod monitoring;
 pub mod operator;
 
-pub use npufleet_local::{cluster, crd, net, node_agent, paths, process, real_node, runtime, wait};
+pub use npufleet_local::{
+    chart, cluster, crd, net, node_agent, paths, process, real_node, runtime, wait,
+};

@@ -13,57 +13,28 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_crds::InferenceService;
+use npufleet_tests::chart::{self, LocalImages};
+use npufleet_tests::paths::ImageArchive;
 use npufleet_tests::{net, paths, wait};
 use serde_json::{Value, json};
 
 const NONROOT: &str = "65532:65532";
 const SMOLLM2_SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
 
-/// One line of `images.sh`'s output.
-#[derive(Debug)]
-struct Image {
-    repository: String,
-    tag: String,
-    archive: PathBuf,
-}
-
 /// The images of this build, built on first use (cached by the script between runs).
-fn images() -> Result<&'static [Image]> {
-    static IMAGES: OnceLock<Vec<Image>> = OnceLock::new();
+fn images() -> Result<&'static [ImageArchive]> {
+    static IMAGES: OnceLock<Vec<ImageArchive>> = OnceLock::new();
     if let Some(images) = IMAGES.get() {
         return Ok(images);
     }
-    let script = paths::repo_root().join("tests/setup/images.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .env("NPUFLEET_BINARIES", paths::target_bin_dir())
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    ensure!(
-        out.status.success(),
-        "{} failed ({})",
-        script.display(),
-        out.status
-    );
-    let images = String::from_utf8(out.stdout)?
-        .lines()
-        .map(|line| match line.split(' ').collect::<Vec<_>>()[..] {
-            [repository, tag, archive] => Ok(Image {
-                repository: repository.into(),
-                tag: tag.into(),
-                archive: archive.into(),
-            }),
-            _ => bail!("images.sh printed {line:?}, not `<repository> <tag> <archive>`"),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(IMAGES.get_or_init(|| images))
+    let built = LocalImages::build(&paths::target_bin_dir())?;
+    Ok(IMAGES.get_or_init(|| built.all().into_iter().cloned().collect()))
 }
 
-fn image(repository: &str, tag: &str) -> Result<&'static Image> {
+fn image(repository: &str, tag: &str) -> Result<&'static ImageArchive> {
     images()?
         .iter()
-        .find(|i| i.repository == repository && i.tag == tag)
+        .find(|i| i.name == repository && i.tag == tag)
         .with_context(|| format!("images.sh built no {repository}:{tag}"))
 }
 
@@ -216,8 +187,8 @@ fn archives_carry_the_chart_tags_entrypoints_nonroot_user_and_ports() -> Result<
             .next()
             .unwrap_or(chart_repository);
         let image = image(&format!("localhost/npufleet/{name}"), &tag)?;
-        let archive = Archive::unpack(&image.archive)?;
-        let reference = format!("{}:{}", image.repository, image.tag);
+        let archive = Archive::unpack(&image.path)?;
+        let reference = chart::reference(image);
         assert_eq!(
             archive.manifest["RepoTags"],
             json!([reference]),
@@ -243,7 +214,7 @@ fn archives_carry_the_chart_tags_entrypoints_nonroot_user_and_ports() -> Result<
         .image_path
         .context("the sample has no imagePath")?;
     let smollm2 = image(&format!("localhost/npufleet/{sample_name}"), sample_tag)?;
-    let archive = Archive::unpack(&smollm2.archive)?;
+    let archive = Archive::unpack(&smollm2.path)?;
     let mut found = false;
     for layer in archive.layers()? {
         let files = String::from_utf8(tar(&["-tf".as_ref(), layer.as_os_str()])?)?;
@@ -254,7 +225,7 @@ fn archives_carry_the_chart_tags_entrypoints_nonroot_user_and_ports() -> Result<
     ensure!(
         found,
         "{model} is in no layer of {}",
-        smollm2.archive.display()
+        smollm2.path.display()
     );
     Ok(())
 }
@@ -270,8 +241,8 @@ struct Container {
 impl Container {
     /// Unpacks `image` under `dir` and starts its entrypoint with `args` (the image's CMD when
     /// empty) as the image's user, on a read-only root and the host's network.
-    fn run(image: &Image, dir: &Path, args: &[String]) -> Result<Self> {
-        let archive = Archive::unpack(&image.archive)?;
+    fn run(image: &ImageArchive, dir: &Path, args: &[String]) -> Result<Self> {
+        let archive = Archive::unpack(&image.path)?;
         let bundle = dir.join("bundle");
         let rootfs = bundle.join("rootfs");
         std::fs::create_dir_all(&rootfs)?;

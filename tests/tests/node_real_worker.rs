@@ -11,17 +11,16 @@
 //! build.
 
 use std::collections::HashSet;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use npufleet_contract::labels;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::InferenceService;
+use npufleet_tests::chart::{self, LocalImages};
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::fleet::{Load, request_once};
 use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL};
@@ -29,34 +28,9 @@ use npufleet_tests::{operator, paths, process, wait};
 use serde_json::json;
 
 const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
-const RELEASE: &str = "npufleet";
-const ROUTER: &str = "npufleet-router";
 const MANAGER: &str = "node-real-worker-test";
 /// Pulling nothing, but starting the engine and warming it up on 2 shared cores.
 const TIMEOUT: Duration = Duration::from_secs(180);
-/// The images of this build the test runs, by their names in `tests/setup/images.sh`.
-const IMAGES: [&str; 3] = ["npufleet-operator", "npufleet-router", "npufleet-worker"];
-
-/// Builds (or finds) this build's images; their archives and `repository:tag` names.
-fn build_images() -> Result<Vec<(String, std::path::PathBuf)>> {
-    let script = paths::repo_root().join("tests/setup/images.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .env("NPUFLEET_BINARIES", paths::target_bin_dir())
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    ensure!(
-        out.status.success(),
-        "{} failed ({})",
-        script.display(),
-        out.status
-    );
-    Ok(paths::parse_image_lines(&String::from_utf8(out.stdout)?)?
-        .into_iter()
-        .map(|i| (format!("{}:{}", i.name, i.tag), i.path))
-        .collect())
-}
 
 fn is_ready(pod: &Pod) -> bool {
     pod.status
@@ -156,18 +130,8 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         println!("skipping the real-node test: {why}");
         return Ok(());
     }
-    let images = tokio::task::spawn_blocking(build_images).await??;
-    let local = |name: &str| -> Result<&(String, std::path::PathBuf)> {
-        images
-            .iter()
-            .find(|(image, _)| {
-                image.rsplit_once(':').is_some_and(|(repository, tag)| {
-                    repository.ends_with(&format!("/{name}")) && !tag.ends_with("-smollm2")
-                })
-            })
-            .with_context(|| format!("images.sh built no {name}"))
-    };
-
+    let images =
+        tokio::task::spawn_blocking(|| LocalImages::build(&paths::target_bin_dir())).await??;
     let mut sample: InferenceService =
         serde_yaml::from_str(&std::fs::read_to_string(paths::repo_root().join(SAMPLE))?)?;
     // The sample names the published image; the same image of this build, by its local name.
@@ -177,11 +141,17 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         .image
         .clone()
         .context("the sample names no image")?;
-    let (_, name_and_tag) = published
-        .rsplit_once('/')
-        .context("the sample's image has no repository path")?;
-    let worker_image = format!("localhost/npufleet/{name_and_tag}");
-    sample.spec.template.image = Some(worker_image.clone());
+    let worker_image = chart::reference(&images.worker_smollm2);
+    ensure!(
+        published
+            .rsplit_once('/')
+            .map(|(_, name_and_tag)| name_and_tag)
+            == worker_image
+                .rsplit_once('/')
+                .map(|(_, name_and_tag)| name_and_tag),
+        "the sample names {published}, this build's smollm2 worker is {worker_image}"
+    );
+    sample.spec.template.image = Some(worker_image);
     // The sample asks a whole core per replica; this node has two, shared with the chart's
     // pods, and the test runs two replicas.
     sample
@@ -195,22 +165,10 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
             k8s_openapi::apimachinery::pkg::api::resource::Quantity("500m".into()),
         );
 
-    let mut archives = vec![
-        images
-            .iter()
-            .find(|(image, _)| *image == worker_image)
-            .with_context(|| format!("images.sh built no {worker_image}"))?
-            .1
-            .clone(),
-    ];
-    for name in &IMAGES[..2] {
-        archives.push(local(name)?.1.clone());
-    }
-
     let c = Cluster::start(ClusterOptions::real_node()).await?;
     let node = c.real_node().context("the cluster has a real node")?;
     let imported = Instant::now();
-    node.import(&archives)?;
+    node.import(&images.archives())?;
     println!(
         "images imported in {:.1} s",
         imported.elapsed().as_secs_f64()
@@ -219,51 +177,8 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
 
     // helm install, as a user would, with the images of this build.
     let release_ns = restricted_namespace(&c, &client, "npufleet-system").await?;
-    let repository = |name: &str| -> Result<String> {
-        Ok(local(name)?
-            .0
-            .rsplit_once(':')
-            .context("image tag")?
-            .0
-            .to_owned())
-    };
     let installed = Instant::now();
-    let mut helm = c.helm();
-    helm.args(["install", RELEASE])
-        .arg(paths::repo_root().join("charts/npufleet"))
-        .args(["--namespace", &release_ns])
-        .args([
-            "--set",
-            &format!("image.repository={}", repository(IMAGES[0])?),
-        ])
-        .args([
-            "--set",
-            &format!("router.image.repository={}", repository(IMAGES[1])?),
-        ])
-        .args([
-            "--set",
-            &format!("workerImage.repository={}", repository(IMAGES[2])?),
-        ]);
-    tokio::task::spawn_blocking(move || process::stdout_of(helm))
-        .await?
-        .context("helm install")?;
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &release_ns);
-    c.diagnose(
-        wait::until(
-            "the chart's operator and router pods Ready by their probes",
-            TIMEOUT,
-            || async {
-                let list = deployments.list(&ListParams::default()).await?.items;
-                let available = list.len() == 2
-                    && list.iter().all(|d| {
-                        let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-                        d.status.as_ref().and_then(|s| s.available_replicas) == Some(want)
-                    });
-                Ok(available.then_some(()))
-            },
-        )
-        .await,
-    )?;
+    chart::install(&c, &release_ns, &images).await?;
     println!(
         "helm install -> operator and router pods Ready: {:.1} s",
         installed.elapsed().as_secs_f64()
@@ -295,16 +210,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     );
 
     // A stream through the router's Service, from the node.
-    let router: Service = Api::namespaced(client.clone(), &release_ns)
-        .get(ROUTER)
-        .await?;
-    let router_ip = router
-        .spec
-        .and_then(|s| s.cluster_ip)
-        .context("the router's Service has no ClusterIP")?;
-    // The chart's router Service listens on the contract's ports, like the workers.
-    let router_port = HTTP_PORT;
-    let base = format!("http://{router_ip}:{router_port}");
+    let base = chart::router_url(&c, &release_ns).await?;
     let body = json!({
         "model": sample.spec.model.name,
         "messages": [{"role": "user", "content": "Say hello."}],
@@ -327,7 +233,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     )?;
 
     // The router's DNS name, from a pod.
-    let dns_name = format!("{ROUTER}.{release_ns}.svc.{CLUSTER_DOMAIN}");
+    let dns_name = format!("{}.{release_ns}.svc.{CLUSTER_DOMAIN}", chart::ROUTER);
     let netcheck = node
         .images()
         .iter()
@@ -347,7 +253,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
                 "name": "netcheck",
                 "image": netcheck,
                 "imagePullPolicy": "Never",
-                "args": ["fetch", format!("http://{dns_name}:{router_port}/v1/models")],
+                "args": ["fetch", format!("http://{dns_name}:{HTTP_PORT}/v1/models")],
                 "securityContext": {
                     "allowPrivilegeEscalation": false,
                     "capabilities": {"drop": ["ALL"]},

@@ -3,6 +3,8 @@
 //! (the node agent plays the kubelet), `npufleet-router` runs as its own process in front of
 //! them, a burst of streaming chat clients loads them through it, and a
 //! line a second shows the fleet scaling up under the burst and back down after it.
+//! `--real-node` (`make run-real-node`) runs the same demo as a user's cluster would: this
+//! build's images on a real node, the operator and the router installed by the chart.
 //!
 //! Everything it starts belongs to this process and stops with it (Ctrl-C).
 
@@ -21,6 +23,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
+use npufleet_local::chart::{self, LocalImages};
 use npufleet_local::cluster::{Cluster, ClusterOptions};
 use npufleet_local::net::free_port;
 use npufleet_local::node_agent::{self, NodeAgent, NodeAgentConfig};
@@ -59,6 +62,11 @@ struct Args {
     /// Exit after the summary instead of serving until Ctrl-C.
     #[arg(long)]
     exit_after_demo: bool,
+    /// Run the fleet as a user's cluster would: a real node (containerd, kubelet, kube-proxy,
+    /// CoreDNS; needs root) running this build's images, with the operator and the router
+    /// installed by `helm install` of the chart. Default: processes, which start in seconds.
+    #[arg(long)]
+    real_node: bool,
 }
 
 /// The product's binaries the platform runs.
@@ -97,9 +105,18 @@ impl Binaries {
     }
 }
 
-/// The shipped sample, pointed at the cached model and at the local node, with built-in
-/// autoscaling and one engine thread per worker so that three replicas fit two cores.
-fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService> {
+/// What runs a worker pod.
+enum Worker<'a> {
+    /// The node agent's process, reading this model file.
+    Process(&'a Path),
+    /// This build's smollm2 worker image, on the real node.
+    Image(&'a LocalImages),
+}
+
+/// The shipped sample with built-in autoscaling and one engine thread per worker, so that
+/// three replicas fit two cores: pointed at the cached model and the node agent, or at this
+/// build's image on the real node.
+fn service_from_sample(namespace: &str, worker: Worker) -> Result<InferenceService> {
     let sample_path = paths::repo_root().join(SAMPLE);
     let text = std::fs::read_to_string(&sample_path)
         .with_context(|| format!("reading {}", sample_path.display()))?;
@@ -111,10 +128,6 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
         .and_then(Value::as_object_mut)
         .with_context(|| format!("{SAMPLE} has no spec"))?;
     spec.insert(
-        "model".into(),
-        json!({"name": SERVICE, "format": "gguf", "source": {"imagePath": model.display().to_string()}}),
-    );
-    spec.insert(
         "engine".into(),
         json!({"maxBatchSize": 32, "warmupIterations": 1, "drainSeconds": 60}),
     );
@@ -122,7 +135,32 @@ fn service_from_sample(namespace: &str, model: &Path) -> Result<InferenceService
         "autoscaling".into(),
         json!({"mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "targetQueueDepth": TARGET_QUEUE}),
     );
-    spec.insert("scheduling".into(), node_agent::scheduling(NODE));
+    match worker {
+        Worker::Process(model) => {
+            spec.insert(
+                "model".into(),
+                json!({"name": SERVICE, "format": "gguf", "source": {"imagePath": model.display().to_string()}}),
+            );
+            spec.insert("scheduling".into(), node_agent::scheduling(NODE));
+        }
+        Worker::Image(images) => {
+            // The model baked into the image, under the name the demo's clients ask for.
+            spec.get_mut("model")
+                .and_then(Value::as_object_mut)
+                .with_context(|| format!("{SAMPLE} has no spec.model"))?
+                .insert("name".into(), json!(SERVICE));
+            let template = spec
+                .get_mut("template")
+                .and_then(Value::as_object_mut)
+                .with_context(|| format!("{SAMPLE} has no spec.template"))?;
+            template.insert(
+                "image".into(),
+                json!(chart::reference(&images.worker_smollm2)),
+            );
+            // Three replicas and the chart's pods on a node of two cores.
+            template["resources"]["requests"]["cpu"] = json!("500m");
+        }
+    }
     spec.get_mut("template")
         .and_then(Value::as_object_mut)
         .with_context(|| format!("{SAMPLE} has no spec.template"))?
@@ -248,15 +286,14 @@ async fn record_failures(pods: Api<Pod>, failures: Arc<std::sync::Mutex<Vec<PodF
 }
 
 /// The summary's lines on failed pods: how many, and the latest few reasons.
-fn failed_pods_summary(failures: &[PodFailure], pod_logs: &Path) -> String {
+fn failed_pods_summary(failures: &[PodFailure], pod_logs: &str) -> String {
     const SHOWN: usize = 3;
     if failures.is_empty() {
         return "  failed pods:      none\n".to_owned();
     }
     let mut text = format!(
-        "  failed pods:      {} (worker logs in {})\n",
+        "  failed pods:      {} (worker logs: {pod_logs})\n",
         failures.len(),
-        pod_logs.display()
     );
     for failure in &failures[failures.len().saturating_sub(SHOWN)..] {
         text.push_str(&format!("    {}: {}\n", failure.pod, failure.message));
@@ -319,45 +356,166 @@ async fn print_tick(
     *last_tokens = tokens;
 }
 
+/// Where the demo's fleet runs.
+enum Fleet {
+    /// Worker pods as the node agent's processes; the operator and the router as processes.
+    Processes {
+        operator: Process,
+        operator_log: PathBuf,
+        router: RunningRouter,
+        pod_logs: PathBuf,
+        _agent: NodeAgent,
+    },
+    /// The chart's operator and router pods and the worker containers, on the real node.
+    RealNode {
+        router: String,
+        release_namespace: String,
+        images: LocalImages,
+    },
+}
+
+impl Fleet {
+    async fn processes(cluster: &Cluster, namespace: &str, binaries: Binaries) -> Result<Fleet> {
+        let pod_logs = cluster.scratch().join("pods");
+        let agent = NodeAgent::start(
+            cluster.client().await?,
+            NodeAgentConfig::new(NODE, binaries.worker, pod_logs.clone(), 60),
+        )
+        .await?;
+        let operator_log = cluster.scratch().join("npufleet-operator.log");
+        let mut cmd = Command::new(&binaries.operator);
+        cmd.args([
+            "--metrics-addr",
+            &format!("127.0.0.1:{}", free_port()?),
+            "--leader-election=false",
+            // HPA mode is not part of the demo; the built-in autoscaler runs in the operator.
+            "--external-metrics-addr=",
+        ])
+        .env("KUBECONFIG", cluster.kubeconfig())
+        .env("RUST_LOG", "info");
+        let operator = Process::start("npufleet-operator", cmd, &operator_log)?;
+        // The product's front door: every client request goes through it.
+        let router = RunningRouter::start_binary(
+            &binaries.router,
+            cluster,
+            cluster.kubeconfig(),
+            "npufleet-router",
+            namespace,
+            &[],
+        )
+        .await?;
+        println!(
+            "npufleet-router serving http://{} (OpenAI, KServe v2 REST) and {} (gRPC)",
+            router.http, router.grpc
+        );
+        Ok(Fleet::Processes {
+            operator,
+            operator_log,
+            router,
+            pod_logs,
+            _agent: agent,
+        })
+    }
+
+    async fn real_node(cluster: &Cluster, binaries: &Binaries) -> Result<Fleet> {
+        let node = cluster
+            .real_node()
+            .context("the cluster has no real node")?;
+        let dir = binaries
+            .worker
+            .parent()
+            .context("the worker binary has no directory")?
+            .to_path_buf();
+        println!("building this build's images (tests/setup/images.sh)");
+        let images = tokio::task::spawn_blocking(move || LocalImages::build(&dir)).await??;
+        node.import(&images.archives())?;
+        let client = cluster.client().await?;
+        let release_namespace = cluster.namespace(&client, "npufleet-system").await?;
+        let installed = Instant::now();
+        chart::install(cluster, &release_namespace, &images).await?;
+        let router = chart::router_url(cluster, &release_namespace).await?;
+        println!(
+            "helm install: operator and router pods Ready in {:.1} s; npufleet-router Service at {router}",
+            installed.elapsed().as_secs_f64()
+        );
+        Ok(Fleet::RealNode {
+            router,
+            release_namespace,
+            images,
+        })
+    }
+
+    /// The router's base URL, `http://host:port`.
+    fn router_url(&self) -> String {
+        match self {
+            Fleet::Processes { router, .. } => router.url(""),
+            Fleet::RealNode { router, .. } => router.clone(),
+        }
+    }
+
+    /// Fails once a process of the fleet has exited; kubelet restarts pods on the real node.
+    fn ensure_running(&mut self) -> Result<()> {
+        if let Fleet::Processes {
+            operator, router, ..
+        } = self
+        {
+            operator.ensure_running()?;
+            router.process.ensure_running()?;
+        }
+        Ok(())
+    }
+
+    /// Where the worker pods' logs are.
+    fn pod_logs(&self) -> String {
+        match self {
+            Fleet::Processes { pod_logs, .. } => pod_logs.display().to_string(),
+            Fleet::RealNode { .. } => "kubectl logs".to_owned(),
+        }
+    }
+
+    fn print_logs(&self, cluster: &Cluster, namespace: &str) {
+        match self {
+            Fleet::Processes {
+                operator_log,
+                router,
+                pod_logs,
+                ..
+            } => {
+                println!("  operator log: {}", operator_log.display());
+                println!("  router log:   {}", router.process.log_path().display());
+                println!("  pod logs:     {}", pod_logs.display());
+            }
+            Fleet::RealNode {
+                release_namespace, ..
+            } => {
+                let kubectl = format!(
+                    "KUBECONFIG={} {}",
+                    cluster.kubeconfig().display(),
+                    cluster.tool("kubectl").display()
+                );
+                println!(
+                    "  operator log: {kubectl} -n {release_namespace} logs deploy/{}",
+                    chart::RELEASE
+                );
+                println!(
+                    "  router log:   {kubectl} -n {release_namespace} logs deploy/{}",
+                    chart::ROUTER
+                );
+                println!("  pods:         {kubectl} -n {namespace} get pods -o wide");
+            }
+        }
+    }
+}
+
 async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> {
     let client = cluster.client().await?;
     let ns = cluster.namespace(&client, "npufleet-local").await?;
-    npufleet_local::crd::install_inference_service(&client, MANAGER).await?;
-    let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-
-    let pod_logs = cluster.scratch().join("pods");
-    let _agent = NodeAgent::start(
-        client.clone(),
-        NodeAgentConfig::new(NODE, binaries.worker, pod_logs.clone(), 60),
-    )
-    .await?;
-
-    let operator_log = cluster.scratch().join("npufleet-operator.log");
-    let mut cmd = Command::new(&binaries.operator);
-    cmd.args([
-        "--metrics-addr",
-        &format!("127.0.0.1:{}", free_port()?),
-        "--leader-election=false",
-        // HPA mode is not part of the demo; the built-in autoscaler runs in the operator.
-        "--external-metrics-addr=",
-    ])
-    .env("KUBECONFIG", cluster.kubeconfig())
-    .env("RUST_LOG", "info");
-    let mut operator = Process::start("npufleet-operator", cmd, &operator_log)?;
-    // The product's front door: every client request goes through it.
-    let mut router = RunningRouter::start_binary(
-        &binaries.router,
-        cluster,
-        cluster.kubeconfig(),
-        "npufleet-router",
-        &ns,
-        &[],
-    )
-    .await?;
-    println!(
-        "npufleet-router serving http://{} (OpenAI, KServe v2 REST) and {} (gRPC)",
-        router.http, router.grpc
-    );
+    let mut fleet = if args.real_node {
+        Fleet::real_node(cluster, &binaries).await?
+    } else {
+        npufleet_local::crd::install_inference_service(&client, MANAGER).await?;
+        Fleet::processes(cluster, &ns, binaries).await?
+    };
 
     // Watched from before the first pod exists, so that no failure goes unseen.
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
@@ -367,7 +525,13 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
         failures.clone(),
     )));
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-    let service = service_from_sample(&ns, &model)?;
+    let service = match &fleet {
+        Fleet::RealNode { images, .. } => service_from_sample(&ns, Worker::Image(images))?,
+        Fleet::Processes { .. } => {
+            let model = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
+            service_from_sample(&ns, Worker::Process(&model))?
+        }
+    };
     services
         .patch(
             SERVICE,
@@ -387,8 +551,8 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
         || async { Ok((!serving_addresses(&pods).await?.is_empty()).then_some(())) },
     )
     .await
-    .with_context(|| failed_pods_summary(&failures.lock().expect("failures"), &pod_logs))?;
-    operator.ensure_running()?;
+    .with_context(|| failed_pods_summary(&failures.lock().expect("failures"), &fleet.pod_logs()))?;
+    fleet.ensure_running()?;
     println!(
         "first replica serving after {:.1} s; starting {} streaming clients for {} s",
         started.elapsed().as_secs_f64(),
@@ -403,7 +567,7 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
         .build()?;
     let burst_started = Instant::now();
     let clients: Vec<_> = (0..args.clients)
-        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone(), router.url(""))))
+        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone(), fleet.router_url())))
         .collect();
 
     let mut observed = Observed {
@@ -415,8 +579,7 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     let burst = Duration::from_secs(args.burst_seconds);
     while burst_started.elapsed() < burst {
         ticks.tick().await;
-        operator.ensure_running()?;
-        router.process.ensure_running()?;
+        fleet.ensure_running()?;
         print_tick(
             burst_started,
             &services,
@@ -436,7 +599,7 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     let scale_down_deadline = Instant::now() + Duration::from_secs(180);
     loop {
         ticks.tick().await;
-        operator.ensure_running()?;
+        fleet.ensure_running()?;
         print_tick(
             burst_started,
             &services,
@@ -484,28 +647,25 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     }
     print!(
         "{}",
-        failed_pods_summary(&failures.lock().expect("failures"), &pod_logs)
+        failed_pods_summary(&failures.lock().expect("failures"), &fleet.pod_logs())
     );
-    let address = router.http;
+    let address = fleet.router_url();
     println!();
     println!(
-        "client endpoint (npufleet-router): http://{address} (OpenAI-compatible and Open Inference Protocol REST; gRPC on {})",
-        router.grpc
+        "client endpoint (npufleet-router): {address} (OpenAI-compatible and Open Inference Protocol REST)"
     );
     println!(
-        "  curl http://{address}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{SERVICE}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'"
+        "  curl {address}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}'",
+        service.spec.model.name
     );
     println!("  KUBECONFIG={}", cluster.kubeconfig().display());
-    println!("  operator log: {}", operator_log.display());
-    println!("  router log:   {}", router.process.log_path().display());
-    println!("  pod logs:     {}", pod_logs.display());
+    fleet.print_logs(cluster, &ns);
 
     if !args.exit_after_demo {
         println!("\nserving until Ctrl-C");
         loop {
             ticks.tick().await;
-            operator.ensure_running()?;
-            router.process.ensure_running()?;
+            fleet.ensure_running()?;
         }
     }
     Ok(())
@@ -516,10 +676,17 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     paths::locate_repo_root(args.repo.as_deref())?;
     let binaries = Binaries::find(args.target_dir.as_deref())?;
-    println!(
-        "starting a local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK)"
-    );
-    let cluster = Cluster::start(ClusterOptions::full()).await?;
+    let cluster = if args.real_node {
+        println!(
+            "starting a local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) and a real node (containerd, kubelet, kube-proxy, CoreDNS)"
+        );
+        Cluster::start(ClusterOptions::real_node()).await?
+    } else {
+        println!(
+            "starting a local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK)"
+        );
+        Cluster::start(ClusterOptions::full()).await?
+    };
     println!(
         "control plane ready in {:.1} s at {}",
         cluster.started_in().as_secs_f64(),
@@ -562,13 +729,13 @@ mod tests {
         .iter()
         .filter_map(PodFailure::of)
         .collect();
-        let summary = failed_pods_summary(&failures, Path::new("/logs"));
+        let summary = failed_pods_summary(&failures, "/logs");
         assert_eq!(
             summary,
-            format!("  failed pods:      1 (worker logs in /logs)\n    smollm2-1-0: {why}\n")
+            format!("  failed pods:      1 (worker logs: /logs)\n    smollm2-1-0: {why}\n")
         );
         assert_eq!(
-            failed_pods_summary(&[], Path::new("/logs")),
+            failed_pods_summary(&[], "/logs"),
             "  failed pods:      none\n"
         );
     }
