@@ -419,9 +419,12 @@ fn worker_container(
         env: Some(worker_env(isvc)),
         resources: resources(isvc),
         volume_mounts: Some(volume_mounts),
-        // Loading and warming a large model takes minutes; liveness starts only after it.
-        startup_probe: Some(http_probe("/v2/health/live", 5, 360)),
-        readiness_probe: Some(http_probe("/v2/health/ready", 5, 2)),
+        // Loading and warming a large model takes minutes (up to 30 here); liveness starts
+        // only after it. Probed every second, because kubelet reports a pod Ready no sooner
+        // than its next probe: at 5 s a small model served 5 s after it could have, and a
+        // scale-up under load waited as long.
+        startup_probe: Some(http_probe("/v2/health/live", 1, 1800)),
+        readiness_probe: Some(http_probe("/v2/health/ready", 2, 2)),
         liveness_probe: Some(http_probe("/v2/health/live", 10, 3)),
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
