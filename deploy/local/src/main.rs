@@ -310,50 +310,94 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// What the once-a-second line shows, and what the summary needs.
-#[derive(Default)]
-struct Observed {
+/// The once-a-second line, and what the summary needs from it.
+struct Ticker {
+    started: Instant,
+    services: Api<InferenceService>,
+    load: Arc<Load>,
+    ticks: tokio::time::Interval,
+    last_tokens: u64,
     peak_desired: i32,
     first_scale_up: Option<Duration>,
 }
 
-async fn print_tick(
-    started: Instant,
-    services: &Api<InferenceService>,
-    load: &Load,
-    last_tokens: &mut u64,
-    observed: &mut Observed,
-    phase: &str,
-) {
-    let (desired, ready, queue) = match services.get(SERVICE).await {
-        Ok(s) => {
-            let status = s.status.unwrap_or_default();
-            let queue = status
-                .autoscaling
-                .and_then(|a| a.queue_depth)
-                .map_or_else(|| "-".to_owned(), |q| format!("{q:.1}"));
-            (s.spec.replicas, status.ready_replicas, queue)
+impl Ticker {
+    fn new(services: Api<InferenceService>, load: Arc<Load>) -> Self {
+        Ticker {
+            started: Instant::now(),
+            services,
+            load,
+            ticks: tokio::time::interval(Duration::from_secs(1)),
+            last_tokens: 0,
+            peak_desired: 1,
+            first_scale_up: None,
         }
-        Err(e) => {
-            println!("  (reading the InferenceService failed: {e})");
-            return;
+    }
+
+    /// Waits for the next second, checks the fleet still runs, and prints a line; returns the
+    /// desired replicas when the InferenceService could be read.
+    async fn tick(&mut self, fleet: &mut Fleet, phase: &str) -> Result<Option<i32>> {
+        self.ticks.tick().await;
+        fleet.ensure_running()?;
+        let (desired, ready, queue) = match self.services.get(SERVICE).await {
+            Ok(s) => {
+                let status = s.status.unwrap_or_default();
+                let queue = status
+                    .autoscaling
+                    .and_then(|a| a.queue_depth)
+                    .map_or_else(|| "-".to_owned(), |q| format!("{q:.1}"));
+                (s.spec.replicas, status.ready_replicas, queue)
+            }
+            Err(e) => {
+                println!("  (reading the InferenceService failed: {e})");
+                return Ok(None);
+            }
+        };
+        self.peak_desired = self.peak_desired.max(desired);
+        if desired > 1 && self.first_scale_up.is_none() {
+            self.first_scale_up = Some(self.started.elapsed());
         }
-    };
-    if desired > observed.peak_desired {
-        observed.peak_desired = desired;
+        let tokens = self.load.tokens.load(Ordering::Relaxed);
+        println!(
+            "{:>6.1}s  {phase:<10} replicas desired {desired} ready {ready}  queue/replica {queue:>4}  requests done {:>4} failed {}  {:>5} tok/s",
+            self.started.elapsed().as_secs_f64(),
+            self.load.done.load(Ordering::Relaxed),
+            self.load.failed.load(Ordering::Relaxed),
+            tokens - self.last_tokens,
+        );
+        self.last_tokens = tokens;
+        Ok(Some(desired))
     }
-    if desired > 1 && observed.first_scale_up.is_none() {
-        observed.first_scale_up = Some(started.elapsed());
+
+    /// The burst's and the scale-down's figures.
+    async fn print_summary(&self, args: &Args, back_to_one: Duration) {
+        let load = &self.load;
+        println!();
+        println!("summary");
+        println!(
+            "  burst:            {} streaming clients for {} s, {} requests answered, {} failed, {} tokens streamed",
+            args.clients,
+            args.burst_seconds,
+            load.done.load(Ordering::Relaxed),
+            load.failed.load(Ordering::Relaxed),
+            load.tokens.load(Ordering::Relaxed)
+        );
+        println!("  peak replicas:    {}", self.peak_desired);
+        match self.first_scale_up {
+            Some(t) => println!(
+                "  first scale-up:   {:.1} s after the burst began",
+                t.as_secs_f64()
+            ),
+            None => println!("  first scale-up:   none (the load never exceeded one replica)"),
+        }
+        println!(
+            "  back to 1:        {:.1} s after the burst began",
+            back_to_one.as_secs_f64()
+        );
+        if let Some(failure) = load.last_failure.lock().await.as_ref() {
+            println!("  last failure:     {failure}");
+        }
     }
-    let tokens = load.tokens.load(Ordering::Relaxed);
-    println!(
-        "{:>6.1}s  {phase:<10} replicas desired {desired} ready {ready}  queue/replica {queue:>4}  requests done {:>4} failed {}  {:>5} tok/s",
-        started.elapsed().as_secs_f64(),
-        load.done.load(Ordering::Relaxed),
-        load.failed.load(Ordering::Relaxed),
-        tokens - *last_tokens,
-    );
-    *last_tokens = tokens;
 }
 
 /// Where the demo's fleet runs.
@@ -561,90 +605,11 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     );
 
     let load = Arc::new(Load::default());
-
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()?;
-    let burst_started = Instant::now();
-    let clients: Vec<_> = (0..args.clients)
-        .map(|_| tokio::spawn(client_loop(load.clone(), http.clone(), fleet.router_url())))
-        .collect();
-
-    let mut observed = Observed {
-        peak_desired: 1,
-        first_scale_up: None,
-    };
-    let mut last_tokens = 0;
-    let mut ticks = tokio::time::interval(Duration::from_secs(1));
-    let burst = Duration::from_secs(args.burst_seconds);
-    while burst_started.elapsed() < burst {
-        ticks.tick().await;
-        fleet.ensure_running()?;
-        print_tick(
-            burst_started,
-            &services,
-            &load,
-            &mut last_tokens,
-            &mut observed,
-            "burst",
-        )
-        .await;
-    }
-    load.stop.store(true, Ordering::Relaxed);
-    for client in clients {
-        client.await?;
-    }
+    let mut ticker = Ticker::new(services.clone(), load.clone());
+    burst(&mut ticker, &mut fleet, args).await?;
     println!("burst over; waiting for the fleet to scale back to 1");
-
-    let scale_down_deadline = Instant::now() + Duration::from_secs(180);
-    loop {
-        ticks.tick().await;
-        fleet.ensure_running()?;
-        print_tick(
-            burst_started,
-            &services,
-            &load,
-            &mut last_tokens,
-            &mut observed,
-            "idle",
-        )
-        .await;
-        let desired = services.get(SERVICE).await?.spec.replicas;
-        let live = pods.list(&ListParams::default()).await?.items.len();
-        if desired == 1 && live == 1 {
-            break;
-        }
-        if Instant::now() > scale_down_deadline {
-            bail!("no scale-down within 180 s of the burst (desired {desired}, {live} pods)");
-        }
-    }
-    let scaled_down_after = burst_started.elapsed();
-
-    let done = load.done.load(Ordering::Relaxed);
-    let failed = load.failed.load(Ordering::Relaxed);
-    println!();
-    println!("summary");
-    println!(
-        "  burst:            {} streaming clients for {} s, {done} requests answered, {failed} failed, {} tokens streamed",
-        args.clients,
-        args.burst_seconds,
-        load.tokens.load(Ordering::Relaxed)
-    );
-    println!("  peak replicas:    {}", observed.peak_desired);
-    match observed.first_scale_up {
-        Some(t) => println!(
-            "  first scale-up:   {:.1} s after the burst began",
-            t.as_secs_f64()
-        ),
-        None => println!("  first scale-up:   none (the load never exceeded one replica)"),
-    }
-    println!(
-        "  back to 1:        {:.1} s after the burst began",
-        scaled_down_after.as_secs_f64()
-    );
-    if let Some(failure) = load.last_failure.lock().await.as_ref() {
-        println!("  last failure:     {failure}");
-    }
+    let back_to_one = scale_back_to_one(&mut ticker, &mut fleet, &pods).await?;
+    ticker.print_summary(args, back_to_one).await;
     print!(
         "{}",
         failed_pods_summary(&failures.lock().expect("failures"), &fleet.pod_logs())
@@ -664,11 +629,57 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     if !args.exit_after_demo {
         println!("\nserving until Ctrl-C");
         loop {
-            ticks.tick().await;
+            ticker.ticks.tick().await;
             fleet.ensure_running()?;
         }
     }
     Ok(())
+}
+
+/// Streaming clients through the router for `--burst-seconds`, a line a second.
+async fn burst(ticker: &mut Ticker, fleet: &mut Fleet, args: &Args) -> Result<()> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    ticker.started = Instant::now();
+    let clients: Vec<_> = (0..args.clients)
+        .map(|_| {
+            tokio::spawn(client_loop(
+                ticker.load.clone(),
+                http.clone(),
+                fleet.router_url(),
+            ))
+        })
+        .collect();
+    let burst = Duration::from_secs(args.burst_seconds);
+    while ticker.started.elapsed() < burst {
+        ticker.tick(fleet, "burst").await?;
+    }
+    ticker.load.stop.store(true, Ordering::Relaxed);
+    for client in clients {
+        client.await?;
+    }
+    Ok(())
+}
+
+/// Waits for the autoscaler to bring the idle fleet back to one pod; returns when, from the
+/// burst's start.
+async fn scale_back_to_one(
+    ticker: &mut Ticker,
+    fleet: &mut Fleet,
+    pods: &Api<Pod>,
+) -> Result<Duration> {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let desired = ticker.tick(fleet, "idle").await?;
+        let live = pods.list(&ListParams::default()).await?.items.len();
+        if desired == Some(1) && live == 1 {
+            return Ok(ticker.started.elapsed());
+        }
+        if Instant::now() > deadline {
+            bail!("no scale-down within 180 s of the burst (desired {desired:?}, {live} pods)");
+        }
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
