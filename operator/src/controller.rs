@@ -656,6 +656,9 @@ async fn publish_notes(
 }
 
 #[cfg(test)]
+mod scenarios;
+
+#[cfg(test)]
 mod tests {
     use std::time::Duration;
 

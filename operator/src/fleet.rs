@@ -64,8 +64,24 @@ pub fn serving_pods<'a>(
     service: &InferenceService,
     pods: impl IntoIterator<Item = &'a Pod>,
 ) -> impl Iterator<Item = &'a Pod> {
+    selected(service, labels::group_leaders(service), pods)
+}
+
+/// Every worker pod of `service` among `pods`, by the labels the operator puts on them.
+pub fn worker_pods<'a>(
+    service: &InferenceService,
+    pods: impl IntoIterator<Item = &'a Pod>,
+) -> impl Iterator<Item = &'a Pod> {
+    selected(service, labels::workers(service), pods)
+}
+
+/// The pods among `pods` in `service`'s namespace that carry every label of `wanted`.
+fn selected<'a>(
+    service: &InferenceService,
+    wanted: BTreeMap<String, String>,
+    pods: impl IntoIterator<Item = &'a Pod>,
+) -> impl Iterator<Item = &'a Pod> {
     let namespace = service.namespace();
-    let wanted = labels::group_leaders(service);
     pods.into_iter().filter(move |pod| {
         pod.namespace() == namespace
             && wanted
@@ -122,6 +138,15 @@ impl ReplicaGroup<'_> {
         self.live
             .values()
             .any(|p| p.annotations().contains_key(SCALE_DOWN_ANNOTATION))
+    }
+
+    /// The pod that serves clients and reports the group's load ([`labels::SERVING_RANK`]),
+    /// unless it is gone or leaving.
+    pub fn serving_pod(&self) -> Option<&Pod> {
+        self.live
+            .iter()
+            .find(|(rank, _)| rank.to_string() == labels::SERVING_RANK)
+            .map(|(_, pod)| *pod)
     }
 
     /// The group serves: every rank is there and ready, and no pod of it is leaving.

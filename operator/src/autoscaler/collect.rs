@@ -13,12 +13,12 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
-use npufleet_contract::{pods, ports};
+use npufleet_contract::ports;
 use npufleet_crds::InferenceService;
 
 use super::load::LoadReader;
 use super::policy::{GroupState, Observation};
-use super::{WorkerView, group_loads, readings};
+use super::{GroupView, group_loads, readings};
 use crate::cache::{WatchScope, without_managed_fields};
 use crate::external_metrics::{MetricsStore, ServiceLoad};
 use crate::fleet;
@@ -59,9 +59,10 @@ impl Collector {
             .services
             .state_filter(|s| namespace.is_none_or(|ns| s.namespace().as_deref() == Some(ns)));
 
+        let pods = self.pods.state();
         let mut addresses = HashSet::new();
         let reads = services.iter().map(|service| {
-            let workers = self.worker_pods(service);
+            let workers = group_views(service, pods.iter().map(AsRef::as_ref));
             addresses.extend(workers.iter().filter_map(|(_, address)| address.clone()));
             let reader = &self.reader;
             async move {
@@ -150,33 +151,26 @@ impl Collector {
             },
         );
     }
+}
 
-    /// The worker pods of `service` with the address of their load signal.
-    fn worker_pods(&self, service: &InferenceService) -> Vec<(WorkerView, Option<String>)> {
-        let pods = self.pods.state();
-        fleet::serving_pods(service, pods.iter().map(AsRef::as_ref))
-            .filter_map(|pod| {
-                let (group, rank) = fleet::group_and_rank(pod)?;
-                let (group, rank) = (u32::try_from(group).ok()?, u32::try_from(rank).ok()?);
-                let status = pod.status.as_ref();
-                let pod_ready = pods::serves(pod);
-                let leaving = pod.metadata.deletion_timestamp.is_some();
-                let address = status
-                    .and_then(|s| s.pod_ip.as_deref())
-                    .map(|ip| format!("{}:{}", ip, grpc_port(pod)));
-                Some((
-                    WorkerView {
-                        group,
-                        rank,
-                        leaving,
-                        pod_ready,
-                        report: Err(format!("pod {} has no IP", pod.name_any())),
-                    },
-                    address,
-                ))
-            })
-            .collect()
-    }
+/// The replica groups of `service` among `pods`, as [`fleet::groups`] gathers them, with the
+/// address of their serving pod's load signal.
+pub fn group_views<'a>(
+    service: &InferenceService,
+    pods: impl IntoIterator<Item = &'a Pod>,
+) -> Vec<(GroupView, Option<String>)> {
+    let ranks = service.pods_per_replica();
+    fleet::groups(fleet::worker_pods(service, pods))
+        .iter()
+        .filter_map(|(&number, group)| {
+            let view = GroupView::new(u32::try_from(number).ok()?, group, ranks);
+            let address = group.serving_pod().and_then(|pod| {
+                let ip = pod.status.as_ref()?.pod_ip.as_deref()?;
+                Some(format!("{ip}:{}", grpc_port(pod)))
+            });
+            Some((view, address))
+        })
+        .collect()
 }
 
 /// The InferenceServices in `scope` and their worker pods, watched for a replica that does not

@@ -1,6 +1,7 @@
 //! Queue-depth autoscaling of `InferenceService`s.
 //!
-//! Every tick (500 ms by default) the loop reads each worker's load signal, feeds the
+//! Every tick (500 ms by default) the loop reads the load signal of each replica group's
+//! serving pod (the groups as [`fleet::groups`] gathers them for the reconcile), feeds the
 //! per-service [`policy::Policy`] and, for `mode: builtin`, records the decision in
 //! `status.autoscaling.desiredReplicas`, with an event. For `mode: hpa` it only publishes the
 //! load as the external metric and keeps the service's HPA in place. The loop runs on the
@@ -29,7 +30,7 @@ pub mod load;
 pub mod policy;
 pub mod sim;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
@@ -115,71 +116,79 @@ pub fn policy_config(base: &PolicyConfig, spec: &AutoscalingSpec) -> PolicyConfi
     }
 }
 
-/// One worker pod as the autoscaler sees it.
+/// One replica group as the autoscaler sees it: its pods as [`fleet::groups`] gathers them,
+/// and the load report of its serving pod (rank 0), whose batch every rank shares.
 #[derive(Clone, Debug)]
-pub struct WorkerView {
+pub struct GroupView {
     pub group: u32,
-    pub rank: u32,
-    /// Terminating.
+    /// A pod of the group is terminating.
     pub leaving: bool,
-    /// The pod's Ready condition.
-    pub pod_ready: bool,
-    /// The worker's load report, or why there is none.
+    /// [`fleet::ReplicaGroup::is_ready`]: every rank has a ready pod and none is leaving.
+    pub ready: bool,
+    /// The serving pod's load report, or why there is none.
     pub report: Result<LoadReport, String>,
 }
 
-impl WorkerView {
-    /// A ready pod that is staying: its load is expected.
-    fn serving(&self) -> bool {
-        self.pod_ready && !self.leaving
+impl GroupView {
+    /// The view of group `number` of `ranks` ranks, before its load is read: the report says
+    /// why it cannot be until it is.
+    pub fn new(number: u32, group: &fleet::ReplicaGroup<'_>, ranks: i32) -> Self {
+        let unread = match group.serving_pod() {
+            Some(pod) => format!("pod {} has no IP", pod.name_any()),
+            None => format!("replica group {number} has no serving pod"),
+        };
+        Self {
+            group: number,
+            leaving: group.terminating > 0,
+            ready: group.is_ready(ranks),
+            report: Err(unread),
+        }
     }
 }
 
-/// Folds the workers of one service into replica groups. A group serves only when every
-/// rank's pod is ready and every rank reports ready; its queue is the largest any rank
-/// reports (the ranks of a group share one batch). A group whose pods are all ready but a
-/// rank of which could not be read is `Unread`.
-pub fn group_loads(workers: &[WorkerView]) -> Vec<GroupLoad> {
-    let mut groups: BTreeMap<u32, Vec<&WorkerView>> = BTreeMap::new();
-    for worker in workers {
-        groups.entry(worker.group).or_default().push(worker);
-    }
+/// Each group's state and load. A group serves only when all its pods are ready and its
+/// serving pod reports ready; a group whose pods are all ready but whose load could not be
+/// read is `Unread`.
+pub fn group_loads(groups: &[GroupView]) -> Vec<GroupLoad> {
     groups
-        .into_iter()
-        .map(|(group, ranks)| {
-            let reported = || ranks.iter().filter_map(|w| w.report.as_ref().ok());
-            let state = if ranks.iter().any(|w| w.leaving)
-                || reported()
-                    .any(|r| matches!(r.state(), WorkerState::Draining | WorkerState::Drained))
-            {
+        .iter()
+        .map(|view| {
+            let report = view.report.as_ref().ok();
+            let state = if view.leaving
+                || report.is_some_and(|r| {
+                    matches!(r.state(), WorkerState::Draining | WorkerState::Drained)
+                }) {
                 GroupState::Draining
-            } else if !ranks.iter().all(|w| w.pod_ready) {
+            } else if !view.ready {
                 GroupState::Warming
-            } else if ranks.iter().any(|w| w.report.is_err()) {
-                GroupState::Unread
-            } else if reported().all(|r| r.state() == WorkerState::Ready) {
-                GroupState::Ready
+            } else if let Some(report) = report {
+                if report.state() == WorkerState::Ready {
+                    GroupState::Ready
+                } else {
+                    GroupState::Warming
+                }
             } else {
-                GroupState::Warming
+                GroupState::Unread
             };
             GroupLoad {
-                group,
+                group: view.group,
                 state,
-                waiting: reported().map(|r| r.waiting).max().unwrap_or(0),
-                running: reported().map(|r| r.running).max().unwrap_or(0),
-                kv_usage: reported().map(|r| r.kv_cache_usage).fold(0.0, f64::max),
+                waiting: report.map_or(0, |r| r.waiting),
+                running: report.map_or(0, |r| r.running),
+                kv_usage: report.map_or(0.0, |r| r.kv_cache_usage),
             }
         })
         .collect()
 }
 
-/// How the load reports of the serving workers went, the first failure by group and rank.
-pub fn readings(workers: &[WorkerView]) -> Readings {
-    let mut serving: Vec<&WorkerView> = workers.iter().filter(|w| w.serving()).collect();
-    serving.sort_by_key(|w| (w.group, w.rank));
+/// How the load reports of the ready groups' serving workers went, the first failure by
+/// group.
+pub fn readings(groups: &[GroupView]) -> Readings {
+    let mut serving: Vec<&GroupView> = groups.iter().filter(|g| g.ready).collect();
+    serving.sort_by_key(|g| g.group);
     let failures: Vec<&String> = serving
         .iter()
-        .filter_map(|w| w.report.as_ref().err())
+        .filter_map(|g| g.report.as_ref().err())
         .collect();
     let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     Readings {
@@ -769,47 +778,81 @@ impl Autoscaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::labels;
 
-    fn worker(
-        group: u32,
-        rank: u32,
-        pod_ready: bool,
-        report: Option<(WorkerState, u32, u32)>,
-    ) -> WorkerView {
-        WorkerView {
-            group,
-            rank,
-            leaving: false,
-            pod_ready,
-            report: report
-                .map(|(state, waiting, running)| LoadReport {
-                    state: state as i32,
-                    waiting,
-                    running,
-                    kv_cache_usage: 0.1 * f64::from(running),
-                    ..LoadReport::default()
-                })
-                .ok_or_else(|| format!("no load report from 127.0.0.{group}:8001 within 400ms")),
-        }
+    fn report(state: WorkerState, waiting: u32, running: u32) -> Result<LoadReport, String> {
+        Ok(LoadReport {
+            state: state as i32,
+            waiting,
+            running,
+            kv_cache_usage: 0.1 * f64::from(running),
+            ..LoadReport::default()
+        })
+    }
+
+    fn unread(group: u32) -> Result<LoadReport, String> {
+        Err(format!(
+            "no load report from 10.0.{group}.0:8001 within 400ms"
+        ))
+    }
+
+    /// Rank `rank` of replica group `group` of `service`, Running and Ready or not.
+    fn pod(service: &str, group: i32, rank: i32, ready: bool) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": format!("{service}-{group}-{rank}"),
+                "namespace": "ml",
+                "labels": {
+                    labels::INFERENCE_SERVICE: service,
+                    labels::GROUP: group.to_string(),
+                    labels::RANK: rank.to_string(),
+                },
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": format!("10.0.{group}.{rank}"),
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+            },
+        }))
+        .unwrap()
     }
 
     #[test]
-    fn tensor_parallel_ranks_fold_into_whole_groups() {
-        let workers = [
-            // Group 0: both ranks ready; the batch is shared, so it counts once.
-            worker(0, 0, true, Some((WorkerState::Ready, 3, 4))),
-            worker(0, 1, true, Some((WorkerState::Ready, 3, 4))),
-            // Group 1: rank 1 still loading.
-            worker(1, 0, true, Some((WorkerState::Ready, 0, 0))),
-            worker(1, 1, false, Some((WorkerState::WarmingUp, 0, 0))),
-            // Group 2: rank 0 ready but unreachable.
-            worker(2, 0, true, None),
-            worker(2, 1, true, Some((WorkerState::Ready, 0, 0))),
-            // Group 3: draining after SIGTERM.
-            worker(3, 0, false, Some((WorkerState::Draining, 1, 2))),
-            worker(3, 1, false, Some((WorkerState::Draining, 1, 2))),
+    fn a_group_serves_only_when_every_rank_does_and_its_serving_pod_reports_ready() {
+        let service = service(json!({"parallelism": {"tensor": 2}}), json!({}));
+        let mut leaving = pod("chat", 3, 1, true);
+        leaving.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        let pods = [
+            // Group 0: both ranks ready.
+            pod("chat", 0, 0, true),
+            pod("chat", 0, 1, true),
+            // Group 1: rank 1 still loading, though rank 0 says it is ready.
+            pod("chat", 1, 0, true),
+            pod("chat", 1, 1, false),
+            // Group 2: ready, its serving pod unreachable.
+            pod("chat", 2, 0, true),
+            pod("chat", 2, 1, true),
+            // Group 3: a rank is leaving.
+            pod("chat", 3, 0, true),
+            leaving,
+            // Group 4: rank 1 not made yet.
+            pod("chat", 4, 0, true),
+            // Another service's pod.
+            pod("other", 5, 0, true),
         ];
-        let groups = group_loads(&workers);
+        let mut views = collect::group_views(&service, &pods);
+        let addresses: Vec<Option<&str>> = views.iter().map(|(_, a)| a.as_deref()).collect();
+        let port = npufleet_contract::ports::GRPC_PORT;
+        assert_eq!(addresses[0], Some(format!("10.0.0.0:{port}").as_str()));
+        assert_eq!(addresses.len(), 5, "{addresses:?}");
+        for (view, _) in &mut views {
+            view.report = match view.group {
+                2 => unread(2),
+                group => report(WorkerState::Ready, group, group + 1),
+            };
+        }
+        let views: Vec<GroupView> = views.into_iter().map(|(view, _)| view).collect();
+        let groups = group_loads(&views);
         let states: Vec<(u32, GroupState)> = groups.iter().map(|g| (g.group, g.state)).collect();
         assert_eq!(
             states,
@@ -818,14 +861,15 @@ mod tests {
                 (1, GroupState::Warming),
                 (2, GroupState::Unread),
                 (3, GroupState::Draining),
+                (4, GroupState::Warming),
             ]
         );
-        assert_eq!((groups[0].waiting, groups[0].running), (3, 4));
+        assert_eq!((groups[0].waiting, groups[0].running), (0, 1));
         let observation = Observation {
             spec_replicas: 3,
             groups,
             wake_requested: false,
-            readings: readings(&workers),
+            readings: readings(&views),
         };
         assert_eq!(observation.ready(), 1);
         assert_eq!(
@@ -833,36 +877,39 @@ mod tests {
             1,
             "an unread group is not on its way"
         );
-        assert_eq!(observation.queue_depth(), 7);
+        assert_eq!(observation.queue_depth(), 1, "the ready group's load alone");
         assert_eq!(
             observation.readings.to_string(),
-            "the load of 1 of 5 serving workers could not be read; first: no load report from 127.0.0.2:8001 within 400ms"
+            "the load of 1 of 2 serving workers could not be read; first: no load report from 10.0.2.0:8001 within 400ms"
         );
     }
 
     #[test]
-    fn only_ready_pods_that_stay_count_as_workers_whose_load_is_missing() {
-        let mut leaving = worker(4, 0, true, None);
-        leaving.leaving = true;
-        let workers = [
+    fn only_ready_groups_count_as_workers_whose_load_is_missing() {
+        let view = |group, ready, report| GroupView {
+            group,
+            leaving: false,
+            ready,
+            report,
+        };
+        let views = [
             // Loading: no answer is expected yet.
-            worker(0, 0, false, None),
-            worker(1, 1, true, None),
-            worker(1, 0, true, None),
-            worker(2, 0, true, Some((WorkerState::Ready, 0, 0))),
-            leaving,
+            view(0, false, unread(0)),
+            view(2, true, unread(2)),
+            view(1, true, unread(1)),
+            view(3, true, report(WorkerState::Ready, 0, 0)),
         ];
-        let seen = readings(&workers);
+        let seen = readings(&views);
         assert_eq!((seen.failed, seen.asked), (2, 3));
         assert!(seen.incomplete() && !seen.none());
         assert_eq!(
             seen.first_error.as_deref(),
-            Some("no load report from 127.0.0.1:8001 within 400ms"),
-            "the first by group and rank"
+            Some("no load report from 10.0.1.0:8001 within 400ms"),
+            "the first by group"
         );
-        let all_down = readings(&workers[1..3]);
+        let all_down = readings(&views[1..3]);
         assert!(all_down.none());
-        let loading = readings(&workers[..1]);
+        let loading = readings(&views[..1]);
         assert!(!loading.incomplete() && loading.asked == 0);
     }
 

@@ -30,7 +30,8 @@ pub enum GroupState {
     Ready,
     /// Chosen for removal: finishing what it holds, taking nothing new.
     Draining,
-    /// Its pods are ready, but a rank's load could not be read: it serves an unknown load.
+    /// Its pods are ready, but its serving pod's load could not be read: it serves an unknown
+    /// load.
     Unread,
 }
 

@@ -3,12 +3,13 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::api::{EngineState, GenerationEvent};
 use crate::server::auth;
@@ -16,6 +17,7 @@ use crate::server::error::ServeError;
 use crate::server::inference::{self, SERVER_NAME};
 use crate::server::oip;
 use crate::server::shared::Shared;
+use crate::server::trace;
 use npufleet_contract::auth::ApiKey;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
 use npufleet_contract::proto::inference::*;
@@ -33,6 +35,16 @@ pub struct InferenceService {
 impl InferenceService {
     pub fn new(shared: Arc<Shared>, api_key: Option<ApiKey>) -> Self {
         InferenceService { shared, api_key }
+    }
+
+    /// ModelInfer itself, which [`GrpcInferenceService::model_infer`] runs in its span.
+    async fn infer(
+        &self,
+        request: Request<ModelInferRequest>,
+    ) -> Result<Response<ModelInferResponse>, Status> {
+        auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
+        let response = inference::infer_unary(&self.shared, request.get_ref()).await?;
+        Ok(Response::new(response))
     }
 }
 
@@ -218,9 +230,13 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
-        let response = inference::infer_unary(&self.shared, request.get_ref()).await?;
-        Ok(Response::new(response))
+        let span = trace::grpc_span("ModelInfer", request.metadata());
+        let started = Instant::now();
+        let result = self.infer(request).instrument(span.clone()).await;
+        let code = result.as_ref().map_or_else(Status::code, |_| Code::Ok);
+        let elapsed_ms = trace::elapsed_ms(started);
+        span.in_scope(|| tracing::info!(?code, elapsed_ms, "answered"));
+        result
     }
 
     type ModelStreamInferStream = ResponseStream<ModelStreamInferResponse>;
@@ -229,50 +245,57 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let span = trace::grpc_span("ModelStreamInfer", request.metadata());
         auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
+        let started = Instant::now();
         let mut incoming = request.into_inner();
         let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
         let shared = self.shared.clone();
         // The response stream ends, with an OK status, when the client closes its side and
         // every request has been answered, or when the server stops serving: an idle stream
         // must not hold the process past its drain.
-        tokio::spawn(async move {
-            let mut requests = tokio::task::JoinSet::new();
-            let mut closing = std::pin::pin!(shared.closing());
-            let mut client_done = false;
-            loop {
-                tokio::select! {
-                    message = incoming.message(), if !client_done => match message {
-                        Ok(Some(request)) => {
-                            requests.spawn(stream_one(shared.clone(), request, out.clone()));
-                        }
-                        Ok(None) => client_done = true,
-                        Err(status) => {
-                            let _ = out.send(Err(message_limit_status(status))).await;
+        tokio::spawn(
+            async move {
+                let mut requests = tokio::task::JoinSet::new();
+                let mut closing = std::pin::pin!(shared.closing());
+                let mut client_done = false;
+                loop {
+                    tokio::select! {
+                        message = incoming.message(), if !client_done => match message {
+                            Ok(Some(request)) => {
+                                let one = stream_one(shared.clone(), request, out.clone());
+                                requests.spawn(one.in_current_span());
+                            }
+                            Ok(None) => client_done = true,
+                            Err(status) => {
+                                let _ = out.send(Err(message_limit_status(status))).await;
+                                break;
+                            }
+                        },
+                        Some(_) = requests.join_next(), if !requests.is_empty() => {}
+                        () = &mut closing => {
+                            if !requests.is_empty() {
+                                let _ = out
+                                    .send(Err(Status::unavailable(format!(
+                                        "the worker shut down with {} requests of this stream \
+                                         unanswered",
+                                        requests.len()
+                                    ))))
+                                    .await;
+                            }
                             break;
                         }
-                    },
-                    Some(_) = requests.join_next(), if !requests.is_empty() => {}
-                    () = &mut closing => {
-                        if !requests.is_empty() {
-                            let _ = out
-                                .send(Err(Status::unavailable(format!(
-                                    "the worker shut down with {} requests of this stream \
-                                     unanswered",
-                                    requests.len()
-                                ))))
-                                .await;
-                        }
+                    }
+                    if client_done && requests.is_empty() {
                         break;
                     }
                 }
-                if client_done && requests.is_empty() {
-                    break;
-                }
+                // Cancels whatever is left; dropping `out` ends the response stream.
+                requests.abort_all();
+                tracing::info!(elapsed_ms = trace::elapsed_ms(started), "stream closed");
             }
-            // Cancels whatever is left; dropping `out` ends the response stream.
-            requests.abort_all();
-        });
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(responses))))
     }
 }

@@ -24,6 +24,7 @@ pub mod rest;
 pub mod router;
 pub mod shared;
 pub mod telemetry;
+pub mod trace;
 
 use std::future::Future;
 use std::net::SocketAddr;

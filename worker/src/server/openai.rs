@@ -14,6 +14,7 @@ use futures::StreamExt;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
 
 use crate::api::{GenerateRequest, GenerationEvent, Prompt, Usage};
 use crate::server::error::ServeError;
@@ -299,7 +300,7 @@ async fn generate(
         .await?;
     if request.stream {
         let (out, chunks) = mpsc::channel(STREAM_BUFFER_CHUNKS);
-        tokio::spawn(stream_events(state.shared.clone(), reply, events, out));
+        tokio::spawn(stream_events(state.shared.clone(), reply, events, out).in_current_span());
         let body = ReceiverStream::new(chunks).map(Ok::<_, Infallible>);
         return Ok(Sse::new(body).into_response());
     }

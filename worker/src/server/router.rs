@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::api::EngineState;
 use crate::server::http::{HttpState, error_response};
-use crate::server::{auth, openai, rest};
+use crate::server::{auth, openai, rest, trace};
 
 pub fn router(state: HttpState) -> Router {
     let limit = state.max_body_bytes;
@@ -30,7 +30,9 @@ pub fn router(state: HttpState) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.api_key.clone(),
             auth::require_http,
-        ));
+        ))
+        // Outside the key check, so a refused request is logged in its trace too.
+        .route_layer(middleware::from_fn(trace::http_request));
     Router::new()
         .merge(protected)
         .route("/v2", get(rest::server_metadata))
