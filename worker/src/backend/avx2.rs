@@ -1,5 +1,6 @@
 //! AVX2 + FMA + F16C kernels, and AVX-512 VNNI variants of the grouped matmul kernels in
-//! [`vnni`]. Each has a scalar twin in `quant.rs` it is tested against.
+//! [`vnni`]. Each has a scalar twin (in `quant.rs`, `kquant.rs` or `scalar.rs`) it is tested
+//! against.
 //!
 //! The kernels live by concern in the submodules; this module detects the CPU features and
 //! re-exports the entry points `cpu.rs` picks from.

@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{
     self, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK,
-    StridedRows, WeightGroup,
+    WeightGroup,
 };
-use super::{AttentionChunk, Backend, Matrix, WeightData};
+use super::{AttentionChunk, Backend, Matrix, StridedRows, WeightData, scalar};
 
 mod attention;
 
@@ -101,14 +101,14 @@ impl Kernels {
             dot_q6_k: kquant::dot_q6_k_scalar,
             gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
             pairs: None,
-            dot_f32_rows: quant::dot_f32_rows_scalar,
-            axpy: quant::axpy_scalar,
-            exp_sum: quant::exp_sum_scalar,
-            silu_mul: quant::silu_mul_scalar,
-            dot_strided: quant::dot_strided_scalar,
-            axpy_strided: quant::axpy_strided_scalar,
-            dot_strided_f16: quant::dot_strided_scalar::<f16>,
-            axpy_strided_f16: quant::axpy_strided_scalar::<f16>,
+            dot_f32_rows: scalar::dot_f32_rows_scalar,
+            axpy: scalar::axpy_scalar,
+            exp_sum: scalar::exp_sum_scalar,
+            silu_mul: scalar::silu_mul_scalar,
+            dot_strided: scalar::dot_strided_scalar,
+            axpy_strided: scalar::axpy_strided_scalar,
+            dot_strided_f16: scalar::dot_strided_scalar::<f16>,
+            axpy_strided_f16: scalar::axpy_strided_scalar::<f16>,
         }
     }
 

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use crate::backend::quant::StridedRows;
+use crate::backend::StridedRows;
 
 /// A KV cache element as the attention kernels read it, widened to f32: an f16 cache
 /// widens with F16C, so on the same values both element types give the same bits.
@@ -46,7 +46,7 @@ impl CacheValue for f16 {
     }
 }
 
-/// As [`crate::backend::quant::dot_strided_scalar`], bit for bit: eight rows at a time, one row per
+/// As [`crate::backend::scalar::dot_strided_scalar`], bit for bit: eight rows at a time, one row per
 /// lane, each lane a single fused multiply-add chain over the values in order. Blocks of
 /// 8 × 8 values are transposed so that one vector holds value `d` of the eight rows, and
 /// each transposed block serves up to [`HEADS_PER_PASS`] query heads.
@@ -144,7 +144,7 @@ fn transpose_8x8(v: [__m256; 8]) -> [__m256; 8] {
     ]
 }
 
-/// As [`crate::backend::quant::axpy_strided_scalar`]. Blocks of 64 output values stay in registers
+/// As [`crate::backend::scalar::axpy_strided_scalar`]. Blocks of 64 output values stay in registers
 /// while every row is added to them, in the same order as one `axpy` per row.
 ///
 /// # Safety

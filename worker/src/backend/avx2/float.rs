@@ -141,7 +141,7 @@ fn exp8(x: __m256) -> __m256 {
     _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), normal)
 }
 
-/// As [`crate::backend::quant::exp_sum_scalar`], with [`exp8`].
+/// As [`crate::backend::scalar::exp_sum_scalar`], with [`exp8`].
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`](super::available)).
@@ -160,10 +160,10 @@ pub unsafe fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
             acc = _mm256_add_ps(acc, e);
         }
     }
-    hsum(acc) + crate::backend::quant::exp_sum_scalar(chunks.into_remainder(), shift)
+    hsum(acc) + crate::backend::scalar::exp_sum_scalar(chunks.into_remainder(), shift)
 }
 
-/// As [`crate::backend::quant::silu_mul_scalar`], with [`exp8`].
+/// As [`crate::backend::scalar::silu_mul_scalar`], with [`exp8`].
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`](super::available)).
@@ -182,7 +182,7 @@ pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
         }
         i += 8;
     }
-    crate::backend::quant::silu_mul_scalar(&mut gate[i..n], &up[i..n]);
+    crate::backend::scalar::silu_mul_scalar(&mut gate[i..n], &up[i..n]);
 }
 
 /// y += a · x

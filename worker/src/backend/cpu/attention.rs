@@ -7,8 +7,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{Kernels, SharedOut};
-use crate::backend::quant::StridedRows;
-use crate::backend::{AttentionChunk, KvData, PagedKv};
+use crate::backend::{AttentionChunk, KvData, PagedKv, StridedRows};
 
 /// [`Backend::attention`](crate::backend::Backend::attention) with kernels `k`.
 pub(super) fn attention(
