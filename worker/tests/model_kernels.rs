@@ -8,7 +8,9 @@ use npufleet_worker::backend::kquant::{
 use npufleet_worker::backend::quant::{
     self, BlockQ5_0, BlockQ5_1, BlockQ8Act, GROUP_ROWS, Q5_0_BYTES, Q5_1_BYTES, QK, WeightGroup,
 };
-use npufleet_worker::backend::{AttentionChunk, Backend, KvData, Matrix, PagedKv, WeightData};
+use npufleet_worker::backend::{
+    AttentionChunk, Backend, KvData, Matrix, PagedKv, StridedRows, WeightData, scalar,
+};
 
 /// A fixed generator so failures reproduce.
 struct Rng(u64);
@@ -156,7 +158,7 @@ fn quantised_dot_products_match_scalar() {
                 }
                 // Against the exact product with the same weights, only activation rounding
                 // (at most half a step per element) remains.
-                let exact = quant::dot_f32_scalar(&deq, &x);
+                let exact = scalar::dot_f32_scalar(&deq, &x);
                 let bound: f32 = deq
                     .chunks(QK)
                     .zip(&xq)
@@ -325,7 +327,7 @@ fn float_kernels_match_scalar() {
             // scored for one to five query heads (more than one pass of heads).
             let stride = n + 3;
             let rows = rng.vec(10 * stride + n, 1.0);
-            let keys = quant::StridedRows {
+            let keys = StridedRows {
                 data: &rows,
                 stride,
                 count: 11,
@@ -345,7 +347,7 @@ fn float_kernels_match_scalar() {
                             continue;
                         }
                         let q = &qs[h * n..(h + 1) * n];
-                        let direct = quant::dot_f32_scalar(q, keys.row(i, n)) * 0.125;
+                        let direct = scalar::dot_f32_scalar(q, keys.row(i, n)) * 0.125;
                         assert!(
                             close(got, direct, 1e-6),
                             "dot_strided n={n} head {h} row {i}"
@@ -379,12 +381,12 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
     for n in [5usize, 16, 40, 64, 141] {
         let stride = n + 3;
         let (halves, widened) = f16_and_widened(rng.vec(10 * stride + n, 1.0));
-        let keys = quant::StridedRows {
+        let keys = StridedRows {
             data: &widened,
             stride,
             count: 11,
         };
-        let keys16 = quant::StridedRows {
+        let keys16 = StridedRows {
             data: &halves,
             stride,
             count: 11,
@@ -392,7 +394,7 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
         let weights: Vec<f32> = (0..11).map(|i| ((i * 5) % 7) as f32 / 7.0).collect();
         let b = rng.vec(n, 1.0);
         let mut reference_axpy = b.clone();
-        quant::axpy_strided_scalar(&weights, &halves, stride, &mut reference_axpy);
+        scalar::axpy_strided_scalar(&weights, &halves, stride, &mut reference_axpy);
         for k in std::iter::once(&scalar).chain(&fast) {
             for heads in 1..=5 {
                 let qs = rng.vec(heads * n, 1.0);
@@ -401,7 +403,7 @@ fn f16_kv_kernels_equal_f32_kernels_on_widened_values() {
                 (k.dot_strided_f16)(&qs, heads, keys16, 0.125, &mut s16, 13);
                 assert_eq!(s32, s16, "{} dot_strided_f16 n={n} heads={heads}", k.name);
                 let mut reference = vec![7f32; heads * 13];
-                quant::dot_strided_scalar(&qs, heads, keys16, 0.125, &mut reference, 13);
+                scalar::dot_strided_scalar(&qs, heads, keys16, 0.125, &mut reference, 13);
                 assert_eq!(reference, s16, "{} vs scalar n={n} heads={heads}", k.name);
             }
             let (mut y32, mut y16) = (b.clone(), b.clone());
@@ -488,7 +490,7 @@ fn reference_matmul(w: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
     let mut out = vec![0f32; n * w.rows];
     for j in 0..n {
         for r in 0..w.rows {
-            out[j * w.rows + r] = quant::dot_f32_scalar(
+            out[j * w.rows + r] = scalar::dot_f32_scalar(
                 &wf[r * w.cols..(r + 1) * w.cols],
                 &x[j * w.cols..(j + 1) * w.cols],
             );
@@ -743,7 +745,7 @@ fn paged_attention_matches_contiguous_reference() {
                     };
                     let s: Vec<f32> = (0..len)
                         .map(|pos| {
-                            quant::dot_f32_scalar(qv, &p.k[at(pos)..at(pos) + hd])
+                            scalar::dot_f32_scalar(qv, &p.k[at(pos)..at(pos) + hd])
                                 / (hd as f32).sqrt()
                         })
                         .collect();
@@ -922,7 +924,7 @@ fn gguf_block_dot_products_match_scalar_and_the_dequantised_weights() {
                 // Against the exact product with the same weights, only activation rounding
                 // (at most half a step per element) remains.
                 let w = &case.dequantized[r * cols..(r + 1) * cols];
-                let exact = quant::dot_f32_scalar(w, &x);
+                let exact = scalar::dot_f32_scalar(w, &x);
                 let bound: f32 = w
                     .chunks(QK)
                     .zip(&xq)

@@ -11,6 +11,7 @@ pub mod blocks;
 pub mod cpu;
 pub mod kquant;
 pub mod quant;
+pub mod scalar;
 
 use std::ops::Range;
 
@@ -294,6 +295,23 @@ impl PagedKv<'_> {
     pub fn offset(&self, pos: usize, h: usize) -> usize {
         let block = self.block_table[pos / self.block_size] as usize;
         ((block * self.block_size + pos % self.block_size) * self.n_kv_heads + h) * self.head_dim
+    }
+}
+
+/// `count` rows whose starts are `stride` apart in `data`: the keys or values of one kv
+/// head in a cache page, f32 or f16 as the cache stores them.
+#[derive(Clone, Copy)]
+pub struct StridedRows<'a, T = f32> {
+    pub data: &'a [T],
+    pub stride: usize,
+    pub count: usize,
+}
+
+impl<'a, T> StridedRows<'a, T> {
+    /// The first `len` values of row `i`.
+    #[inline]
+    pub fn row(&self, i: usize, len: usize) -> &'a [T] {
+        &self.data[i * self.stride..i * self.stride + len]
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! Weight blocks follow the GGUF layouts bit for bit, so a file's blocks are used as stored.
 //! Activations are quantised per token into [`BlockQ8Act`] (int8, one scale per 32 values)
-//! right before a quantised matrix multiply. Every SIMD kernel in the backend is tested
-//! against the scalar functions here.
+//! right before a quantised matrix multiply. Every SIMD kernel of these formats is tested
+//! against the scalar functions here (the float kernels' references are in `scalar.rs`).
 
 use half::f16;
 
@@ -536,101 +536,5 @@ pub(super) fn gemm_group_scalar<B>(
         for (r, o) in o.iter_mut().enumerate() {
             *o = dot(w.row(r), x);
         }
-    }
-}
-
-pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// Scalar reference of the float matmul kernel: `out[j · out_stride + r]` = weight row `r`
-/// of `w` · activation row `j` of `x`, rows `cols` long, each one [`dot_f32_scalar`].
-pub fn dot_f32_rows_scalar(w: &[f32], x: &[f32], cols: usize, out: &mut [f32], out_stride: usize) {
-    for (j, x) in x.chunks_exact(cols.max(1)).enumerate() {
-        for (r, w) in w.chunks_exact(cols.max(1)).enumerate() {
-            out[j * out_stride + r] = dot_f32_scalar(w, x);
-        }
-    }
-}
-
-/// `count` rows whose starts are `stride` apart in `data`: the keys or values of one kv
-/// head in a cache page, f32 or f16 as the cache stores them.
-#[derive(Clone, Copy)]
-pub struct StridedRows<'a, T = f32> {
-    pub data: &'a [T],
-    pub stride: usize,
-    pub count: usize,
-}
-
-impl<'a, T> StridedRows<'a, T> {
-    /// The first `len` values of row `i`.
-    #[inline]
-    pub fn row(&self, i: usize, len: usize) -> &'a [T] {
-        &self.data[i * self.stride..i * self.stride + len]
-    }
-}
-
-/// `out[h · out_stride + i] = scale · (query h · row i)` for the `heads` query vectors laid
-/// end to end in `q` (the heads that share one kv head). Each product is one fused
-/// multiply-add chain in order, the rounding of the GEMM that scores prefill chunks, so a
-/// position's attention is the same whether it was decoded or recomputed. f16 rows are
-/// widened value by value, so they give the bits of their widened f32 copy.
-pub fn dot_strided_scalar<T: Copy + Into<f32>>(
-    q: &[f32],
-    heads: usize,
-    rows: StridedRows<'_, T>,
-    scale: f32,
-    out: &mut [f32],
-    out_stride: usize,
-) {
-    let n = q.len() / heads.max(1);
-    for (h, q) in q.chunks_exact(n.max(1)).take(heads).enumerate() {
-        for i in 0..rows.count {
-            let mut acc = 0f32;
-            for (a, b) in q.iter().zip(rows.row(i, n)) {
-                acc = a.mul_add((*b).into(), acc);
-            }
-            out[h * out_stride + i] = acc * scale;
-        }
-    }
-}
-
-/// `out += Σᵢ weights[i] · row i` for rows of `out.len()` values whose starts are `stride`
-/// apart in `rows` (the values of one kv head in a cache page), f32 or f16.
-pub fn axpy_strided_scalar<T: Copy + Into<f32>>(
-    weights: &[f32],
-    rows: &[T],
-    stride: usize,
-    out: &mut [f32],
-) {
-    let n = out.len();
-    for (i, &w) in weights.iter().enumerate() {
-        for (y, &x) in out.iter_mut().zip(&rows[i * stride..i * stride + n]) {
-            *y += w * x.into();
-        }
-    }
-}
-
-/// `x[i] = exp(x[i] − shift)`, returning the sum: the exponentials of a softmax.
-pub fn exp_sum_scalar(x: &mut [f32], shift: f32) -> f32 {
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - shift).exp();
-        sum += *v;
-    }
-    sum
-}
-
-/// `gate[i] = silu(gate[i]) · up[i]`, SwiGLU's gating.
-pub fn silu_mul_scalar(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// y += a · x
-pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
     }
 }
