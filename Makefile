@@ -91,7 +91,8 @@ bench-7b-shape:
 # as users run them: the test binary finds the binaries of its own profile.
 bench-router: setup
 	$(CARGO) build --release --workspace --bins
-	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture
+	@# One benchmark at a time: side by side, each would time the other's load.
+	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture --test-threads=1
 
 # The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces
 # (seconds; the simulator's unit tests run in make test).
