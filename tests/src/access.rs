@@ -142,3 +142,24 @@ pub async fn served_resources(
         })
         .collect())
 }
+
+/// A namespace of `cluster` for `test` that enforces the restricted Pod Security Standard, so
+/// that every pod made in it is admitted only as that standard allows.
+pub async fn restricted_namespace(
+    cluster: &crate::cluster::Cluster,
+    client: &Client,
+    test: &str,
+) -> Result<String> {
+    let ns = cluster.namespace(client, test).await?;
+    let labels = serde_json::json!({"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "restricted",
+    }}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .patch(
+            &ns,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&labels),
+        )
+        .await?;
+    Ok(ns)
+}

@@ -8,12 +8,11 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
-use kube::Client;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{Api, PostParams};
 use npufleet_tests::cluster::{self, Cluster};
 use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL, RealNode};
-use npufleet_tests::wait;
+use npufleet_tests::{access, wait};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -41,17 +40,6 @@ fn netcheck_image(c: &Cluster) -> String {
         .expect("tests/setup/node.sh lists the netcheck image")
         .tag
         .clone()
-}
-
-/// A namespace that enforces the restricted Pod Security Standard.
-async fn restricted_namespace(c: &Cluster, client: &Client, test: &str) -> Result<String> {
-    let ns = c.namespace(client, test).await?;
-    let labels =
-        json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
-    Api::<Namespace>::all(client.clone())
-        .patch(&ns, &PatchParams::default(), &Patch::Merge(&labels))
-        .await?;
-    Ok(ns)
 }
 
 /// A pod of one netcheck container, as the restricted standard wants it.
@@ -132,7 +120,7 @@ async fn a_pod_is_ready_by_its_probe_and_reached_by_service_ip_and_dns_name() ->
         node(c).started_in().as_secs_f64()
     );
     let client = c.client().await?;
-    let ns = restricted_namespace(c, &client, "real-node-service").await?;
+    let ns = access::restricted_namespace(c, &client, "real-node-service").await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let ready_in = serving_pod(c, &pods, "echo").await?;
     println!(
@@ -200,7 +188,7 @@ async fn kubelet_restarts_a_container_the_runtime_killed() -> Result<()> {
     }
     let c = cluster::shared_real_node();
     let client = c.client().await?;
-    let ns = restricted_namespace(c, &client, "real-node-restart").await?;
+    let ns = access::restricted_namespace(c, &client, "real-node-restart").await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     serving_pod(c, &pods, "victim").await?;
     let status = pods.get("victim").await?.status.unwrap_or_default();

@@ -14,8 +14,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::Client;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use npufleet_contract::labels;
 use npufleet_contract::ports::HTTP_PORT;
@@ -24,7 +23,7 @@ use npufleet_tests::chart::{self, LocalImages};
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::fleet::{Load, request_once};
 use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL};
-use npufleet_tests::{operator, paths, process, wait};
+use npufleet_tests::{access, operator, paths, process, wait};
 use serde_json::json;
 
 const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
@@ -37,17 +36,6 @@ fn is_ready(pod: &Pod) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// A namespace that enforces the restricted Pod Security Standard.
-async fn restricted_namespace(c: &Cluster, client: &Client, name: &str) -> Result<String> {
-    let ns = c.namespace(client, name).await?;
-    let labels =
-        json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}});
-    Api::<Namespace>::all(client.clone())
-        .patch(&ns, &PatchParams::default(), &Patch::Merge(&labels))
-        .await?;
-    Ok(ns)
 }
 
 /// The worker pods of `service`, by name.
@@ -105,6 +93,8 @@ fn memory_of(pod: &Pod) -> Result<(u64, u64, u64)> {
 /// six-token phrase: about 12,000 tokens, of the 20,000 the sample's 1 GiB limit gives.
 const BURST_REQUESTS: usize = 8;
 const BURST_PROMPT_REPEATS: usize = 250;
+/// Prefill of the whole burst shares two cores with everything else on the machine.
+const BURST_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The worker's `vllm:kv_cache_usage_perc`, a fraction.
 async fn kv_cache_usage(http: &reqwest::Client, ip: &str) -> Result<f64> {
@@ -176,7 +166,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     let client = c.client().await?;
 
     // helm install, as a user would, with the images of this build.
-    let release_ns = restricted_namespace(&c, &client, "npufleet-system").await?;
+    let release_ns = access::restricted_namespace(&c, &client, "npufleet-system").await?;
     let installed = Instant::now();
     chart::install(&c, &release_ns, &images).await?;
     println!(
@@ -185,7 +175,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     );
 
     // kubectl apply of the sample.
-    let ns = restricted_namespace(&c, &client, "serving").await?;
+    let ns = access::restricted_namespace(&c, &client, "serving").await?;
     let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
     let name = sample
         .metadata
@@ -444,10 +434,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     );
 
     // A burst of long, distinct prompts, enough to fill most of the KV cache at once.
-    // Prefill of the whole burst shares two cores with everything else here.
-    let patient = reqwest::Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()?;
+    let patient = reqwest::Client::builder().timeout(BURST_TIMEOUT).build()?;
     let burst_started = Instant::now();
     let burst: Vec<_> = (0..BURST_REQUESTS)
         .map(|i| {
@@ -466,16 +453,21 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
             tokio::spawn(async move { request_once(&http, &url, &body).await })
         })
         .collect();
-    let mut kv_peak = 0.0_f64;
     let left_ip = workers(&pods, &name)
         .await?
         .into_iter()
         .find_map(|p| p.status.and_then(|s| s.pod_ip))
         .context("no worker address")?;
-    while !burst.iter().all(|b| b.is_finished()) {
-        kv_peak = kv_peak.max(kv_cache_usage(&http, &left_ip).await.unwrap_or(0.0));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // The KV cache's use sampled at every poll until the whole burst is answered.
+    let kv_peak = std::sync::Mutex::new(0.0_f64);
+    wait::until("the burst answered", BURST_TIMEOUT, || async {
+        let usage = kv_cache_usage(&http, &left_ip).await.unwrap_or(0.0);
+        let mut peak = kv_peak.lock().expect("peak");
+        *peak = peak.max(usage);
+        Ok(burst.iter().all(|b| b.is_finished()).then_some(()))
+    })
+    .await?;
+    let kv_peak = kv_peak.into_inner().expect("peak");
     for request in burst {
         request.await?.context("a request of the burst")?;
     }
