@@ -392,6 +392,164 @@ fn random_token() -> String {
         .collect()
 }
 
+fn etcd_command(bin: &Path, d: &Path, port: u16, peer_port: u16) -> Command {
+    let mut etcd = Command::new(bin.join("etcd"));
+    etcd.args([
+        format!("--data-dir={}", d.join("etcd").display()),
+        format!("--listen-client-urls=http://127.0.0.1:{port}"),
+        format!("--advertise-client-urls=http://127.0.0.1:{port}"),
+        format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
+        format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"),
+        format!("--initial-cluster=default=http://127.0.0.1:{peer_port}"),
+        "--unsafe-no-fsync=true".to_string(),
+        "--log-level=warn".to_string(),
+    ]);
+    etcd
+}
+
+fn apiserver_command(bin: &Path, d: &Path, pki: &Pki, etcd_port: u16, api_port: u16) -> Command {
+    let mut apiserver = Command::new(bin.join("kube-apiserver"));
+    apiserver.args([
+        format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
+        "--bind-address=127.0.0.1".to_string(),
+        "--advertise-address=127.0.0.1".to_string(),
+        format!("--secure-port={api_port}"),
+        format!("--cert-dir={}", d.join("certs").display()),
+        format!("--tls-cert-file={}", pki.cert_file.display()),
+        format!("--tls-private-key-file={}", pki.key_file.display()),
+        format!("--client-ca-file={}", pki.ca_file.display()),
+        format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
+        "--allow-privileged=true".to_string(),
+        "--authorization-mode=Node,RBAC".to_string(),
+        format!(
+            "--kubelet-client-certificate={}",
+            pki.kubelet_client_cert_file.display()
+        ),
+        format!(
+            "--kubelet-client-key={}",
+            pki.kubelet_client_key_file.display()
+        ),
+        "--kubelet-preferred-address-types=InternalIP".to_string(),
+        format!("--token-auth-file={}", d.join("tokens.csv").display()),
+        format!("--service-account-issuer=https://127.0.0.1:{api_port}"),
+        format!("--service-account-key-file={}", pki.sa_pub_file.display()),
+        format!(
+            "--service-account-signing-key-file={}",
+            pki.sa_key_file.display()
+        ),
+        "--api-audiences=https://kubernetes.default.svc".to_string(),
+        "--endpoint-reconciler-type=none".to_string(),
+        // kube-proxy runs only beside a real node: the aggregator reaches extension servers
+        // at their endpoints.
+        "--enable-aggregator-routing=true".to_string(),
+        "--enable-priority-and-fairness=false".to_string(),
+        // The aggregation layer authenticates itself to extension API servers with a
+        // client certificate from this CA, published in
+        // kube-system/extension-apiserver-authentication.
+        format!(
+            "--requestheader-client-ca-file={}",
+            pki.front_proxy_ca_file.display()
+        ),
+        format!("--requestheader-allowed-names={FRONT_PROXY_CLIENT}"),
+        "--requestheader-username-headers=X-Remote-User".to_string(),
+        "--requestheader-group-headers=X-Remote-Group".to_string(),
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-".to_string(),
+        format!(
+            "--proxy-client-cert-file={}",
+            pki.front_proxy_cert_file.display()
+        ),
+        format!(
+            "--proxy-client-key-file={}",
+            pki.front_proxy_key_file.display()
+        ),
+        "--v=0".to_string(),
+    ]);
+    apiserver
+}
+
+fn controller_manager_command(
+    bin: &Path,
+    d: &Path,
+    kubeconfig: &Path,
+    pki: &Pki,
+    opts: &ClusterOptions,
+) -> Result<Command> {
+    let mut kcm = Command::new(bin.join("kube-controller-manager"));
+    kcm.args([
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--authentication-kubeconfig={}", kubeconfig.display()),
+        format!("--authorization-kubeconfig={}", kubeconfig.display()),
+        "--leader-elect=false".to_string(),
+        "--controllers=*".to_string(),
+        format!(
+            "--service-account-private-key-file={}",
+            pki.sa_key_file.display()
+        ),
+        format!("--root-ca-file={}", pki.ca_file.display()),
+        "--bind-address=127.0.0.1".to_string(),
+        format!("--secure-port={}", free_port()?),
+        format!(
+            "--horizontal-pod-autoscaler-sync-period={}s",
+            opts.hpa_sync_period.as_secs().max(1)
+        ),
+        format!(
+            "--horizontal-pod-autoscaler-downscale-stabilization={}s",
+            opts.hpa_downscale_stabilization.as_secs()
+        ),
+        format!("--cert-dir={}", d.join("kcm-certs").display()),
+    ]);
+    Ok(kcm)
+}
+
+fn scheduler_command(bin: &Path, d: &Path, kubeconfig: &Path) -> Result<Command> {
+    let mut sched = Command::new(bin.join("kube-scheduler"));
+    sched.args([
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--authentication-kubeconfig={}", kubeconfig.display()),
+        format!("--authorization-kubeconfig={}", kubeconfig.display()),
+        "--leader-elect=false".to_string(),
+        "--bind-address=127.0.0.1".to_string(),
+        format!("--secure-port={}", free_port()?),
+        format!("--cert-dir={}", d.join("scheduler-certs").display()),
+    ]);
+    Ok(sched)
+}
+
+fn kwok_command(bin: &Path, kubeconfig: &Path) -> Result<Command> {
+    let stages = paths::kwok_stages()?;
+    let configs = [
+        "node/fast/node-initialize.yaml",
+        "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+        "pod/fast/pod-ready.yaml",
+        "pod/fast/pod-complete.yaml",
+        "pod/fast/pod-delete.yaml",
+    ]
+    .iter()
+    .map(|c| stages.join(c).display().to_string())
+    .collect::<Vec<_>>()
+    .join(",");
+    let mut kwok = Command::new(bin.join("kwok"));
+    kwok.args([
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--manage-all-nodes=false".to_string(),
+        format!("--manage-nodes-with-label-selector={KWOK_NODE_LABEL}=true"),
+        format!("--server-address=127.0.0.1:{}", free_port()?),
+        "--node-lease-duration-seconds=40".to_string(),
+        format!("--cidr={KWOK_POD_CIDR}"),
+        format!("--node-ip={KWOK_NODE_IP}"),
+        format!("--config={configs}"),
+    ]);
+    Ok(kwok)
+}
+
+/// Whether `node` says it is Ready.
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
 impl Cluster {
     /// Starts the control plane and waits until the apiserver is ready and, when asked,
     /// the fake nodes are Ready.
@@ -417,6 +575,12 @@ impl Cluster {
             kubeconfig_yaml(&server, &pki.ca_pem, Credential::Token(&token)),
         )?;
 
+        // Built before `cluster` takes the CA out of `pki`.
+        let mut apiserver = apiserver_command(&bin, &d, &pki, etcd_port, api_port);
+        apiserver.args(&opts.apiserver_args);
+        let kcm = (opts.controller_manager)
+            .then(|| controller_manager_command(&bin, &d, &kubeconfig, &pki, &opts))
+            .transpose()?;
         let mut cluster = Cluster {
             real_node: None,
             processes: Mutex::new(Vec::new()),
@@ -428,76 +592,7 @@ impl Cluster {
             dir,
         };
 
-        let mut etcd = Command::new(bin.join("etcd"));
-        etcd.args([
-            format!("--data-dir={}", d.join("etcd").display()),
-            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
-            format!("--advertise-client-urls=http://127.0.0.1:{etcd_port}"),
-            format!("--listen-peer-urls=http://127.0.0.1:{etcd_peer_port}"),
-            format!("--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}"),
-            format!("--initial-cluster=default=http://127.0.0.1:{etcd_peer_port}"),
-            "--unsafe-no-fsync=true".to_string(),
-            "--log-level=warn".to_string(),
-        ]);
-        cluster.spawn("etcd", etcd)?;
-
-        let mut apiserver = Command::new(bin.join("kube-apiserver"));
-        apiserver.args([
-            format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
-            "--bind-address=127.0.0.1".to_string(),
-            "--advertise-address=127.0.0.1".to_string(),
-            format!("--secure-port={api_port}"),
-            format!("--cert-dir={}", d.join("certs").display()),
-            format!("--tls-cert-file={}", pki.cert_file.display()),
-            format!("--tls-private-key-file={}", pki.key_file.display()),
-            format!("--client-ca-file={}", pki.ca_file.display()),
-            format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
-            "--allow-privileged=true".to_string(),
-            "--authorization-mode=Node,RBAC".to_string(),
-            format!(
-                "--kubelet-client-certificate={}",
-                pki.kubelet_client_cert_file.display()
-            ),
-            format!(
-                "--kubelet-client-key={}",
-                pki.kubelet_client_key_file.display()
-            ),
-            "--kubelet-preferred-address-types=InternalIP".to_string(),
-            format!("--token-auth-file={}", d.join("tokens.csv").display()),
-            format!("--service-account-issuer=https://127.0.0.1:{api_port}"),
-            format!("--service-account-key-file={}", pki.sa_pub_file.display()),
-            format!(
-                "--service-account-signing-key-file={}",
-                pki.sa_key_file.display()
-            ),
-            "--api-audiences=https://kubernetes.default.svc".to_string(),
-            "--endpoint-reconciler-type=none".to_string(),
-            // kube-proxy runs only beside a real node: the aggregator reaches extension servers
-            // at their endpoints.
-            "--enable-aggregator-routing=true".to_string(),
-            "--enable-priority-and-fairness=false".to_string(),
-            // The aggregation layer authenticates itself to extension API servers with a
-            // client certificate from this CA, published in
-            // kube-system/extension-apiserver-authentication.
-            format!(
-                "--requestheader-client-ca-file={}",
-                pki.front_proxy_ca_file.display()
-            ),
-            format!("--requestheader-allowed-names={FRONT_PROXY_CLIENT}"),
-            "--requestheader-username-headers=X-Remote-User".to_string(),
-            "--requestheader-group-headers=X-Remote-Group".to_string(),
-            "--requestheader-extra-headers-prefix=X-Remote-Extra-".to_string(),
-            format!(
-                "--proxy-client-cert-file={}",
-                pki.front_proxy_cert_file.display()
-            ),
-            format!(
-                "--proxy-client-key-file={}",
-                pki.front_proxy_key_file.display()
-            ),
-            "--v=0".to_string(),
-        ]);
-        apiserver.args(&opts.apiserver_args);
+        cluster.spawn("etcd", etcd_command(&bin, &d, etcd_port, etcd_peer_port))?;
         cluster.spawn("kube-apiserver", apiserver)?;
 
         let client = wait::until(
@@ -513,71 +608,14 @@ impl Cluster {
         )
         .await?;
 
-        if opts.controller_manager {
-            let mut kcm = Command::new(bin.join("kube-controller-manager"));
-            kcm.args([
-                format!("--kubeconfig={}", kubeconfig.display()),
-                format!("--authentication-kubeconfig={}", kubeconfig.display()),
-                format!("--authorization-kubeconfig={}", kubeconfig.display()),
-                "--leader-elect=false".to_string(),
-                "--controllers=*".to_string(),
-                format!(
-                    "--service-account-private-key-file={}",
-                    pki.sa_key_file.display()
-                ),
-                format!("--root-ca-file={}", pki.ca_file.display()),
-                "--bind-address=127.0.0.1".to_string(),
-                format!("--secure-port={}", free_port()?),
-                format!(
-                    "--horizontal-pod-autoscaler-sync-period={}s",
-                    opts.hpa_sync_period.as_secs().max(1)
-                ),
-                format!(
-                    "--horizontal-pod-autoscaler-downscale-stabilization={}s",
-                    opts.hpa_downscale_stabilization.as_secs()
-                ),
-                format!("--cert-dir={}", d.join("kcm-certs").display()),
-            ]);
+        if let Some(kcm) = kcm {
             cluster.spawn("kube-controller-manager", kcm)?;
         }
         if opts.scheduler {
-            let mut sched = Command::new(bin.join("kube-scheduler"));
-            sched.args([
-                format!("--kubeconfig={}", kubeconfig.display()),
-                format!("--authentication-kubeconfig={}", kubeconfig.display()),
-                format!("--authorization-kubeconfig={}", kubeconfig.display()),
-                "--leader-elect=false".to_string(),
-                "--bind-address=127.0.0.1".to_string(),
-                format!("--secure-port={}", free_port()?),
-                format!("--cert-dir={}", d.join("scheduler-certs").display()),
-            ]);
-            cluster.spawn("kube-scheduler", sched)?;
+            cluster.spawn("kube-scheduler", scheduler_command(&bin, &d, &kubeconfig)?)?;
         }
         if opts.kwok {
-            let stages = paths::kwok_stages()?;
-            let configs = [
-                "node/fast/node-initialize.yaml",
-                "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
-                "pod/fast/pod-ready.yaml",
-                "pod/fast/pod-complete.yaml",
-                "pod/fast/pod-delete.yaml",
-            ]
-            .iter()
-            .map(|c| stages.join(c).display().to_string())
-            .collect::<Vec<_>>()
-            .join(",");
-            let mut kwok = Command::new(bin.join("kwok"));
-            kwok.args([
-                format!("--kubeconfig={}", kubeconfig.display()),
-                "--manage-all-nodes=false".to_string(),
-                format!("--manage-nodes-with-label-selector={KWOK_NODE_LABEL}=true"),
-                format!("--server-address=127.0.0.1:{}", free_port()?),
-                "--node-lease-duration-seconds=40".to_string(),
-                format!("--cidr={KWOK_POD_CIDR}"),
-                format!("--node-ip={KWOK_NODE_IP}"),
-                format!("--config={configs}"),
-            ]);
-            cluster.spawn("kwok", kwok)?;
+            cluster.spawn("kwok", kwok_command(&bin, &kubeconfig)?)?;
             for node in &opts.nodes {
                 cluster.add_fake_node(&client, node).await?;
             }
@@ -826,13 +864,7 @@ impl Cluster {
             || async {
                 self.ensure_running().map_err(wait::fatal)?;
                 let n = nodes.get(&node.name).await?;
-                let ready = n
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                Ok(ready.then_some(()))
+                Ok(node_ready(&n).then_some(()))
             },
         )
         .await

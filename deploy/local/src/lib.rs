@@ -16,4 +16,4 @@ pub mod process;
 pub mod real_node;
 pub mod router;
 
-pub use npufleet_test_support::{net, runtime, wait};
+pub use npufleet_wait::{net, runtime, wait};

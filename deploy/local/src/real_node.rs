@@ -33,7 +33,7 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
-use crate::cluster::{Cluster, SERVICE_CLUSTER_IP_RANGE};
+use crate::cluster::{Cluster, SERVICE_CLUSTER_IP_RANGE, node_ready};
 use crate::net::free_port;
 use crate::paths::{self, ImageArchive};
 use crate::process::{self, Process};
@@ -71,6 +71,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(90);
 pub struct RealNode {
     processes: Mutex<Vec<Process>>,
     dir: PathBuf,
+    /// kubelet, kube-proxy and CoreDNS.
+    bin: PathBuf,
     ctr: PathBuf,
     images: Vec<ImageArchive>,
     clean_up: u64,
@@ -113,6 +115,7 @@ impl RealNode {
         let mut node = RealNode {
             processes: Mutex::new(Vec::new()),
             dir: dir.clone(),
+            bin,
             ctr: which("ctr")?,
             images,
             clean_up: process::register_clean_up(tear_down),
@@ -125,18 +128,31 @@ impl RealNode {
         let relay = ApiRelay::start(api_port)?;
         publish_apiserver(client, api_port).await?;
 
-        let containerd_config = dir.join("containerd.toml");
-        std::fs::write(&containerd_config, containerd_toml(&dir, &pause))?;
+        node.start_containerd(&pause).await?;
+
+        node.start_kubelet(cluster)?;
+        let proxy_healthz = node.start_kube_proxy(cluster)?;
+        let coredns_ready = node.start_coredns(cluster, client).await?;
+        node.wait_serving(client, proxy_healthz, coredns_ready)
+            .await?;
+        node._relay = Some(relay);
+        node.started_in = started.elapsed();
+        Ok(node)
+    }
+
+    async fn start_containerd(&self, pause: &str) -> Result<()> {
+        let containerd_config = self.dir.join("containerd.toml");
+        std::fs::write(&containerd_config, containerd_toml(&self.dir, &pause))?;
         std::fs::write(
-            dir.join("cni/conf/10-npufleet.conflist"),
-            cni_conflist(&dir),
+            self.dir.join("cni/conf/10-npufleet.conflist"),
+            cni_conflist(&self.dir),
         )?;
         let mut containerd = Command::new(which("containerd")?);
         containerd.arg("--config").arg(&containerd_config);
-        node.spawn("containerd", containerd)?;
+        self.spawn("containerd", containerd)?;
         wait::until("containerd", START_TIMEOUT, || async {
-            node.ensure_running().map_err(wait::fatal)?;
-            Ok(node
+            self.ensure_running().map_err(wait::fatal)?;
+            Ok(self
                 .ctr()
                 .arg("version")
                 .output()
@@ -144,77 +160,95 @@ impl RealNode {
                 .then_some(()))
         })
         .await?;
-        let archives: Vec<PathBuf> = node.images.iter().map(|i| i.path.clone()).collect();
-        node.import(&archives)?;
+        let archives: Vec<PathBuf> = self.images.iter().map(|i| i.path.clone()).collect();
+        self.import(&archives)?;
+        Ok(())
+    }
 
+    fn start_kubelet(&self, cluster: &Cluster) -> Result<()> {
         let kubelet_kubeconfig = cluster.kubeconfig_with_certificate(
             &format!("system:node:{NODE_NAME}"),
             &["system:nodes"],
             "kubelet.kubeconfig",
         )?;
-        let kubelet_config = dir.join("kubelet.yaml");
+        let kubelet_config = self.dir.join("kubelet.yaml");
         let kubelet_healthz = free_port()?;
         std::fs::write(
             &kubelet_config,
-            kubelet_yaml(&dir, &cluster.ca_file(), kubelet_healthz)?,
+            kubelet_yaml(&self.dir, &cluster.ca_file(), kubelet_healthz)?,
         )?;
-        let mut kubelet = Command::new(bin.join("kubelet"));
+        let mut kubelet = Command::new(self.bin.join("kubelet"));
         kubelet
             .arg(format!("--config={}", kubelet_config.display()))
             .arg(format!("--kubeconfig={}", kubelet_kubeconfig.display()))
             .arg(format!("--hostname-override={NODE_NAME}"))
             .arg(format!("--node-ip={NODE_ADDRESS}"))
             .arg(format!("--node-labels={REAL_NODE_LABEL}=true"))
-            .arg(format!("--root-dir={}", dir.join("kubelet").display()))
-            .arg(format!("--cert-dir={}", dir.join("kubelet/pki").display()))
+            .arg(format!("--root-dir={}", self.dir.join("kubelet").display()))
+            .arg(format!(
+                "--cert-dir={}",
+                self.dir.join("kubelet/pki").display()
+            ))
             .arg("--v=1");
-        node.spawn("kubelet", kubelet)?;
+        self.spawn("kubelet", kubelet)?;
+        Ok(())
+    }
 
+    /// Starts kube-proxy; returns its healthz port.
+    fn start_kube_proxy(&self, cluster: &Cluster) -> Result<u16> {
         let proxy_kubeconfig = cluster.kubeconfig_with_certificate(
             "system:kube-proxy",
             &[],
             "kube-proxy.kubeconfig",
         )?;
-        let proxy_config = dir.join("kube-proxy.yaml");
+        let proxy_config = self.dir.join("kube-proxy.yaml");
         let proxy_healthz = free_port()?;
         std::fs::write(
             &proxy_config,
             kube_proxy_yaml(&proxy_kubeconfig, proxy_healthz)?,
         )?;
-        let mut proxy = Command::new(bin.join("kube-proxy"));
+        let mut proxy = Command::new(self.bin.join("kube-proxy"));
         proxy.arg(format!("--config={}", proxy_config.display()));
-        node.spawn("kube-proxy", proxy)?;
+        self.spawn("kube-proxy", proxy)?;
+        Ok(proxy_healthz)
+    }
 
+    /// Starts CoreDNS; returns its readiness port.
+    async fn start_coredns(&self, cluster: &Cluster, client: &Client) -> Result<u16> {
         grant_coredns(client).await?;
         let coredns_kubeconfig =
             cluster.kubeconfig_with_certificate(COREDNS_USER, &[], "coredns.kubeconfig")?;
-        let corefile = dir.join("Corefile");
+        let corefile = self.dir.join("Corefile");
         let coredns_ready = free_port()?;
         std::fs::write(&corefile, corefile_text(&coredns_kubeconfig, coredns_ready))?;
-        let mut coredns = Command::new(bin.join("coredns"));
+        let mut coredns = Command::new(self.bin.join("coredns"));
         coredns.arg("-conf").arg(&corefile);
-        node.spawn("coredns", coredns)?;
+        self.spawn("coredns", coredns)?;
+        Ok(coredns_ready)
+    }
 
+    /// Waits until the node is Ready and kube-proxy and CoreDNS have synced.
+    async fn wait_serving(
+        &self,
+        client: &Client,
+        proxy_healthz: u16,
+        coredns_ready: u16,
+    ) -> Result<()> {
         let nodes: Api<Node> = Api::all(client.clone());
         wait::until(
             &format!("node {NODE_NAME} Ready"),
             START_TIMEOUT,
             || async {
-                node.ensure_running().map_err(wait::fatal)?;
-                let Some(n) = nodes.get_opt(NODE_NAME).await? else {
-                    return Ok(None);
-                };
-                let ready = n
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                Ok(ready.then_some(()))
+                self.ensure_running().map_err(wait::fatal)?;
+                Ok(nodes
+                    .get_opt(NODE_NAME)
+                    .await?
+                    .filter(node_ready)
+                    .map(|_| ()))
             },
         )
         .await
-        .map_err(|e| anyhow::anyhow!("{e:#}{}", node.log_tails(20)))?;
+        .map_err(|e| anyhow::anyhow!("{e:#}{}", self.log_tails(20)))?;
         let http = reqwest::Client::new();
         for (what, url) in [
             (
@@ -227,16 +261,14 @@ impl RealNode {
             ),
         ] {
             wait::until(what, START_TIMEOUT, || async {
-                node.ensure_running().map_err(wait::fatal)?;
+                self.ensure_running().map_err(wait::fatal)?;
                 let answer = http.get(&url).send().await;
                 Ok(answer.is_ok_and(|a| a.status().is_success()).then_some(()))
             })
             .await
-            .map_err(|e| anyhow::anyhow!("{e:#}{}", node.log_tails(20)))?;
+            .map_err(|e| anyhow::anyhow!("{e:#}{}", self.log_tails(20)))?;
         }
-        node._relay = Some(relay);
-        node.started_in = started.elapsed();
-        Ok(node)
+        Ok(())
     }
 
     fn spawn(&self, name: &str, cmd: Command) -> Result<()> {

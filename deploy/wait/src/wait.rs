@@ -1,4 +1,4 @@
-//! Polling with a deadline: the only way tests wait for the cluster.
+//! Polling with a deadline: the only way the platform and the tests wait.
 
 use std::future::Future;
 use std::time::{Duration, Instant};

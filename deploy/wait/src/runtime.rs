@@ -1,4 +1,4 @@
-//! Set-up shared by a test binary's tests, run once on a runtime of its own.
+//! Set-up shared by a process (or a test binary's tests), run once on a runtime of its own.
 
 use std::future::Future;
 

@@ -1,4 +1,4 @@
-//! Loopback addresses for servers a test starts.
+//! Loopback addresses for the servers the platform or a test starts.
 //!
 //! A port handed out here is one the kernel never picks as the source port of an outgoing
 //! connection: a port taken from the ephemeral range and released can be reused by any
