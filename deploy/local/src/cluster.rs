@@ -467,6 +467,27 @@ fn apiserver_command(bin: &Path, d: &Path, pki: &Pki, etcd_port: u16, api_port: 
     apiserver
 }
 
+/// kube-controller-manager or kube-scheduler: the admin kubeconfig for everything, no leader
+/// election, serving on a loopback port of its own.
+fn component_command(
+    bin: &Path,
+    name: &str,
+    kubeconfig: &Path,
+    cert_dir: &Path,
+) -> Result<Command> {
+    let mut command = Command::new(bin.join(name));
+    command.args([
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--authentication-kubeconfig={}", kubeconfig.display()),
+        format!("--authorization-kubeconfig={}", kubeconfig.display()),
+        "--leader-elect=false".to_string(),
+        "--bind-address=127.0.0.1".to_string(),
+        format!("--secure-port={}", free_port()?),
+        format!("--cert-dir={}", cert_dir.display()),
+    ]);
+    Ok(command)
+}
+
 fn controller_manager_command(
     bin: &Path,
     d: &Path,
@@ -474,20 +495,19 @@ fn controller_manager_command(
     pki: &Pki,
     opts: &ClusterOptions,
 ) -> Result<Command> {
-    let mut kcm = Command::new(bin.join("kube-controller-manager"));
+    let mut kcm = component_command(
+        bin,
+        "kube-controller-manager",
+        kubeconfig,
+        &d.join("kcm-certs"),
+    )?;
     kcm.args([
-        format!("--kubeconfig={}", kubeconfig.display()),
-        format!("--authentication-kubeconfig={}", kubeconfig.display()),
-        format!("--authorization-kubeconfig={}", kubeconfig.display()),
-        "--leader-elect=false".to_string(),
         "--controllers=*".to_string(),
         format!(
             "--service-account-private-key-file={}",
             pki.sa_key_file.display()
         ),
         format!("--root-ca-file={}", pki.ca_file.display()),
-        "--bind-address=127.0.0.1".to_string(),
-        format!("--secure-port={}", free_port()?),
         format!(
             "--horizontal-pod-autoscaler-sync-period={}s",
             opts.hpa_sync_period.as_secs().max(1)
@@ -496,23 +516,8 @@ fn controller_manager_command(
             "--horizontal-pod-autoscaler-downscale-stabilization={}s",
             opts.hpa_downscale_stabilization.as_secs()
         ),
-        format!("--cert-dir={}", d.join("kcm-certs").display()),
     ]);
     Ok(kcm)
-}
-
-fn scheduler_command(bin: &Path, d: &Path, kubeconfig: &Path) -> Result<Command> {
-    let mut sched = Command::new(bin.join("kube-scheduler"));
-    sched.args([
-        format!("--kubeconfig={}", kubeconfig.display()),
-        format!("--authentication-kubeconfig={}", kubeconfig.display()),
-        format!("--authorization-kubeconfig={}", kubeconfig.display()),
-        "--leader-elect=false".to_string(),
-        "--bind-address=127.0.0.1".to_string(),
-        format!("--secure-port={}", free_port()?),
-        format!("--cert-dir={}", d.join("scheduler-certs").display()),
-    ]);
-    Ok(sched)
 }
 
 fn kwok_command(bin: &Path, kubeconfig: &Path) -> Result<Command> {
@@ -612,7 +617,13 @@ impl Cluster {
             cluster.spawn("kube-controller-manager", kcm)?;
         }
         if opts.scheduler {
-            cluster.spawn("kube-scheduler", scheduler_command(&bin, &d, &kubeconfig)?)?;
+            let scheduler = component_command(
+                &bin,
+                "kube-scheduler",
+                &kubeconfig,
+                &d.join("scheduler-certs"),
+            )?;
+            cluster.spawn("kube-scheduler", scheduler)?;
         }
         if opts.kwok {
             cluster.spawn("kwok", kwok_command(&bin, &kubeconfig)?)?;

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 
 /// Marks an error as final: [`until`] returns it at once instead of retrying (for example
 /// when the process being waited for has exited).
@@ -29,21 +29,12 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>>>,
 {
-    let deadline = Instant::now() + timeout;
-    let mut interval = Duration::from_millis(20);
-    let mut last = String::from("condition never held");
+    let mut poll = Poll::new(what, timeout);
     loop {
-        match check().await {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) if e.is::<Fatal>() => return Err(e.context(format!("waiting for {what}"))),
-            Err(e) => last = format!("{e:#}"),
+        if let Some(done) = poll.judge(check().await) {
+            return done;
         }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}: {last}");
-        }
-        tokio::time::sleep(interval).await;
-        interval = (interval * 2).min(Duration::from_millis(250));
+        tokio::time::sleep(poll.next_interval()).await;
     }
 }
 
@@ -53,20 +44,58 @@ pub fn until_blocking<T>(
     timeout: Duration,
     mut check: impl FnMut() -> Result<Option<T>>,
 ) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    let mut interval = Duration::from_millis(20);
-    let mut last = String::from("condition never held");
+    let mut poll = Poll::new(what, timeout);
     loop {
-        match check() {
-            Ok(Some(v)) => return Ok(v),
+        if let Some(done) = poll.judge(check()) {
+            return done;
+        }
+        std::thread::sleep(poll.next_interval());
+    }
+}
+
+/// One wait's deadline, backoff and the last thing seen.
+struct Poll<'a> {
+    what: &'a str,
+    timeout: Duration,
+    deadline: Instant,
+    interval: Duration,
+    last: String,
+}
+
+impl<'a> Poll<'a> {
+    fn new(what: &'a str, timeout: Duration) -> Self {
+        Poll {
+            what,
+            timeout,
+            deadline: Instant::now() + timeout,
+            interval: Duration::from_millis(10),
+            last: String::from("condition never held"),
+        }
+    }
+
+    /// What one check says: done (a value, a fatal error, or the deadline passed) or not yet.
+    fn judge<T>(&mut self, checked: Result<Option<T>>) -> Option<Result<T>> {
+        match checked {
+            Ok(Some(v)) => return Some(Ok(v)),
             Ok(None) => {}
-            Err(e) if e.is::<Fatal>() => return Err(e.context(format!("waiting for {what}"))),
-            Err(e) => last = format!("{e:#}"),
+            Err(e) if e.is::<Fatal>() => {
+                return Some(Err(e.context(format!("waiting for {}", self.what))));
+            }
+            Err(e) => self.last = format!("{e:#}"),
         }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}: {last}");
-        }
-        std::thread::sleep(interval);
-        interval = (interval * 2).min(Duration::from_millis(250));
+        (Instant::now() >= self.deadline).then(|| {
+            Err(anyhow::anyhow!(
+                "timed out after {:?} waiting for {}: {}",
+                self.timeout,
+                self.what,
+                self.last
+            ))
+        })
+    }
+
+    /// 20 ms doubling to 250 ms: quick for what is nearly ready, light on what is slow.
+    fn next_interval(&mut self) -> Duration {
+        self.interval = (self.interval * 2).min(Duration::from_millis(250));
+        self.interval
     }
 }
