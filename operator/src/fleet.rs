@@ -175,12 +175,12 @@ pub fn groups<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> BTreeMap<i32, Repl
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
     /// A CPU InferenceService `ml/chat` with `spec` over the required fields, and `status`.
-    fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
+    pub(crate) fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
         let mut object = json!({
             "apiVersion": "npufleet.io/v1alpha1",
             "kind": "InferenceService",

@@ -64,25 +64,11 @@ async fn openai(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let router = &state.router;
-    let request = body_or_error(body, router.settings.max_body_bytes).and_then(|body| {
-        let request = RoutedRequest::openai(&body, &headers, |model, prompt| {
-            router.prefix_key(model, prompt)
-        })?;
-        Ok((request, body))
-    });
-    match request {
-        Ok((request, body)) => {
-            let upstream = Upstream {
-                method: Method::POST,
-                uri: &uri,
-                headers: &headers,
-                body,
-            };
-            forward(&state, Flavor::OpenAi, &request, upstream).await
-        }
-        Err(error) => answer_error(&state, Flavor::OpenAi, None, error),
-    }
+    let upstream = Upstream::new(Method::POST, &uri, &headers);
+    forward_body(&state, Flavor::OpenAi, None, upstream, body, |body, key| {
+        RoutedRequest::openai(body, &headers, key)
+    })
+    .await
 }
 
 async fn v2_model_metadata(
@@ -91,17 +77,16 @@ async fn v2_model_metadata(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let request = RoutedRequest::v2_rest(&name, &[], &headers, |_, _| None);
-    let upstream = Upstream {
-        method: Method::GET,
-        uri: &uri,
-        headers: &headers,
-        body: Bytes::new(),
-    };
-    match request {
-        Ok(request) => forward(&state, Flavor::V2, &request, upstream).await,
-        Err(error) => answer_error(&state, Flavor::V2, Some(&name), error),
-    }
+    let upstream = Upstream::new(Method::GET, &uri, &headers);
+    forward_body(
+        &state,
+        Flavor::V2,
+        Some(&name),
+        upstream,
+        Ok(Bytes::new()),
+        |_, _| RoutedRequest::v2_rest(&name, &[], &headers, |_, _| None),
+    )
+    .await
 }
 
 async fn v2(
@@ -112,24 +97,38 @@ async fn v2(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let upstream = Upstream::new(method, &uri, &headers);
+    forward_body(
+        &state,
+        Flavor::V2,
+        Some(&name),
+        upstream,
+        body,
+        |body, key| RoutedRequest::v2_rest(&name, body, &headers, key),
+    )
+    .await
+}
+
+/// Reads the body, parses it into one routed request with `parse` (given the router's prefix
+/// key), and forwards it; or answers the client's error in the protocol's words.
+async fn forward_body(
+    state: &HttpState,
+    flavor: Flavor,
+    model: Option<&str>,
+    mut upstream: Upstream<'_>,
+    body: Result<Bytes, BytesRejection>,
+    parse: impl FnOnce(&[u8], &dyn Fn(&str, &[u8]) -> Option<u64>) -> Result<RoutedRequest, RouteError>,
+) -> Response {
     let router = &state.router;
-    let request = body_or_error(body, router.settings.max_body_bytes).and_then(|body| {
-        let request = RoutedRequest::v2_rest(&name, &body, &headers, |model, prompt| {
-            router.prefix_key(model, prompt)
-        })?;
-        Ok((request, body))
-    });
+    let prefix_key = |model: &str, prompt: &[u8]| router.prefix_key(model, prompt);
+    let request = body_or_error(body, router.settings.max_body_bytes)
+        .and_then(|body| Ok((parse(&body, &prefix_key)?, body)));
     match request {
         Ok((request, body)) => {
-            let upstream = Upstream {
-                method,
-                uri: &uri,
-                headers: &headers,
-                body,
-            };
-            forward(&state, Flavor::V2, &request, upstream).await
+            upstream.body = body;
+            forward(state, flavor, &request, upstream).await
         }
-        Err(error) => answer_error(&state, Flavor::V2, Some(&name), error),
+        Err(error) => answer_error(state, flavor, model, error),
     }
 }
 
@@ -162,7 +161,17 @@ struct Upstream<'a> {
     body: Bytes,
 }
 
-impl Upstream<'_> {
+impl<'a> Upstream<'a> {
+    /// The request as it came; its body is set once read.
+    fn new(method: Method, uri: &'a Uri, headers: &'a HeaderMap) -> Self {
+        Upstream {
+            method,
+            uri,
+            headers,
+            body: Bytes::new(),
+        }
+    }
+
     fn headers(&self, request: &RoutedRequest) -> HeaderMap {
         let mut out = self.headers.clone();
         for name in [

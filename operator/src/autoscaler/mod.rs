@@ -933,23 +933,7 @@ mod tests {
         Policy::new(config).expect("minReplicas 0 scales to zero");
     }
 
-    /// A CPU InferenceService `ml/chat` with `spec` over the required fields, and `status`.
-    pub(super) fn service(spec: serde_json::Value, status: serde_json::Value) -> InferenceService {
-        let mut object = serde_json::json!({
-            "apiVersion": "npufleet.io/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": "ml"},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/m.gguf"}},
-                "accelerator": {"type": "cpu"},
-            },
-            "status": status,
-        });
-        for (key, value) in spec.as_object().unwrap() {
-            object["spec"][key] = value.clone();
-        }
-        serde_json::from_value(object).unwrap()
-    }
+    pub(super) use crate::fleet::tests::service;
 
     #[test]
     fn a_wake_request_counts_only_when_newer_than_the_scale_to_zero() {

@@ -70,6 +70,23 @@ fn condition<'a>(
     s.conditions.iter().find(|c| c.type_ == type_).unwrap()
 }
 
+/// The plan for `isvc` with `pods` observed and nothing else.
+fn plan_with_pods(isvc: &InferenceService, pods: Vec<Pod>) -> super::Plan {
+    plan(
+        isvc,
+        &Observed {
+            pods,
+            ..Default::default()
+        },
+        &Settings::default(),
+        &now(),
+    )
+}
+
+fn names(pods: &[Pod]) -> Vec<String> {
+    pods.iter().map(|p| p.name_any()).collect()
+}
+
 fn env_value(pod: &Pod, name: &str) -> Option<String> {
     let container = &pod.spec.as_ref().unwrap().containers[0];
     container
@@ -148,15 +165,7 @@ fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
     let mut pods = running(&isvc, true);
     let failed = pods.iter_mut().find(|p| p.name_any() == "llm-1-1").unwrap();
     failed.status.as_mut().unwrap().phase = Some("Failed".into());
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: pods.clone(),
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods.clone());
     let mut deleted = p.delete_pods.clone();
     deleted.sort();
     assert_eq!(deleted, ["llm-1-0", "llm-1-1"], "the healthy peer goes too");
@@ -198,15 +207,7 @@ fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
         .into_iter()
         .filter(|p| p.labels()[labels::GROUP] == "0")
         .collect();
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: survivors.clone(),
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, survivors.clone());
     let created: Vec<String> = p.create_pods.iter().map(|p| p.name_any()).collect();
     assert_eq!(created, ["llm-1-0", "llm-1-1"]);
     assert_eq!(condition(&p.status, status::DEGRADED).status, "True");
@@ -214,15 +215,7 @@ fn a_failed_rank_recreates_its_whole_group_and_degrades_until_ready() {
     // Once every group is ready again it recovers.
     isvc.status = Some(p.status.clone());
     let all = running(&isvc, true);
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: all,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, all);
     assert_eq!(condition(&p.status, status::DEGRADED).status, "False");
     assert_eq!(condition(&p.status, status::READY).status, "True");
     assert_eq!(p.observation.failure, None);
@@ -236,15 +229,7 @@ fn a_deleted_rank_takes_its_group_down() {
         .into_iter()
         .filter(|p| p.name_any() != "llm-0-1")
         .collect();
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods);
     assert_eq!(p.delete_pods, ["llm-0-0"]);
     assert!(
         condition(&p.status, status::DEGRADED)
@@ -263,15 +248,7 @@ fn terminating_pods_block_recreation() {
             p
         })
         .collect();
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods);
     assert!(p.create_pods.is_empty() && p.delete_pods.is_empty());
 }
 
@@ -281,15 +258,7 @@ fn scaling_follows_spec_replicas_without_writing_it() {
     let pods = running(&isvc, true);
     // An autoscaler lowered spec.replicas through the scale subresource.
     isvc.spec.replicas = 1;
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: pods.clone(),
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods.clone());
     let mut deleted = p.delete_pods.clone();
     deleted.sort();
     assert_eq!(deleted, ["llm-1-0", "llm-2-0"]);
@@ -299,22 +268,8 @@ fn scaling_follows_spec_replicas_without_writing_it() {
     );
     // And raised it.
     isvc.spec.replicas = 4;
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
-    assert_eq!(
-        p.create_pods
-            .iter()
-            .map(|p| p.name_any())
-            .collect::<Vec<_>>(),
-        ["llm-3-0"]
-    );
+    let p = plan_with_pods(&isvc, pods);
+    assert_eq!(names(&p.create_pods), ["llm-3-0"]);
 }
 
 #[test]
@@ -361,15 +316,7 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
         })
         .collect();
     isvc.spec.replicas = 2;
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: pods.clone(),
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods.clone());
     assert_eq!(p.delete_pods, ["llm-1-0"]);
     assert!(p.create_pods.is_empty());
     // With group 1 gone, scaling back up reuses its number.
@@ -378,22 +325,8 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
         .filter(|p| p.name_any() != "llm-1-0")
         .collect();
     isvc.spec.replicas = 3;
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: remaining,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
-    assert_eq!(
-        p.create_pods
-            .iter()
-            .map(|p| p.name_any())
-            .collect::<Vec<_>>(),
-        ["llm-1-0"]
-    );
+    let p = plan_with_pods(&isvc, remaining);
+    assert_eq!(names(&p.create_pods), ["llm-1-0"]);
 }
 
 #[test]
@@ -472,15 +405,7 @@ fn without_surge_a_changed_spec_rolls_one_group_at_a_time() {
     isvc.spec.rollout.max_unavailable = 1;
     let pods = running(&isvc, true);
     isvc.spec.engine.max_batch_size = 64;
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: pods.clone(),
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, pods.clone());
     assert_eq!(p.delete_pods, ["llm-0-0"]);
     assert!(p.create_pods.is_empty());
     // Both groups served when this reconcile looked; the rollout is in Progressing.
@@ -495,15 +420,7 @@ fn without_surge_a_changed_spec_rolls_one_group_at_a_time() {
         .into_iter()
         .filter(|p| p.name_any() == "llm-1-0")
         .collect();
-    let p = plan(
-        &isvc,
-        &Observed {
-            pods: rest,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let p = plan_with_pods(&isvc, rest);
     assert!(p.delete_pods.is_empty());
     assert_eq!(
         env_value(&p.create_pods[0], "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
@@ -545,38 +462,22 @@ fn worker_pods_carry_the_ascend_contract() {
         c.resources.as_ref().unwrap().requests.as_ref().unwrap()["huawei.com/Ascend910"].0,
         "4"
     );
-    assert_eq!(
-        env_value(pod, "HCCL_ALGO").as_deref(),
-        Some("level0:NA;level1:ring")
-    );
-    assert_eq!(
-        env_value(pod, "HCCL_CONNECT_TIMEOUT").as_deref(),
-        Some("600")
-    );
-    assert_eq!(
-        env_value(pod, "HCCL_SOCKET_IFNAME").as_deref(),
-        Some("eth0")
-    );
-    assert_eq!(
-        env_value(pod, "RANK_TABLE_FILE").as_deref(),
-        Some("/user/serverid/devindex/config/hccl.json")
-    );
-    assert_eq!(
-        env_value(pod, "NPUFLEET_MODEL").as_deref(),
-        Some("/models/m.gguf")
-    );
-    assert_eq!(
-        env_value(pod, "NPUFLEET_MAX_BATCH_SIZE").as_deref(),
-        Some("128")
-    );
-    assert_eq!(
-        env_value(pod, "NPUFLEET_WARMUP_ITERATIONS").as_deref(),
-        Some("100")
-    );
-    assert_eq!(
-        env_value(pod, "NPUFLEET_ACCELERATOR").as_deref(),
-        Some("ascend910")
-    );
+    for (name, value) in [
+        ("HCCL_ALGO", "level0:NA;level1:ring"),
+        ("HCCL_CONNECT_TIMEOUT", "600"),
+        ("HCCL_SOCKET_IFNAME", "eth0"),
+        (
+            "RANK_TABLE_FILE",
+            "/user/serverid/devindex/config/hccl.json",
+        ),
+        ("NPUFLEET_MODEL", "/models/m.gguf"),
+        ("NPUFLEET_MAX_BATCH_SIZE", "128"),
+        ("NPUFLEET_WARMUP_ITERATIONS", "100"),
+        ("NPUFLEET_ACCELERATOR", "ascend910"),
+        ("NPUFLEET_DRAIN_TIMEOUT", "30"),
+    ] {
+        assert_eq!(env_value(pod, name).as_deref(), Some(value), "{name}");
+    }
     for name in ["HCCL_IF_IP", "POD_IP"] {
         let var = c
             .env
@@ -588,10 +489,6 @@ fn worker_pods_carry_the_ascend_contract() {
         let field = var.value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
         assert_eq!(field.field_path, "status.podIP");
     }
-    assert_eq!(
-        env_value(pod, "NPUFLEET_DRAIN_TIMEOUT").as_deref(),
-        Some("30")
-    );
     let selector = spec.node_selector.as_ref().unwrap();
     assert_eq!(selector["accelerator"], "huawei-Ascend910");
     assert_eq!(selector["node.kubernetes.io/npu.chip.name"], "910B3");
@@ -1160,15 +1057,7 @@ fn a_pod_evicted_from_a_lost_node_is_removed_at_once_and_others_wait_for_their_k
         ..Default::default()
     });
     pods[0] = draining;
-    let lost = plan(
-        &isvc,
-        &Observed {
-            pods,
-            ..Default::default()
-        },
-        &Settings::default(),
-        &now(),
-    );
+    let lost = plan_with_pods(&isvc, pods);
     assert_eq!(lost.force_delete_pods, vec!["llm-0-0".to_string()]);
     assert_eq!(waiting.recheck_after, Some(super::SETTLING_RECHECK));
     assert!(
@@ -1245,17 +1134,7 @@ fn objects_applied_unchanged_before_are_not_applied_again() {
 #[test]
 fn a_placed_pod_that_is_not_ready_brings_the_reconcile_back_soon() {
     let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
-    let observe = |pods: Vec<Pod>| {
-        plan(
-            &isvc,
-            &Observed {
-                pods,
-                ..Default::default()
-            },
-            &Settings::default(),
-            &now(),
-        )
-    };
+    let observe = |pods: Vec<Pod>| plan_with_pods(&isvc, pods);
     assert_eq!(observe(running(&isvc, true)).recheck_after, None);
     let mut not_ready = running(&isvc, false);
     not_ready[0]
