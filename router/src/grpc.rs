@@ -28,6 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::error::RouteError;
 use crate::metrics::NO_REPLICA;
@@ -144,13 +145,6 @@ impl GrpcFrontDoor {
     }
 
     /// One unary call, sent to replicas of the request's model per the retry policy.
-    #[tracing::instrument(name = "request", skip_all, fields(
-        model = %request.model,
-        request_id = %request.id,
-        trace_id = %request.trace.trace_id_hex(),
-        priority = request.priority,
-        replica = tracing::field::Empty,
-    ))]
     async fn unary<Req, Resp, F, Fut>(
         &self,
         request: RoutedRequest,
@@ -228,13 +222,6 @@ impl GrpcFrontDoor {
     /// picked for it (or `lease`), its responses passed to `out` as they arrive. The call ends
     /// with the request's last response, and with it the lease that counts the request in
     /// flight there. A request that cannot be sent is answered in the stream with the reason.
-    #[tracing::instrument(name = "request", skip_all, fields(
-        model = %request.model,
-        request_id = %request.id,
-        trace_id = %request.trace.trace_id_hex(),
-        priority = request.priority,
-        replica = tracing::field::Empty,
-    ))]
     async fn stream_one(
         self,
         message: ModelInferRequest,
@@ -353,9 +340,11 @@ impl GrpcInferenceService for GrpcFrontDoor {
         request: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let routed = RoutedRequest::named(&request.get_ref().name, grpc_trace(request.metadata()));
+        let span = routed.span();
         self.unary(routed, request, |mut client, request| async move {
             client.model_metadata(request).await
         })
+        .instrument(span)
         .await
     }
 
@@ -364,9 +353,11 @@ impl GrpcInferenceService for GrpcFrontDoor {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         let routed = self.routed(request.get_ref(), grpc_trace(request.metadata()));
+        let span = routed.span();
         self.unary(routed, request, |mut client, request| async move {
             client.model_infer(request).await
         })
+        .instrument(span)
         .await
     }
 
@@ -402,26 +393,24 @@ impl GrpcInferenceService for GrpcFrontDoor {
         // every request has been answered; a client that goes cancels what is left.
         tokio::spawn(async move {
             let mut requests = JoinSet::new();
-            requests.spawn(door.clone().stream_one(
-                first,
-                routed,
-                Some(lease),
-                credentials.clone(),
-                out.clone(),
-            ));
+            let span = routed.span();
+            requests.spawn(
+                door.clone()
+                    .stream_one(first, routed, Some(lease), credentials.clone(), out.clone())
+                    .instrument(span),
+            );
             let mut client_done = false;
             loop {
                 tokio::select! {
                     message = incoming.message(), if !client_done => match message {
                         Ok(Some(message)) => {
                             let routed = door.routed(&message, trace);
-                            requests.spawn(door.clone().stream_one(
-                                message,
-                                routed,
-                                None,
-                                credentials.clone(),
-                                out.clone(),
-                            ));
+                            let span = routed.span();
+                            requests.spawn(
+                                door.clone()
+                                    .stream_one(message, routed, None, credentials.clone(), out.clone())
+                                    .instrument(span),
+                            );
                         }
                         Ok(None) => client_done = true,
                         Err(status) => {

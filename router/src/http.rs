@@ -17,6 +17,8 @@ use npufleet_contract::headers;
 use npufleet_contract::ports::HTTP_PORT;
 use serde_json::{Value, json};
 
+use tracing::Instrument;
+
 use crate::error::{Flavor, RouteError};
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
@@ -126,7 +128,9 @@ async fn forward_body(
     match request {
         Ok((request, body)) => {
             upstream.body = body;
-            forward(state, flavor, &request, upstream).await
+            forward(state, flavor, &request, upstream)
+                .instrument(request.span())
+                .await
         }
         Err(error) => answer_error(state, flavor, model, error),
     }
@@ -202,13 +206,6 @@ enum Failure {
 
 /// Sends the request to replicas of its model per the retry policy, and streams back the
 /// answer of the one that takes it.
-#[tracing::instrument(name = "request", skip_all, fields(
-    model = %request.model,
-    request_id = %request.id,
-    trace_id = %request.trace.trace_id_hex(),
-    priority = request.priority,
-    replica = tracing::field::Empty,
-))]
 async fn forward(
     state: &HttpState,
     flavor: Flavor,

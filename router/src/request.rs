@@ -38,6 +38,19 @@ pub struct RoutedRequest {
 /// Each constructor takes the prefix-affinity key of a model's prompt as `prefix_key`:
 /// [`crate::route::Router::prefix_key`], or a stand-in in tests.
 impl RoutedRequest {
+    /// The span the request is followed in, from the router's log lines to the replica's (by
+    /// trace id); the retry policy records the replica that took it.
+    pub fn span(&self) -> tracing::Span {
+        tracing::info_span!(
+            "request",
+            model = %self.model,
+            request_id = %self.id,
+            trace_id = %self.trace.trace_id_hex(),
+            priority = self.priority,
+            replica = tracing::field::Empty,
+        )
+    }
+
     fn new(
         model: String,
         prompt: Option<&[u8]>,
