@@ -209,7 +209,7 @@ async fn external_metrics_tls(client: &kube::Client, args: &Args) -> anyhow::Res
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    logging::init(args.log_format);
+    let _telemetry = logging::init(args.log_format, "npufleet-operator");
     let metrics = Metrics::new()?;
     let client = metrics.counted_client().await?;
     let identity = args

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use npufleet_contract::auth::AUTHORIZATION;
 use npufleet_contract::headers;
+use npufleet_contract::logging::next_hop;
 use npufleet_contract::ports::GRPC_PORT;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -55,7 +56,10 @@ fn upstream<T>(
     if let Some(value) = credentials {
         metadata.insert(AUTHORIZATION, value.clone());
     }
-    if let Ok(trace) = request.trace.to_string().parse() {
+    if let Ok(trace) = next_hop(&tracing::Span::current(), &request.trace)
+        .to_string()
+        .parse()
+    {
         metadata.insert(headers::TRACEPARENT, trace);
     }
     upstream

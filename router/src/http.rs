@@ -14,6 +14,7 @@ use axum::routing::{any, get, post};
 use futures::{Stream, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use npufleet_contract::headers;
+use npufleet_contract::logging::next_hop;
 use npufleet_contract::ports::HTTP_PORT;
 use serde_json::{Value, json};
 
@@ -190,7 +191,9 @@ impl<'a> Upstream<'a> {
         ] {
             out.remove(name);
         }
-        if let Ok(trace) = HeaderValue::from_str(&request.trace.to_string()) {
+        if let Ok(trace) =
+            HeaderValue::from_str(&next_hop(&tracing::Span::current(), &request.trace).to_string())
+        {
             out.insert(headers::TRACEPARENT, trace);
         }
         out

@@ -41,14 +41,16 @@ impl RoutedRequest {
     /// The span the request is followed in, from the router's log lines to the replica's (by
     /// trace id); the retry policy records the replica that took it.
     pub fn span(&self) -> tracing::Span {
-        tracing::info_span!(
+        let span = tracing::info_span!(
             "request",
             model = %self.model,
             request_id = %self.id,
             trace_id = %self.trace.trace_id_hex(),
             priority = self.priority,
             replica = tracing::field::Empty,
-        )
+        );
+        npufleet_contract::logging::follow(&span, &self.trace);
+        span
     }
 
     fn new(

@@ -125,7 +125,7 @@ impl Args {
 
 /// Runs the router until SIGTERM or Ctrl-C.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    logging::init(args.log_format);
+    let _telemetry = logging::init(args.log_format, "npufleet-router");
     let settings = args.settings()?;
     let client = kube::Client::try_default()
         .await

@@ -142,7 +142,7 @@ impl RealNode {
 
     async fn start_containerd(&self, pause: &str) -> Result<()> {
         let containerd_config = self.dir.join("containerd.toml");
-        std::fs::write(&containerd_config, containerd_toml(&self.dir, &pause))?;
+        std::fs::write(&containerd_config, containerd_toml(&self.dir, pause))?;
         std::fs::write(
             self.dir.join("cni/conf/10-npufleet.conflist"),
             cni_conflist(&self.dir),

@@ -18,6 +18,7 @@ pub fn request_span(endpoint: &str, traceparent: Option<&str>) -> tracing::Span 
     let span = tracing::info_span!("request", endpoint, trace_id = tracing::field::Empty);
     if let Some(trace) = traceparent.and_then(TraceParent::parse) {
         span.record("trace_id", trace.trace_id_hex());
+        npufleet_contract::logging::follow(&span, &trace);
     }
     span
 }

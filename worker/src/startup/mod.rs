@@ -272,7 +272,7 @@ fn check_model_readable(path: &Path) -> anyhow::Result<()> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    logging::init(args.log_format);
+    let _telemetry = logging::init(args.log_format, "npufleet-worker");
     check_model_readable(&args.model)?;
     let model_name = args.model_name();
     if model_name.is_empty() {
