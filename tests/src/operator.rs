@@ -134,13 +134,21 @@ pub fn spawn_replica(
 }
 
 fn binary_command(kubeconfig: &Path, lease_namespace: &str, identity: &str) -> Result<Command> {
+    let (mut cmd, _) = command(kubeconfig, "info")?;
+    cmd.args(["--lease-namespace", lease_namespace, "--identity", identity]);
+    Ok(cmd)
+}
+
+/// The operator binary with `kubeconfig`'s credentials, logging at `rust_log`, serving its
+/// metrics on a free loopback port (returned); the caller adds the rest of its flags.
+pub fn command(kubeconfig: &Path, rust_log: &str) -> Result<(Command, u16)> {
+    let port = free_port()?;
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.arg("--metrics-addr")
-        .arg(format!("127.0.0.1:{}", free_port()?))
-        .args(["--lease-namespace", lease_namespace, "--identity", identity])
+        .arg(format!("127.0.0.1:{port}"))
         .env("KUBECONFIG", kubeconfig)
-        .env("RUST_LOG", "info");
-    Ok(cmd)
+        .env("RUST_LOG", rust_log);
+    Ok((cmd, port))
 }
 
 fn start_binary(cluster: &Cluster, identity: &str, cmd: Command) -> Result<Process> {
@@ -296,4 +304,30 @@ pub async fn events(
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
         .filter(|e| e.reason.as_deref() == Some(reason))
         .collect())
+}
+
+/// Sets InferenceService `name`'s `spec.replicas` with a merge patch, as a user editing the
+/// manifest would.
+pub async fn set_replicas(
+    services: &Api<InferenceService>,
+    name: &str,
+    replicas: i32,
+) -> Result<()> {
+    services
+        .patch(name, &PatchParams::default(), &replicas_patch(replicas))
+        .await?;
+    Ok(())
+}
+
+/// Sets InferenceService `name`'s replicas through its scale subresource, as `kubectl scale`
+/// and an HPA do.
+pub async fn scale(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
+    services
+        .patch_scale(name, &PatchParams::default(), &replicas_patch(replicas))
+        .await?;
+    Ok(())
+}
+
+fn replicas_patch(replicas: i32) -> Patch<serde_json::Value> {
+    Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}}))
 }

@@ -156,9 +156,7 @@ async fn kubectl(args: Vec<String>) -> Result<std::process::Output> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "autoscaling-hpa").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let store = MetricsStore::default();
@@ -312,7 +310,6 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
             started.elapsed().as_secs_f64()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

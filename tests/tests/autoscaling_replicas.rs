@@ -22,15 +22,14 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
-use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::policy::Reason;
 use npufleet_operator::autoscaler::{
     FIELD_MANAGER as AUTOSCALER, MANUAL_SCALE_REVERTED, METRICS_UNAVAILABLE, SCALING_ACTIVE,
 };
 use npufleet_tests::cluster::FakeNode;
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::fleet::Testbed;
+use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-replicas-test";
@@ -123,20 +122,18 @@ fn unreachable_service(
     replicas: i32,
     max: i32,
 ) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": namespace},
-        "spec": {
-            "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
+    service::unread_smollm2(
+        namespace,
+        "chat",
+        json!({
             "replicas": replicas,
-            "accelerator": {"type": "cpu"},
             "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": max},
             "scheduling": {
                 "nodeSelector": {UNREACHABLE_NODE: node},
                 "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
             },
-        }
-    }))?)
+        }),
+    )
 }
 
 /// Runs `kubectl` with `args` off the async threads; its stdout, or its stderr as the error.
@@ -178,9 +175,7 @@ async fn reverted(client: &Client, ns: &str, expected: &str) -> Result<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warning() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "autoscaling-replicas").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let node = "unreachable-replicas";
@@ -268,9 +263,8 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         assert_eq!(seen.names(), created, "a count set by hand created pods");
         assert_eq!(autoscaled_count(&services.get("chat").await?), Some(3));
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// How long the count must hold: the autoscaler that read unreachable workers as idle
@@ -280,9 +274,7 @@ const HOLD: Duration = Duration::from_secs(15);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "metrics-unavailable").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let node = "unreachable-metrics";
@@ -343,42 +335,22 @@ async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Resul
         let queue = service.status.and_then(|s| s.autoscaling).and_then(|a| a.queue_depth);
         assert_eq!(queue, None, "a load never read is shown as a queue of {queue:?}");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "scale-to-zero").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let worker = paths::workspace_bin("npufleet-worker")?;
-        let node = "agent-scale-to-zero-0";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(node, worker, c.scratch().join("agent-scale-to-zero"), 61),
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "scale-to-zero", 61, MANAGER).await?;
+        let ns = bed.namespace.clone();
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({"autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2}}),
         )
         .await?;
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1},
-                "autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
-            }
-        }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        let services = bed.services();
         let ready = |service: &InferenceService| service.status.as_ref().map_or(0, |s| s.ready_replicas);
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let pod_states = || async {
@@ -478,28 +450,21 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
             wake_to_ready.as_secs_f64()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hpa_mode_with_min_replicas_zero_is_rejected_at_admission() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "hpa-min-zero").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-                "accelerator": {"type": "cpu"},
-                "autoscaling": {"mode": "hpa", "minReplicas": 0, "maxReplicas": 3},
-            }
-        }))?;
+        let manifest = service::unread_smollm2(
+            &ns,
+            "chat",
+            json!({"autoscaling": {"mode": "hpa", "minReplicas": 0, "maxReplicas": 3}}),
+        )?;
         let refused = services
             .patch(
                 "chat",
@@ -520,7 +485,6 @@ async fn hpa_mode_with_min_replicas_zero_is_rejected_at_admission() -> Result<()
         );
         assert!(services.get_opt("chat").await?.is_none());
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -5,16 +5,8 @@ use anyhow::{Context, Result, bail};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_tests::{cluster, paths};
 use serde_json::{Value, json};
-
-fn api_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
-}
 
 async fn install_crd(client: &Client) -> Result<()> {
     let path = paths::repo_root()
@@ -88,7 +80,11 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
     let client = c.client().await?;
     install_crd(&client).await?;
     let ns = c.namespace(&client, "crd-validation").await?;
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &npufleet_tests::service::api_resource(),
+    );
 
     let base = valid("ok");
     let cases: Vec<(&str, Value, &str)> = vec![
@@ -367,7 +363,11 @@ async fn an_optional_enum_offers_only_its_values_and_takes_null_as_unset() -> Re
     let client = c.client().await?;
     install_crd(&client).await?;
     let ns = c.namespace(&client, "crd-enums").await?;
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &npufleet_tests::service::api_resource(),
+    );
 
     let sometimes = with(
         valid("sometimes"),

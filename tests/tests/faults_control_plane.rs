@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_operator::labels;
 use npufleet_operator::resources::names;
-use npufleet_tests::{cluster, wait};
+use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "faults-control-plane-test";
@@ -49,13 +49,7 @@ async fn scale_and_time(client: &Client, namespace: &str, replicas: i32) -> Resu
         "the scale request accepted",
         Duration::from_secs(30),
         || async {
-            services
-                .patch_scale(
-                    "chat",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-                )
-                .await?;
+            npufleet_tests::operator::scale(&services, "chat", replicas).await?;
             Ok(Some(()))
         },
     )
@@ -138,9 +132,7 @@ async fn assert_converged(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarting() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let namespace = c.namespace(&client, "faults-control-plane").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let mut operator =
@@ -154,15 +146,7 @@ async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarti
         .await?;
 
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": namespace},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-                "replicas": 1,
-                "accelerator": {"type": "cpu"},
-            }
-        }))?;
+        let service = service::unread_smollm2(&namespace, "chat", json!({"replicas": 1}))?;
         npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
         wait::until("the first worker pod", Duration::from_secs(60), || async {
@@ -205,7 +189,6 @@ async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarti
         assert_eq!(holder.as_deref(), Some(IDENTITY));
         operator.ensure_running().context("the operator exited")?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

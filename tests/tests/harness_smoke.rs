@@ -46,17 +46,7 @@ async fn crd_objects_are_validated_by_the_apiserver() -> Result<()> {
     let ns = c.namespace(&client, "smoke-crd").await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     crds.create(&PostParams::default(), &widget_crd()?).await?;
-    wait::until("Widget CRD Established", TIMEOUT, || async {
-        let crd = crds.get("widgets.smoke.npufleet.io").await?;
-        let established = crd
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        Ok(established.then_some(()))
-    })
-    .await?;
+    npufleet_tests::crd::wait_established(&client, "widgets.smoke.npufleet.io").await?;
 
     let gvk = GroupVersionKind::gvk("smoke.npufleet.io", "v1", "Widget");
     let ar = ApiResource::from_gvk(&gvk);

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use npufleet_contract::labels;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::InferenceService;
@@ -45,17 +45,6 @@ async fn workers(pods: &Api<Pod>, service: &str) -> Result<Vec<Pod>> {
         .list(&ListParams::default().labels(&selector))
         .await?
         .items)
-}
-
-async fn set_replicas(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
-    services
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await?;
-    Ok(())
 }
 
 /// The pod's memory cgroup (v1, kubelet's cgroupfs layout): peak usage, working set (usage
@@ -275,7 +264,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     load.start(4, "/v1/chat/completions", body.clone());
     load.wait_sent(8, "requests at one replica").await?;
     let scaled_up = Instant::now();
-    set_replicas(&services, &name, 2).await?;
+    operator::set_replicas(&services, &name, 2).await?;
     c.diagnose(
         wait::until(
             "both replicas answering through the router",
@@ -383,7 +372,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         .filter_map(|p| p.metadata.name)
         .collect();
     let scaled_down = Instant::now();
-    set_replicas(&services, &name, 1).await?;
+    operator::set_replicas(&services, &name, 1).await?;
     let grace = Duration::from_secs(
         first
             .spec

@@ -15,6 +15,7 @@ use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
+use npufleet_tests::service::manifest as service;
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
@@ -95,15 +96,6 @@ async fn nodes_of(pods: &Api<Pod>) -> Result<BTreeMap<String, String>> {
             (p.metadata.name.unwrap_or_default(), node)
         })
         .collect())
-}
-
-/// InferenceService `name` in `ns` with `spec`.
-fn service(ns: &str, name: &str, spec: serde_json::Value) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }))?)
 }
 
 /// A service of 150 single-pod groups is made in batches, and its status counts them meanwhile.

@@ -13,21 +13,14 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::Client;
 use kube::api::{Api, DynamicObject, EvictParams, ListParams, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_operator::metrics::Metrics;
 use npufleet_operator::{Context, Settings};
 use npufleet_tests::cluster::FakeNode;
+use npufleet_tests::service::{manifest_json, merge};
 use npufleet_tests::{cluster, crd, wait};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(45);
-
-fn isvc_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
-}
 
 /// The CRD and one controller for every test of this binary, on a thread and runtime of
 /// their own so they outlive each test's runtime.
@@ -77,7 +70,11 @@ async fn fixture(test: &str) -> Result<Fixture> {
     let c = cluster::shared();
     let client = c.client().await?;
     let namespace = c.namespace(&client, test).await?;
-    let services = Api::namespaced_with(client.clone(), &namespace, &isvc_resource());
+    let services = Api::namespaced_with(
+        client.clone(),
+        &namespace,
+        &npufleet_tests::service::api_resource(),
+    );
     Ok(Fixture {
         client,
         namespace,
@@ -86,28 +83,12 @@ async fn fixture(test: &str) -> Result<Fixture> {
 }
 
 fn service(name: &str, spec: Value) -> Result<DynamicObject> {
-    let mut object = json!({
-        "apiVersion": "npufleet.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-            "accelerator": {"type": "cpu"},
-        }
+    let mut full = json!({
+        "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
+        "accelerator": {"type": "cpu"},
     });
-    merge(&mut object["spec"], spec);
-    Ok(serde_json::from_value(object)?)
-}
-
-fn merge(target: &mut Value, patch: Value) {
-    match (target, patch) {
-        (Value::Object(target), Value::Object(patch)) => {
-            for (key, value) in patch {
-                merge(target.entry(key).or_insert(Value::Null), value);
-            }
-        }
-        (target, patch) => *target = patch,
-    }
+    merge(&mut full, spec);
+    Ok(serde_json::from_value(manifest_json(None, name, full))?)
 }
 
 /// The condition `type_` of the service, as (status, reason, message).

@@ -19,8 +19,9 @@ use npufleet_crds::{InferenceService, NODE_LABEL_ACCELERATOR};
 use npufleet_operator::labels;
 use npufleet_operator::resources::pod::SERVER_TOPOLOGY_KEY;
 use npufleet_tests::cluster::{self, FakeNode};
+use npufleet_tests::service::manifest;
 use npufleet_tests::{crd, operator, wait};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const MANAGER: &str = "operator-rollout-topology-test";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -28,14 +29,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// Each test runs its own controller, and a controller reconciles every namespace: one test at
 /// a time, so no two controllers act on the same service.
 static ONE_CONTROLLER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn manifest(ns: &str, name: &str, spec: Value) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }))?)
-}
 
 fn ready_condition(service: &InferenceService) -> Option<&str> {
     service

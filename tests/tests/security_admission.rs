@@ -71,10 +71,8 @@ fn replica_failure(conditions: &[(String, String, String)]) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, client| async move {
         let namespace = release_namespace();
-        let client = c.client().await?;
 
         // Each Deployment's ReplicaSet creates all its pods; a refusal by admission would
         // leave it short, with the apiserver's words in a ReplicaFailure condition.
@@ -129,14 +127,14 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             ("cpu", json!({"type": "cpu"})),
             ("npu", json!({"type": "ascend910", "devicesPerPod": 1})),
         ] {
-            let service: InferenceService = serde_json::from_value(json!({
-                "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
+            let service = npufleet_tests::service::manifest(
+                namespace,
+                name,
+                json!({
                     "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
                     "accelerator": accelerator,
-                },
-            }))?;
+                }),
+            )?;
             operator::apply(&services, MANAGER, &service).await?;
         }
         for name in ["cpu", "npu"] {
@@ -160,9 +158,8 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             .await?;
         }
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// What each account may write, and where; the promise the chart's RBAC keeps.
@@ -214,10 +211,8 @@ fn promised_writes(namespace: &str) -> Vec<(&'static str, Access)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, client| async move {
         let namespace = release_namespace();
-        let client = c.client().await?;
         let accounts = [
             ServiceAccount::new(namespace, RELEASE),
             ServiceAccount::new(namespace, ROUTER),
@@ -321,7 +316,6 @@ async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() ->
             "promised but refused (the product needs these): {missing:#?}"
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
