@@ -150,6 +150,17 @@ pub async fn wait_desired_and_live(
     .await
 }
 
+/// The Prometheus text a worker at `address` exports.
+pub async fn worker_metrics(http: &reqwest::Client, address: &str) -> Result<String> {
+    let port = npufleet_contract::ports::HTTP_PORT;
+    Ok(http
+        .get(format!("http://{address}:{port}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
 /// Picks worker addresses directly, fewest requests in flight first, for tests that exercise
 /// the workers themselves without the router in between (the product's routing is
 /// `npufleet-router`, [`RunningRouter`]).

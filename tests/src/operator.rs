@@ -171,17 +171,10 @@ pub async fn external_metric(
     metric: &str,
     selector: &str,
 ) -> Result<Vec<serde_json::Value>> {
-    use npufleet_operator::external_metrics::{GROUP_VERSION, tls};
+    use npufleet_operator::external_metrics::GROUP_VERSION;
     let service = "npufleet-external-metrics";
-    let names = tls::service_dns_names(service, namespace, "cluster.local");
     // Made by the first replica to start; every replica serves this one.
-    let certificate = tls::ServingCertificate::ensure_in_secret(
-        client,
-        namespace,
-        "npufleet-external-metrics-tls",
-        &names,
-    )
-    .await?;
+    let certificate = external_metrics_certificate(client, service, namespace).await?;
     let host = format!("{service}.{namespace}.svc");
     let http = reqwest::Client::builder()
         .add_root_certificate(reqwest::Certificate::from_pem(
@@ -207,6 +200,25 @@ pub async fn external_metric(
         "not an ExternalMetricValueList: {list}"
     );
     Ok(list["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// The external metrics server's CA and serving certificate for Service `service` in
+/// `namespace`, as every operator replica ensures it: made once, kept in the Secret the chart
+/// names.
+pub async fn external_metrics_certificate(
+    client: &Client,
+    service: &str,
+    namespace: &str,
+) -> Result<npufleet_operator::external_metrics::tls::ServingCertificate> {
+    use npufleet_operator::external_metrics::tls;
+    let names = tls::service_dns_names(service, namespace, "cluster.local");
+    tls::ServingCertificate::ensure_in_secret(
+        client,
+        namespace,
+        "npufleet-external-metrics-tls",
+        &names,
+    )
+    .await
 }
 
 /// Who holds the operator's leader Lease in `namespace`, if anyone.

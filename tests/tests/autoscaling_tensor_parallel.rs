@@ -17,7 +17,7 @@ use npufleet_contract::pods;
 use npufleet_tests::fleet::{
     Load, RunningRouter, Testbed, serving_addresses, wait_desired_and_live, wait_serving,
 };
-use npufleet_tests::{paths, service, wait};
+use npufleet_tests::{paths, process, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-tp-test";
@@ -50,16 +50,12 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
         let worker = paths::workspace_bin("npufleet-worker")?;
         // A random-weight model whose 8 heads and 4 KV heads split over 2 ranks.
         let model = c.scratch().join("tp-model.gguf");
-        let generated = std::process::Command::new(&worker)
+        let mut generate = std::process::Command::new(&worker);
+        generate
             .args(["gen-test-model", "--layers", "2", "--dim", "128", "--heads", "8"])
             .args(["--kv-heads", "4", "--context", "2048", "--out"])
-            .arg(&model)
-            .output()?;
-        ensure!(
-            generated.status.success(),
-            "gen-test-model: {}",
-            String::from_utf8_lossy(&generated.stderr)
-        );
+            .arg(&model);
+        process::stdout_of(generate)?;
         let _operator = bed.start_operator()?;
         bed.apply_on_agent(
             "tp",

@@ -26,7 +26,7 @@ use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
-use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, wait_serving};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, wait_serving, worker_metrics};
 use npufleet_tests::{cluster, service, wait};
 use serde_json::{Value, json};
 
@@ -211,12 +211,7 @@ async fn cache_counters(
 ) -> Result<BTreeMap<String, [f64; 3]>> {
     let mut counters = BTreeMap::new();
     for address in addresses {
-        let metrics = http
-            .get(format!("http://{address}:{HTTP_PORT}/metrics"))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let metrics = worker_metrics(http, address).await?;
         counters.insert(
             address.clone(),
             [

@@ -1,9 +1,10 @@
 //! Polling with a deadline: the only way tests wait for the cluster.
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow};
 
 /// Marks an error as final: [`until`] returns it at once instead of retrying (for example
 /// when the process being waited for has exited).
@@ -29,21 +30,12 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>>>,
 {
-    let deadline = Instant::now() + timeout;
-    let mut interval = Duration::from_millis(20);
-    let mut last = String::from("condition never held");
+    let mut poll = Poll::new(what, timeout);
     loop {
-        match check().await {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) if e.is::<Fatal>() => return Err(e.context(format!("waiting for {what}"))),
-            Err(e) => last = format!("{e:#}"),
+        match poll.after(check().await) {
+            ControlFlow::Break(outcome) => return outcome,
+            ControlFlow::Continue(pause) => tokio::time::sleep(pause).await,
         }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}: {last}");
-        }
-        tokio::time::sleep(interval).await;
-        interval = (interval * 2).min(Duration::from_millis(250));
     }
 }
 
@@ -53,20 +45,55 @@ pub fn until_blocking<T>(
     timeout: Duration,
     mut check: impl FnMut() -> Result<Option<T>>,
 ) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    let mut interval = Duration::from_millis(20);
-    let mut last = String::from("condition never held");
+    let mut poll = Poll::new(what, timeout);
     loop {
-        match check() {
-            Ok(Some(v)) => return Ok(v),
+        match poll.after(check()) {
+            ControlFlow::Break(outcome) => return outcome,
+            ControlFlow::Continue(pause) => std::thread::sleep(pause),
+        }
+    }
+}
+
+/// One wait's deadline, its backoff and the last "not yet" seen.
+struct Poll<'a> {
+    what: &'a str,
+    timeout: Duration,
+    deadline: Instant,
+    interval: Duration,
+    last: String,
+}
+
+impl<'a> Poll<'a> {
+    fn new(what: &'a str, timeout: Duration) -> Self {
+        Self {
+            what,
+            timeout,
+            deadline: Instant::now() + timeout,
+            interval: Duration::from_millis(20),
+            last: String::from("condition never held"),
+        }
+    }
+
+    /// What one check's result means: the wait's outcome, or how long to pause before the
+    /// next check.
+    fn after<T>(&mut self, checked: Result<Option<T>>) -> ControlFlow<Result<T>, Duration> {
+        let what = self.what;
+        match checked {
+            Ok(Some(v)) => return ControlFlow::Break(Ok(v)),
             Ok(None) => {}
-            Err(e) if e.is::<Fatal>() => return Err(e.context(format!("waiting for {what}"))),
-            Err(e) => last = format!("{e:#}"),
+            Err(e) if e.is::<Fatal>() => {
+                return ControlFlow::Break(Err(e.context(format!("waiting for {what}"))));
+            }
+            Err(e) => self.last = format!("{e:#}"),
         }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}: {last}");
+        if Instant::now() >= self.deadline {
+            let (timeout, last) = (self.timeout, &self.last);
+            return ControlFlow::Break(Err(anyhow!(
+                "timed out after {timeout:?} waiting for {what}: {last}"
+            )));
         }
-        std::thread::sleep(interval);
-        interval = (interval * 2).min(Duration::from_millis(250));
+        let pause = self.interval;
+        self.interval = (pause * 2).min(Duration::from_millis(250));
+        ControlFlow::Continue(pause)
     }
 }
