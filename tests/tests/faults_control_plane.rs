@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
-use kube::api::{Api, ListParams};
+use kube::api::{Api, DynamicObject, ListParams};
+use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_operator::labels;
@@ -30,9 +31,8 @@ async fn wait_apiserver_ready(c: &cluster::Cluster, since: Instant) -> Result<Du
         Duration::from_secs(90),
         || async {
             c.ensure_running().map_err(wait::fatal)?;
-            let client = c.client().await?;
-            let request = http::Request::get("/readyz").body(Vec::new())?;
-            client.request_text(request).await?;
+            let readyz = http::Request::get("/readyz").body(Vec::new())?;
+            c.client().await?.request_text(readyz).await?;
             Ok(Some(since.elapsed()))
         },
     )
@@ -80,6 +80,14 @@ async fn assert_converged(
         labels::INFERENCE_SERVICE,
         service.name_any()
     ));
+    // The names of the objects of `kind` labelled as the service's.
+    let labelled = async |kind: ApiResource| -> Result<BTreeSet<String>> {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &kind);
+        let listed = api.list(&owned).await?.items;
+        Ok(names_of(
+            listed.into_iter().map(|o| o.metadata.name).collect(),
+        ))
+    };
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
     let listed = pods.list(&ListParams::default()).await?.items;
@@ -89,16 +97,7 @@ async fn assert_converged(
     assert_eq!(pod_names, expected, "worker pods after the restarts");
     assert_eq!(pod_count, expected.len(), "duplicate worker pods");
 
-    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let tables = names_of(
-        config_maps
-            .list(&owned)
-            .await?
-            .items
-            .into_iter()
-            .map(|c| c.metadata.name)
-            .collect(),
-    );
+    let tables = labelled(ApiResource::erase::<ConfigMap>(&())).await?;
     let allowed: BTreeSet<String> = (0..replicas)
         .map(|g| names::rank_table(service, g))
         .collect();
@@ -107,16 +106,7 @@ async fn assert_converged(
         "ConfigMaps {tables:?}, groups' rank tables {allowed:?}"
     );
 
-    let services: Api<Service> = Api::namespaced(client.clone(), &namespace);
-    let found = names_of(
-        services
-            .list(&owned)
-            .await?
-            .items
-            .into_iter()
-            .map(|s| s.metadata.name)
-            .collect(),
-    );
+    let found = labelled(ApiResource::erase::<Service>(&())).await?;
     let allowed: BTreeSet<String> = [
         names::headless_service(service),
         names::client_service(service),

@@ -82,6 +82,16 @@ async fn fixture(test: &str) -> Result<Fixture> {
     })
 }
 
+impl Fixture {
+    /// Creates [`service`] `name` with `spec` in the test's namespace.
+    async fn create(&self, name: &str, spec: Value) -> Result<()> {
+        self.services
+            .create(&PostParams::default(), &service(name, spec)?)
+            .await?;
+        Ok(())
+    }
+}
+
 fn service(name: &str, spec: Value) -> Result<DynamicObject> {
     let mut full = json!({
         "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
@@ -177,11 +187,11 @@ async fn wait_event(
 async fn a_refused_pod_shows_as_a_replica_failure_and_a_warning_event_while_the_rest_is_made()
 -> Result<()> {
     let f = fixture("refused-pod").await?;
-    let isvc = service(
+    f.create(
         "llm",
         json!({"scheduling": {"priorityClassName": "no-such-class"}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    )
+    .await?;
 
     let message = wait_condition(&f, "llm", "ReplicaFailure", "True", "FailedCreate").await?;
     assert!(
@@ -219,14 +229,14 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
     namespaces
         .patch(&f.namespace, &PatchParams::default(), &Patch::Merge(label))
         .await?;
-    let isvc = service(
+    f.create(
         "cann",
         json!({"template": {
             "volumes": [{"name": "cann", "hostPath": {"path": "/usr/local/Ascend"}}],
             "volumeMounts": [{"name": "cann", "mountPath": "/usr/local/Ascend", "readOnly": true}],
         }}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    )
+    .await?;
     let message = wait_condition(&f, "cann", "ReplicaFailure", "True", "FailedCreate").await?;
     assert!(
         message.contains("violates PodSecurity \"restricted:latest\"")
@@ -242,8 +252,7 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
 async fn model_like_names_get_valid_object_names_and_events_name_each_group() -> Result<()> {
     let f = fixture("model-names").await?;
     for name in ["qwen2.5-0.5b", "7b-chat"] {
-        let isvc = service(name, json!({}))?;
-        f.services.create(&PostParams::default(), &isvc).await?;
+        f.create(name, json!({})).await?;
     }
     for name in ["qwen2.5-0.5b", "7b-chat"] {
         wait_condition(&f, name, "Ready", "True", "AllReplicasReady").await?;
@@ -434,13 +443,13 @@ async fn evictions_never_take_more_than_the_budgeted_groups_out_of_service() -> 
     cluster::shared()
         .add_fake_node(&f.client, &FakeNode::ascend910(node))
         .await?;
-    let isvc = service(
+    f.create(
         "tp2",
         json!({"replicas": 2, "accelerator": {"type": "ascend910", "devicesPerPod": 1},
                "parallelism": {"tensor": 2},
                "scheduling": {"nodeSelector": {"kubernetes.io/hostname": node}}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    )
+    .await?;
     wait_condition(&f, "tp2", "Ready", "True", "AllReplicasReady").await?;
     let budgets: Api<PodDisruptionBudget> = Api::namespaced(f.client.clone(), &f.namespace);
     // The disruption controller has counted all four pods and allows one disruption.
@@ -520,12 +529,11 @@ async fn a_group_on_a_lost_node_is_made_again_on_another() -> Result<()> {
             .insert("topology.kubernetes.io/zone".into(), "node-loss".into());
         c.add_fake_node(&f.client, &node).await?;
     }
-    let isvc = service(
+    f.create(
         "lost",
         json!({"accelerator": {"type": "ascend910", "devicesPerPod": 1},
                "scheduling": {"nodeSelector": {POOL: "node-loss"}, "nodeLossTolerationSeconds": 1}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    ).await?;
     wait_condition(&f, "lost", "Ready", "True", "AllReplicasReady").await?;
     let pods: Api<Pod> = Api::namespaced(f.client.clone(), &f.namespace);
     let first = pods.get("lost-0-0").await?;
