@@ -19,6 +19,9 @@ use crate::node_agent::{NodeAgent, NodeAgentConfig};
 
 pub use npufleet_local::router::{RunningRouter, serving_addresses};
 
+/// How long a fleet of SmolLM2 workers on this machine may take to reach a replica count.
+const SCALING_TIMEOUT: Duration = Duration::from_secs(180);
+
 /// A test's namespace of the shared cluster with the InferenceService CRD served and a node
 /// agent, `agent-<test>`, that runs worker pods as processes on loopback subnet `subnet`.
 pub struct Testbed {
@@ -109,6 +112,48 @@ impl Testbed {
         self.apply(&service).await
     }
 
+    /// Waits (three minutes at most) until exactly `replicas` worker pods serve; their
+    /// addresses.
+    pub async fn wait_serving(&self, replicas: usize) -> Result<Vec<String>> {
+        wait_serving(&self.pods(), replicas, SCALING_TIMEOUT).await
+    }
+
+    /// Waits (four minutes at most, told as `what`) until at least `replicas` worker pods
+    /// serve, as a fleet scaling up under load gets there.
+    pub async fn wait_serving_at_least(&self, replicas: usize, what: &str) -> Result<()> {
+        let pods = self.pods();
+        crate::wait::until(what, Duration::from_secs(240), || async {
+            let serving = serving_addresses(&pods).await?.len();
+            if serving >= replicas {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("{serving} serving")
+            }
+        })
+        .await
+    }
+
+    /// Waits (three minutes at most, told as `what`) until InferenceService `name` wants
+    /// `replicas` and exactly `live_pods` pods are left, as after a scale-down.
+    pub async fn wait_scaled_to(
+        &self,
+        name: &str,
+        (replicas, live_pods): (i32, usize),
+        what: &str,
+    ) -> Result<()> {
+        let (services, pods) = (self.services(), self.pods());
+        crate::wait::until(what, SCALING_TIMEOUT, || async {
+            let desired = services.get(name).await?.spec.replicas;
+            let live = pods.list(&Default::default()).await?.items.len();
+            if desired == replicas && live == live_pods {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("desired {desired}, {live} pods")
+            }
+        })
+        .await
+    }
+
     /// Applies `service` as this test's field manager; `service` again.
     pub async fn apply(&self, service: &InferenceService) -> Result<InferenceService> {
         crate::operator::apply(&self.services(), &self.manager, service).await?;
@@ -125,27 +170,6 @@ pub async fn wait_serving(
     crate::wait::until(&format!("{replicas} replicas serving"), timeout, || async {
         let serving = serving_addresses(pods).await?;
         Ok((serving.len() == replicas).then_some(serving))
-    })
-    .await
-}
-
-/// Waits (at most `timeout`, told as `what`) until InferenceService `name` wants `replicas`
-/// and exactly `live_pods` pods are left in the namespace.
-pub async fn wait_desired_and_live(
-    (services, name): (&Api<InferenceService>, &str),
-    pods: &Api<Pod>,
-    (replicas, live_pods): (i32, usize),
-    what: &str,
-    timeout: Duration,
-) -> Result<()> {
-    crate::wait::until(what, timeout, || async {
-        let desired = services.get(name).await?.spec.replicas;
-        let live = pods.list(&Default::default()).await?.items.len();
-        if desired == replicas && live == live_pods {
-            Ok(Some(()))
-        } else {
-            anyhow::bail!("desired {desired}, {live} pods")
-        }
     })
     .await
 }

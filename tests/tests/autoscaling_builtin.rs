@@ -9,9 +9,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use npufleet_tests::fleet::{
-    Load, RunningRouter, Testbed, serving_addresses, wait_desired_and_live, wait_serving,
-};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{service, wait};
 use serde_json::json;
@@ -35,13 +33,12 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
             }),
         )
         .await?;
-        let services = bed.services();
-        let pods = bed.pods();
-        wait_serving(&pods, 1, Duration::from_secs(180)).await?;
+        bed.wait_serving(1).await?;
 
         // Watch the desired count while the load runs.
         let router = RunningRouter::start(c, "router-builtin", &bed.namespace, &[]).await?;
         let load = Load::through(&router);
+        let services = bed.services();
         let replicas = ReplicaWatch::start(&services, "chat");
 
         let burst_started = Instant::now();
@@ -52,11 +49,8 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         );
 
         let needed = CLIENTS.div_ceil(TARGET_QUEUE);
-        wait::until("every needed replica serving under load", Duration::from_secs(240), || async {
-            let serving = serving_addresses(&pods).await?.len() as u32;
-            if serving >= needed { Ok(Some(())) } else { anyhow::bail!("{serving} serving") }
-        })
-        .await?;
+        bed.wait_serving_at_least(needed as usize, "every needed replica serving under load")
+            .await?;
         let scaled_up_in = burst_started.elapsed();
         // Keep the load on the full fleet until every client has been served by it again,
         // then end the burst.
@@ -69,14 +63,8 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         load.stop().await?;
         let burst = burst_started.elapsed();
 
-        wait_desired_and_live(
-            (&services, "chat"),
-            &pods,
-            (1, 1),
-            "the scale-down back to one serving replica",
-            Duration::from_secs(180),
-        )
-        .await?;
+        bed.wait_scaled_to("chat", (1, 1), "the scale-down back to one serving replica")
+            .await?;
 
         let first_up = replicas
             .first_scale_up()

@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
 use kube::api::Api;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
-use npufleet_tests::fleet::{Load, RunningRouter, Testbed, wait_desired_and_live, wait_serving};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::monitoring::{Adapter, EXTERNAL_METRICS_API_SERVICE, Prometheus, deploy_file};
 use npufleet_tests::operator::ReplicaWatch;
 use npufleet_tests::{cluster, paths, service, wait};
@@ -141,9 +141,8 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
             }),
         )
         .await?;
+        bed.wait_serving(1).await?;
         let services = bed.services();
-        let pods = bed.pods();
-        wait_serving(&pods, 1, Duration::from_secs(180)).await?;
 
         // Prometheus found the worker through the API server, the adapter relisted it, and the
         // aggregator serves the adapter's answer for the operator's selector.
@@ -224,14 +223,8 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         load.stop().await?;
         let burst = burst_started.elapsed();
         let down_started = Instant::now();
-        wait_desired_and_live(
-            (&services, "chat"),
-            &pods,
-            (1, 1),
-            "the HPA scaling chat back to 1",
-            Duration::from_secs(180),
-        )
-        .await?;
+        bed.wait_scaled_to("chat", (1, 1), "the HPA scaling chat back to 1")
+            .await?;
 
         let (sent, failed) = (load.sent(), load.failed());
         eprintln!(

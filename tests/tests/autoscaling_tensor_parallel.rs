@@ -14,9 +14,7 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_contract::env as worker_env;
 use npufleet_contract::pods;
-use npufleet_tests::fleet::{
-    Load, RunningRouter, Testbed, serving_addresses, wait_desired_and_live, wait_serving,
-};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::{paths, process, service, wait};
 use serde_json::json;
 
@@ -70,9 +68,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             }),
         )
         .await?;
-        let services = bed.services();
-        let pods = bed.pods();
-        wait_serving(&pods, 1, Duration::from_secs(180)).await?;
+        bed.wait_serving(1).await?;
+        let (services, pods) = (bed.services(), bed.pods());
         let first = groups(&pods).await?;
         ensure!(
             first.values().all(|ranks| ranks == &["0", "1"]) && first.len() == 1,
@@ -108,11 +105,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             json!({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 48}),
         );
         let needed = CLIENTS.div_ceil(TARGET_QUEUE);
-        wait::until("both groups serving under load", Duration::from_secs(240), || async {
-            let serving = serving_addresses(&pods).await?.len() as u32;
-            if serving >= needed { Ok(Some(())) } else { anyhow::bail!("{serving} serving") }
-        })
-        .await?;
+        bed.wait_serving_at_least(needed as usize, "both groups serving under load")
+            .await?;
         let scaled_up_in = burst_started.elapsed();
         let both = groups(&pods).await?;
         ensure!(
@@ -137,14 +131,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
         .await?;
         load.stop().await?;
 
-        wait_desired_and_live(
-            (&services, "tp"),
-            &pods,
-            (1, 2),
-            "the scale-down back to one group",
-            Duration::from_secs(180),
-        )
-        .await?;
+        bed.wait_scaled_to("tp", (1, 2), "the scale-down back to one group")
+            .await?;
         let last = groups(&pods).await?;
         ensure!(last.len() == 1, "one group expected after the scale-down, got {last:?}");
         watcher.abort();

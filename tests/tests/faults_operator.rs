@@ -25,7 +25,7 @@ use npufleet_crds::InferenceService;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 use npufleet_operator::leader::{LEASE_NAME, LEASE_SECONDS};
 use npufleet_operator::resources::services as children;
-use npufleet_tests::fleet::{Load, RunningRouter, Testbed, wait_serving};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::inventory::Inventory;
 use npufleet_tests::process::Process;
 use npufleet_tests::{cluster, crd, net, operator, service, wait};
@@ -273,7 +273,7 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
             json!({"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 1, "targetQueueDepth": 1}}),
         )
         .await?;
-        wait_serving(&bed.pods(), 1, Duration::from_secs(180)).await?;
+        bed.wait_serving(1).await?;
 
         let router = RunningRouter::start(c, "router-faults-operator", &ns, &[]).await?;
         let load = Load::through(&router);

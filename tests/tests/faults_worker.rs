@@ -12,7 +12,7 @@ use kube::ResourceExt;
 use kube::api::ListParams;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::pods;
-use npufleet_tests::fleet::{Router, Testbed, serving_addresses, wait_serving};
+use npufleet_tests::fleet::{Router, Testbed, serving_addresses};
 use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 use tokio::sync::Mutex;
@@ -53,7 +53,7 @@ impl Fleet {
             json!({"replicas": replicas, "template": {"env": service::worker_env(env)}}),
         )
         .await?;
-        wait_serving(&bed.pods(), replicas as usize, Duration::from_secs(180)).await?;
+        bed.wait_serving(replicas as usize).await?;
         Ok(Fleet {
             bed,
             _operator: operator,

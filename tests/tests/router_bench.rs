@@ -26,7 +26,7 @@ use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
-use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, wait_serving, worker_metrics};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, worker_metrics};
 use npufleet_tests::{cluster, service, wait};
 use serde_json::{Value, json};
 
@@ -288,11 +288,10 @@ impl Bench {
             RunningRouter::start(c, name, &bed.namespace, &["--wake-interval-seconds", "1"])
                 .await?;
         bed.apply_smollm2("bench", bench_spec(replicas)).await?;
-        let pods = bed.pods();
-        let addresses = wait_serving(&pods, replicas, Duration::from_secs(180)).await?;
+        let addresses = bed.wait_serving(replicas).await?;
         Ok(Bench {
             services: bed.services(),
-            pods,
+            pods: bed.pods(),
             router,
             addresses,
             _bed: bed,

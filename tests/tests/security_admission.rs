@@ -24,6 +24,7 @@ const RELEASE: &str = "npufleet";
 const ROUTER: &str = "npufleet-router";
 const MANAGER: &str = "security-admission-test";
 const TIMEOUT: Duration = Duration::from_secs(60);
+const RBAC: &str = <k8s_openapi::api::rbac::v1::ClusterRole as k8s_openapi::Resource>::GROUP;
 /// The verbs that change state, as discovery lists them.
 const WRITE_VERBS: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
 
@@ -251,8 +252,8 @@ async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() ->
             for (verb, group, resource) in [
                 ("impersonate", "", "serviceaccounts"),
                 ("impersonate", "", "users"),
-                ("escalate", "rbac.authorization.k8s.io", "clusterroles"),
-                ("bind", "rbac.authorization.k8s.io", "clusterroles"),
+                ("escalate", RBAC, "clusterroles"),
+                ("bind", RBAC, "clusterroles"),
                 ("create", "", "serviceaccounts/token"),
                 ("create", "", "pods/exec"),
             ] {
