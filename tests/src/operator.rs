@@ -343,3 +343,26 @@ pub async fn scale(services: &Api<InferenceService>, name: &str, replicas: i32) 
 fn replicas_patch(replicas: i32) -> Patch<serde_json::Value> {
     Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}}))
 }
+
+/// A test's namespace with the InferenceService CRD served and the controller and built-in
+/// autoscaler running in this process for it ([`start_with_builtin_autoscaler`]).
+pub struct OperatedNamespace {
+    pub namespace: String,
+    pub services: Api<InferenceService>,
+    pub pods: Api<k8s_openapi::api::core::v1::Pod>,
+    _operator: RunningOperator,
+}
+
+impl OperatedNamespace {
+    /// The namespace of `c` for `test`; `manager` applies the CRD.
+    pub async fn start(c: &Cluster, client: &Client, test: &str, manager: &str) -> Result<Self> {
+        let namespace = c.namespace(client, test).await?;
+        crate::crd::install_inference_service(client, manager).await?;
+        Ok(Self {
+            _operator: start_with_builtin_autoscaler(client, &namespace)?,
+            services: Api::namespaced(client.clone(), &namespace),
+            pods: Api::namespaced(client.clone(), &namespace),
+            namespace,
+        })
+    }
+}

@@ -29,6 +29,7 @@ use npufleet_operator::autoscaler::{
 };
 use npufleet_tests::cluster::FakeNode;
 use npufleet_tests::fleet::Testbed;
+use npufleet_tests::operator::OperatedNamespace;
 use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 
@@ -176,21 +177,18 @@ async fn reverted(client: &Client, ns: &str, expected: &str) -> Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warning() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let ns = c.namespace(&client, "autoscaling-replicas").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let node = "unreachable-replicas";
         unreachable_node(&client, node, 1).await?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let operated = OperatedNamespace::start(c, &client, "autoscaling-replicas", MANAGER).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
         let seen = PodsSeen::start(pods.clone());
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
 
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
         // The autoscaler cannot read these workers, so it holds what it has.
-        let manifest = unreachable_service(&ns, node, 10, 3)?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        let manifest = unreachable_service(ns, node, 10, 3)?;
+        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
 
         // The manifest's 10 is cut to the maximum, and spec.replicas says so.
-        let note = reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
+        let note = reverted(&client, ns, "spec.replicas 10 reverted to 3: ").await?;
         assert!(
             note.contains("autoscaler owns the replica count") && note.contains("maxReplicas"),
             "{note}"
@@ -198,7 +196,7 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         wait::until("three serving replica groups", Duration::from_secs(30), || async {
             let service = services.get("chat").await?;
             let status = service.status.clone().unwrap_or_default();
-            let live = live_pods(&pods).await?;
+            let live = live_pods(pods).await?;
             let shown = (service.spec.replicas, status.desired_replicas, status.ready_replicas, live);
             if shown == (3, Some(3), 3, 3) {
                 Ok(Some(()))
@@ -209,7 +207,7 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         .await?;
         let created = seen.names();
         assert_eq!(created.len(), 3, "replicas: 10 with maxReplicas: 3 created {created:?}");
-        let table = kubectl(&["get", "infsvc", "chat", "-n", &ns]).await?;
+        let table = kubectl(&["get", "infsvc", "chat", "-n", ns]).await?;
         assert_eq!(column(&table, "DESIRED").as_deref(), Some("3"), "{table}");
         assert_eq!(column(&table, "READY").as_deref(), Some("3"), "{table}");
 
@@ -231,8 +229,8 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         );
 
         // kubectl scale is answered, not silently dropped.
-        kubectl(&["scale", "infsvc/chat", "--replicas=4", "-n", &ns]).await?;
-        reverted(&client, &ns, "spec.replicas 4 reverted to 3: ").await?;
+        kubectl(&["scale", "infsvc/chat", "--replicas=4", "-n", ns]).await?;
+        reverted(&client, ns, "spec.replicas 4 reverted to 3: ").await?;
         wait::until("spec.replicas back at 3", Duration::from_secs(30), || async {
             let replicas = services.get("chat").await?.spec.replicas;
             if replicas == 3 { Ok(Some(())) } else { anyhow::bail!("spec.replicas {replicas}") }
@@ -240,10 +238,10 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         .await?;
 
         // A GitOps tool re-applies the manifest with replicas: 10.
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
         let reapplied = services.get("chat").await?;
         let generation = reapplied.metadata.generation;
-        reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
+        reverted(&client, ns, "spec.replicas 10 reverted to 3: ").await?;
         wait::until(
             "the re-applied count put back and seen by the reconcile",
             Duration::from_secs(30),
@@ -259,7 +257,7 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
             },
         )
         .await?;
-        assert_eq!(live_pods(&pods).await?, 3);
+        assert_eq!(live_pods(pods).await?, 3);
         assert_eq!(seen.names(), created, "a count set by hand created pods");
         assert_eq!(autoscaled_count(&services.get("chat").await?), Some(3));
         Ok(())
@@ -275,15 +273,12 @@ const HOLD: Duration = Duration::from_secs(15);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let ns = c.namespace(&client, "metrics-unavailable").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let node = "unreachable-metrics";
         unreachable_node(&client, node, 2).await?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest = unreachable_service(&ns, node, 3, 5)?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        let operated = OperatedNamespace::start(c, &client, "metrics-unavailable", MANAGER).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
+        let manifest = unreachable_service(ns, node, 3, 5)?;
+        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
 
         let condition = wait::until("ScalingActive=False", Duration::from_secs(45), || async {
             let service = services.get("chat").await?;
@@ -309,13 +304,13 @@ async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Resul
             "{message}"
         );
         // One warning when it turned, however the count of unread workers grew after.
-        let warnings = npufleet_tests::operator::events(&client, &ns, "chat", METRICS_UNAVAILABLE).await?;
+        let warnings = npufleet_tests::operator::events(&client, ns, "chat", METRICS_UNAVAILABLE).await?;
         let note = warnings.last().and_then(|e| e.note.clone()).context("no MetricsUnavailable event")?;
         assert!(note.contains("serving workers could not be read; first: "), "{note}");
 
         wait::until("the count to hold through the old scale-down time", HOLD * 2, || async {
             let service = services.get("chat").await?;
-            let live = live_pods(&pods).await?;
+            let live = live_pods(pods).await?;
             let held = (service.spec.replicas, autoscaled_count(&service), live);
             if held != (3, Some(3), 3) {
                 return Err(wait::fatal(anyhow::anyhow!(
@@ -328,7 +323,7 @@ async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Resul
         .await?;
         for reason in [Reason::ScaleDown, Reason::RateLimited, Reason::Idle] {
             let reason = reason.as_str();
-            let scaled = npufleet_tests::operator::events(&client, &ns, "chat", reason).await?;
+            let scaled = npufleet_tests::operator::events(&client, ns, "chat", reason).await?;
             assert!(scaled.is_empty(), "a {reason} event: {:?}", scaled.last().and_then(|e| e.note.clone()));
         }
         let service = services.get("chat").await?;

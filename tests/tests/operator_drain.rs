@@ -15,6 +15,7 @@ use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
+use npufleet_tests::operator::OperatedNamespace;
 use npufleet_tests::service::manifest as service;
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
@@ -134,17 +135,16 @@ async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result
 async fn large_services_show_progress_and_a_drain_recreates_each_group_once() -> Result<()> {
     let c = cluster::shared();
     let client: Client = c.client().await?;
-    let ns = c.namespace(&client, "operator-drain").await?;
-    npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-    let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
+    let operated = OperatedNamespace::start(c, &client, "operator-drain", MANAGER).await?;
+    let ns = operated.namespace.clone();
     let wide = c.namespace(&client, "operator-wide").await?;
     a_large_service_shows_its_progress(&client, &wide).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pods = operated.pods.clone();
     let (incarnations, recorder) = record_incarnations(pods.clone()).await?;
 
     // Every pod starts on ascend-node-0, the node to drain.
     kubectl(c, &["cordon", "ascend-node-1"])?;
-    let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+    let services = &operated.services;
     let tp2 = service(
         &ns,
         "tp2",
@@ -157,7 +157,7 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
     )?;
     services.create(&PostParams::default(), &tp2).await?;
     wait::until("tp2 Ready with 2 groups", TIMEOUT, || async {
-        Ok(ready_groups(&services, "tp2").await?.filter(|&n| n == 2))
+        Ok(ready_groups(services, "tp2").await?.filter(|&n| n == 2))
     })
     .await?;
     let before = nodes_of(&pods).await?;
@@ -185,7 +185,7 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
     let drained = drain.await??;
     eprintln!("{drained}");
     wait::until("tp2 Ready again on ascend-node-1", TIMEOUT, || async {
-        let ready = ready_groups(&services, "tp2").await?.filter(|&n| n == 2);
+        let ready = ready_groups(services, "tp2").await?.filter(|&n| n == 2);
         let nodes = nodes_of(&pods).await?;
         let moved = nodes.len() == 4 && nodes.values().all(|n| n == "ascend-node-1");
         Ok(ready.filter(|_| moved))
