@@ -137,6 +137,26 @@ fn unreachable_service(
     )
 }
 
+/// A namespace for `test` with the operator running, and in it [`unreachable_service`] asking
+/// for `replicas` of at most `max`, on an [`unreachable_node`] of its own on `subnet`; with
+/// every pod name the namespace has had, watched from before the service was applied, and the
+/// manifest applied.
+async fn unreachable_fleet(
+    c: &cluster::Cluster,
+    client: &Client,
+    test: &str,
+    subnet: u8,
+    (replicas, max): (i32, i32),
+) -> Result<(OperatedNamespace, PodsSeen, InferenceService)> {
+    let node = format!("unreachable-{test}");
+    unreachable_node(client, &node, subnet).await?;
+    let operated = OperatedNamespace::start(c, client, test, MANAGER).await?;
+    let seen = PodsSeen::start(operated.pods.clone());
+    let manifest = unreachable_service(&operated.namespace, &node, replicas, max)?;
+    npufleet_tests::operator::apply(&operated.services, MANAGER, &manifest).await?;
+    Ok((operated, seen, manifest))
+}
+
 /// Runs `kubectl` with `args` off the async threads; its stdout, or its stderr as the error.
 async fn kubectl(args: &[&str]) -> Result<String> {
     let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
@@ -177,15 +197,10 @@ async fn reverted(client: &Client, ns: &str, expected: &str) -> Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warning() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let node = "unreachable-replicas";
-        unreachable_node(&client, node, 1).await?;
-        let operated = OperatedNamespace::start(c, &client, "autoscaling-replicas", MANAGER).await?;
-        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
-        let seen = PodsSeen::start(pods.clone());
-
         // The autoscaler cannot read these workers, so it holds what it has.
-        let manifest = unreachable_service(ns, node, 10, 3)?;
-        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
+        let (operated, seen, manifest) =
+            unreachable_fleet(c, &client, "autoscaling-replicas", 1, (10, 3)).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
 
         // The manifest's 10 is cut to the maximum, and spec.replicas says so.
         let note = reverted(&client, ns, "spec.replicas 10 reverted to 3: ").await?;
@@ -273,12 +288,8 @@ const HOLD: Duration = Duration::from_secs(15);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let node = "unreachable-metrics";
-        unreachable_node(&client, node, 2).await?;
-        let operated = OperatedNamespace::start(c, &client, "metrics-unavailable", MANAGER).await?;
+        let (operated, ..) = unreachable_fleet(c, &client, "metrics-unavailable", 2, (3, 5)).await?;
         let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
-        let manifest = unreachable_service(ns, node, 3, 5)?;
-        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
 
         let condition = wait::until("ScalingActive=False", Duration::from_secs(45), || async {
             let service = services.get("chat").await?;

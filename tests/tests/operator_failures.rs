@@ -183,23 +183,30 @@ async fn wait_event(
     .await
 }
 
+/// Creates [`service`] `name` with `spec`, whose first pod the apiserver refuses; once the
+/// service says so, its `ReplicaFailure` message and the `FailedCreate` event's type and note.
+async fn refused(f: &Fixture, name: &str, spec: Value) -> Result<(String, String, String)> {
+    f.create(name, spec).await?;
+    let message = wait_condition(f, name, "ReplicaFailure", "True", "FailedCreate").await?;
+    let (type_, note) = wait_event(f, name, "FailedCreate", &format!("{name}-0-0")).await?;
+    Ok((message, type_, note))
+}
+
 #[tokio::test]
 async fn a_refused_pod_shows_as_a_replica_failure_and_a_warning_event_while_the_rest_is_made()
 -> Result<()> {
     let f = fixture("refused-pod").await?;
-    f.create(
+    let (message, type_, note) = refused(
+        &f,
         "llm",
         json!({"scheduling": {"priorityClassName": "no-such-class"}}),
     )
     .await?;
-
-    let message = wait_condition(&f, "llm", "ReplicaFailure", "True", "FailedCreate").await?;
     assert!(
         message.contains("creating Pod llm-0-0")
             && message.contains("no PriorityClass with name no-such-class was found"),
         "{message}"
     );
-    let (type_, note) = wait_event(&f, "llm", "FailedCreate", "llm-0-0").await?;
     assert_eq!(type_, "Warning");
     assert!(note.contains("no PriorityClass"), "{note}");
     // The reconcile went on past the refusal: the Services exist.
@@ -229,7 +236,8 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
     namespaces
         .patch(&f.namespace, &PatchParams::default(), &Patch::Merge(label))
         .await?;
-    f.create(
+    let (message, _, note) = refused(
+        &f,
         "cann",
         json!({"template": {
             "volumes": [{"name": "cann", "hostPath": {"path": "/usr/local/Ascend"}}],
@@ -237,13 +245,11 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
         }}),
     )
     .await?;
-    let message = wait_condition(&f, "cann", "ReplicaFailure", "True", "FailedCreate").await?;
     assert!(
         message.contains("violates PodSecurity \"restricted:latest\"")
             && message.contains("hostPath"),
         "{message}"
     );
-    let (_, note) = wait_event(&f, "cann", "FailedCreate", "cann-0-0").await?;
     assert!(note.contains("hostPath"), "{note}");
     Ok(())
 }

@@ -373,30 +373,22 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
     let selector = spec.node_selector.clone().context("node selector")?;
     assert_eq!(selector["accelerator"], "huawei-Ascend910");
     assert_eq!(selector["node.kubernetes.io/npu.chip.name"], "910B3");
-    assert_eq!(
-        env_value(&pod, "HCCL_IF_IP").as_deref(),
-        Some("fieldRef:status.podIP")
-    );
-    assert_eq!(
-        env_value(&pod, "HCCL_CONNECT_TIMEOUT").as_deref(),
-        Some("600")
-    );
-    assert_eq!(
-        env_value(&pod, "RANK_TABLE_FILE").as_deref(),
-        Some("/user/serverid/devindex/config/hccl.json")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_MODEL").as_deref(),
-        Some("/models/deepseek-13b-chat")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_SERVED_MODEL_NAME").as_deref(),
-        Some("deepseek-13b-chat")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_PREFIX_TEMPLATES").as_deref(),
-        Some(r#"["You are a helpful assistant."]"#)
-    );
+    for (name, value) in [
+        ("HCCL_IF_IP", "fieldRef:status.podIP"),
+        ("HCCL_CONNECT_TIMEOUT", "600"),
+        (
+            "RANK_TABLE_FILE",
+            "/user/serverid/devindex/config/hccl.json",
+        ),
+        ("NPUFLEET_MODEL", "/models/deepseek-13b-chat"),
+        ("NPUFLEET_SERVED_MODEL_NAME", "deepseek-13b-chat"),
+        (
+            "NPUFLEET_PREFIX_TEMPLATES",
+            r#"["You are a helpful assistant."]"#,
+        ),
+    ] {
+        assert_eq!(env_value(&pod, name).as_deref(), Some(value), "{name}");
+    }
     assert_eq!(
         spec.containers[0].args.as_deref(),
         Some(&["serve".to_string()][..])

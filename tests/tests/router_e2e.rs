@@ -142,6 +142,14 @@ impl Fleet {
         })
     }
 
+    /// [`Fleet::start`] with the service applied at `replicas`, once they all serve.
+    async fn serving(test: &str, subnet: u8, replicas: i32) -> Result<Fleet> {
+        let fleet = Self::start(test, subnet, &[]).await?;
+        fleet.apply(replicas).await?;
+        fleet.wait_serving(usize::try_from(replicas)?).await?;
+        Ok(fleet)
+    }
+
     async fn apply(&self, replicas: i32) -> Result<()> {
         self.apply_with_env(replicas, &[]).await
     }
@@ -401,9 +409,7 @@ async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken()
 async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_failures()
 -> Result<()> {
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let fleet = Fleet::start("router-scale", 71, &[]).await?;
-        fleet.apply(1).await?;
-        fleet.wait_serving(1).await?;
+        let fleet = Fleet::serving("router-scale", 71, 1).await?;
         let http = reqwest::Client::new();
 
         let models: Value = http.get(fleet.router.url("/v1/models")).send().await?.json().await?;
@@ -510,9 +516,7 @@ fn per_replica(metrics: &str, name: &str, label: &str) -> std::collections::BTre
 async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one() -> Result<()> {
     const REQUESTS: usize = 12;
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let fleet = Fleet::start("router-stream", 77, &[]).await?;
-        fleet.apply(3).await?;
-        fleet.wait_serving(3).await?;
+        let fleet = Fleet::serving("router-stream", 77, 3).await?;
         let mut grpc =
             GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
         let (requests, outgoing) = tokio::sync::mpsc::channel(REQUESTS + 1);
@@ -701,9 +705,7 @@ async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_num
 async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica_serving()
 -> Result<()> {
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let fleet = Fleet::start("router-rollout", 75, &[]).await?;
-        fleet.apply(2).await?;
-        fleet.wait_serving(2).await?;
+        let fleet = Fleet::serving("router-rollout", 75, 2).await?;
         let pods = fleet.pods();
         let old: HashSet<String> = pods
             .list(&ListParams::default())
@@ -756,9 +758,7 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let fleet = Fleet::start("router-kill", 73, &[]).await?;
-        fleet.apply(2).await?;
-        fleet.wait_serving(2).await?;
+        let fleet = Fleet::serving("router-kill", 73, 2).await?;
         let load = Load::through(&fleet.router);
         load.start(4, "/v1/chat/completions", chat("Name a river.", 16));
         let answered = wait::until("both replicas answering", Duration::from_secs(60), || async {
