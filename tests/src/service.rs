@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::Result;
+use kube::Resource;
 use kube::core::ApiResource;
 use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
@@ -20,15 +21,16 @@ pub fn api_resource() -> ApiResource {
     ApiResource::erase::<InferenceService>(&())
 }
 
-/// The InferenceService manifest `name` in `namespace` (none for a cluster-wide apply) with
-/// `spec`.
+/// The InferenceService manifest `name` with `spec`, in `namespace` (or, without one, in the
+/// namespace of the API it is written through).
 pub fn manifest_json(namespace: Option<&str>, name: &str, spec: Value) -> Value {
     let mut metadata = json!({"name": name});
     if let Some(namespace) = namespace {
         metadata["namespace"] = namespace.into();
     }
     json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
+        "apiVersion": InferenceService::api_version(&()),
+        "kind": InferenceService::kind(&()),
         "metadata": metadata,
         "spec": spec,
     })
@@ -93,19 +95,38 @@ pub fn on_node_agent(
     manifest(namespace, name, full)
 }
 
-/// InferenceService `name` naming SmolLM2 at a path no worker reads (for tests whose pods KWOK
-/// fakes, or that never run), on CPU, with `spec` merged over that as [`on_node_agent`] does.
-pub fn unread_smollm2(namespace: &str, name: &str, spec: Value) -> Result<InferenceService> {
+/// The manifest of InferenceService `name` on CPU naming model `m` at a path no worker reads
+/// (for tests whose pods KWOK fakes, or that never run), with `spec` merged over that as
+/// [`on_node_agent`] does; in `namespace`, as [`manifest_json`].
+pub fn unread_json(namespace: Option<&str>, name: &str, spec: Value) -> Value {
     let mut full = json!({
-        "model": {"name": SMOLLM2, "source": {"imagePath": "/models/smollm2.gguf"}},
+        "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
         "accelerator": {"type": "cpu"},
     });
     merge(&mut full, spec);
-    manifest(namespace, name, full)
+    manifest_json(namespace, name, full)
+}
+
+/// [`unread_json`] read into the typed resource.
+pub fn unread(namespace: &str, name: &str, spec: Value) -> Result<InferenceService> {
+    Ok(serde_json::from_value(unread_json(
+        Some(namespace),
+        name,
+        spec,
+    ))?)
+}
+
+/// [`unread`], naming SmolLM2.
+pub fn unread_smollm2(namespace: &str, name: &str, spec: Value) -> Result<InferenceService> {
+    let mut full = json!({
+        "model": {"name": SMOLLM2, "source": {"imagePath": "/models/smollm2.gguf"}},
+    });
+    merge(&mut full, spec);
+    unread(namespace, name, full)
 }
 
 /// `patch` over `base` as a JSON merge patch (RFC 7386) does, without its null-deletes.
-pub fn merge(base: &mut Value, patch: Value) {
+fn merge(base: &mut Value, patch: Value) {
     match (base, patch) {
         (Value::Object(base), Value::Object(patch)) => {
             for (key, value) in patch {

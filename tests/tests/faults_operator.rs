@@ -64,16 +64,15 @@ struct Desired {
 
 fn manifest(namespace: &str, name: &str, desired: &Desired) -> Result<InferenceService> {
     let mut spec = json!({
-        "model": {"name": name, "source": {"imagePath": "/models/m.gguf"}},
+        "model": {"name": name},
         "replicas": desired.replicas,
-        "accelerator": {"type": "cpu"},
         "disruptionBudget": {"maxUnavailable": desired.max_unavailable},
     });
     if desired.kind == Kind::Cce {
         spec["accelerator"] = json!({"type": "ascend910", "platform": "cce", "devicesPerPod": 2});
         spec["parallelism"] = json!({"tensor": 4});
     }
-    service::manifest(namespace, name, spec)
+    service::unread(namespace, name, spec)
 }
 
 /// A namespace of its own with the CRDs the operator uses.

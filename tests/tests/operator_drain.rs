@@ -16,7 +16,7 @@ use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_tests::operator::OperatedNamespace;
-use npufleet_tests::service::manifest as service;
+use npufleet_tests::service::unread as service;
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
@@ -106,9 +106,8 @@ async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result
         ns,
         "wide",
         json!({
-            "model": {"name": "wide-model", "source": {"imagePath": "/models/m.gguf"}},
+            "model": {"name": "wide-model"},
             "replicas": 150,
-            "accelerator": {"type": "cpu"},
         }),
     )?;
     services.create(&PostParams::default(), &wide).await?;
@@ -149,7 +148,7 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
         &ns,
         "tp2",
         json!({
-            "model": {"name": "tp2-model", "source": {"imagePath": "/models/m.gguf"}},
+            "model": {"name": "tp2-model"},
             "replicas": 2,
             "accelerator": {"type": "ascend910", "devicesPerPod": 1},
             "parallelism": {"tensor": 2},

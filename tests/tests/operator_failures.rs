@@ -16,7 +16,7 @@ use kube::api::{Api, DynamicObject, EvictParams, ListParams, Patch, PatchParams,
 use npufleet_operator::metrics::Metrics;
 use npufleet_operator::{Context, Settings};
 use npufleet_tests::cluster::FakeNode;
-use npufleet_tests::service::{manifest_json, merge};
+use npufleet_tests::service::unread_json;
 use npufleet_tests::{cluster, crd, wait};
 use serde_json::{Value, json};
 
@@ -93,12 +93,7 @@ impl Fixture {
 }
 
 fn service(name: &str, spec: Value) -> Result<DynamicObject> {
-    let mut full = json!({
-        "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-        "accelerator": {"type": "cpu"},
-    });
-    merge(&mut full, spec);
-    Ok(serde_json::from_value(manifest_json(None, name, full))?)
+    Ok(serde_json::from_value(unread_json(None, name, spec))?)
 }
 
 /// The condition `type_` of the service, as (status, reason, message).

@@ -224,11 +224,11 @@ async fn ascend_service(
         &ns,
         &npufleet_tests::service::api_resource(),
     );
-    let isvc: DynamicObject = serde_json::from_value(service::manifest_json(
+    let isvc: DynamicObject = serde_json::from_value(service::unread_json(
         None,
         name,
         json!({
-            "model": {"name": format!("{name}-model"), "source": {"imagePath": "/models/m.gguf"}},
+            "model": {"name": format!("{name}-model")},
             "accelerator": {"type": "ascend910", "devicesPerPod": devices},
             "parallelism": {"tensor": tensor},
         }),

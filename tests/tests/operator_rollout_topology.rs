@@ -20,7 +20,7 @@ use npufleet_operator::labels;
 use npufleet_operator::resources::pod::SERVER_TOPOLOGY_KEY;
 use npufleet_tests::cluster::FakeNode;
 use npufleet_tests::operator::OperatedNamespace;
-use npufleet_tests::service::manifest;
+use npufleet_tests::service::unread;
 use npufleet_tests::{operator, wait};
 use serde_json::json;
 
@@ -170,13 +170,11 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
         // Default rollout settings: the surge group is what keeps one replica serving.
         let spec = |revision: &str| {
             json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
                 "replicas": 1,
-                "accelerator": {"type": "cpu"},
                 "template": {"env": [{"name": "REVISION", "value": revision}]},
             })
         };
-        operator::apply(services, MANAGER, &manifest(ns, "chat", spec("1"))?).await?;
+        operator::apply(services, MANAGER, &unread(ns, "chat", spec("1"))?).await?;
         let old = wait::until("chat Ready on its first spec", TIMEOUT, || async {
             let service = services.get("chat").await?;
             let list = pods.list(&ListParams::default()).await?.items;
@@ -191,7 +189,7 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
 
         let mut watch = PodEvents::start(pods, "chat").await?;
         let changed = Instant::now();
-        operator::apply(services, MANAGER, &manifest(ns, "chat", spec("2"))?).await?;
+        operator::apply(services, MANAGER, &unread(ns, "chat", spec("2"))?).await?;
         let generation = services
             .get("chat")
             .await?
@@ -364,25 +362,16 @@ async fn ranks_of_a_group_share_a_server_and_groups_spread() -> Result<()> {
 
         // Two pods of 2 NPUs per group: two groups would fit on one 8-NPU server, so where
         // they go is placement policy, not capacity.
-        let tp = manifest(
+        let tp = unread(
             ns,
             "tp",
             json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
                 "replicas": 2,
                 "accelerator": {"type": "ascend910", "devicesPerPod": 2},
                 "parallelism": {"tensor": 4},
             }),
         )?;
-        let cpu = manifest(
-            ns,
-            "cpu",
-            json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-                "replicas": 3,
-                "accelerator": {"type": "cpu"},
-            }),
-        )?;
+        let cpu = unread(ns, "cpu", json!({"replicas": 3}))?;
         operator::apply(services, MANAGER, &tp).await?;
         operator::apply(services, MANAGER, &cpu).await?;
 

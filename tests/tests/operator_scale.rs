@@ -100,10 +100,10 @@ async fn five_hundred_inference_services_reach_ready() -> Result<()> {
         .map(|i| {
             let api = api.clone();
             async move {
-                let object: DynamicObject = serde_json::from_value(service::manifest_json(
+                let object: DynamicObject = serde_json::from_value(service::unread_json(
                     None,
                     &format!("svc-{i}"),
-                    json!({"model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}}, "accelerator": {"type": "cpu"}}),
+                    json!({}),
                 ))?;
                 api.create(&PostParams::default(), &object).await?;
                 anyhow::Ok(())

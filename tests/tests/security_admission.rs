@@ -128,13 +128,10 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             ("cpu", json!({"type": "cpu"})),
             ("npu", json!({"type": "ascend910", "devicesPerPod": 1})),
         ] {
-            let service = npufleet_tests::service::manifest(
+            let service = npufleet_tests::service::unread(
                 namespace,
                 name,
-                json!({
-                    "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-                    "accelerator": accelerator,
-                }),
+                json!({"accelerator": accelerator}),
             )?;
             operator::apply(&services, MANAGER, &service).await?;
         }
