@@ -31,7 +31,7 @@ use npufleet_tests::{cluster, service, wait};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "router-bench";
-const MODEL: &str = "smollm2";
+const MODEL: &str = npufleet_tests::service::SMOLLM2;
 const REPLICAS: usize = 3;
 /// 128 blocks of 16 positions per replica: room for about two of the shared trace's system
 /// prompts beside the requests in flight, not for all of them.

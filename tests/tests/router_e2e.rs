@@ -32,7 +32,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 const MANAGER: &str = "router-e2e-test";
-const MODEL: &str = "smollm2";
+const MODEL: &str = npufleet_tests::service::SMOLLM2;
 
 /// What the SmolLM2 service `chat` sets beside [`service::smollm2`]'s defaults: `replicas`,
 /// and the workers' settings `extra_env`.
