@@ -148,14 +148,21 @@ mod tests {
             "chat",
             Path::new("/models/m.gguf"),
             "agent-0",
-            json!({"replicas": 2, "engine": {"drainSeconds": 5}, "template": {"env": []}}),
+            json!({
+                "replicas": 2,
+                "engine": {"drainSeconds": 5},
+                "template": {"env": [{"name": "A", "value": "1"}]},
+            }),
         )
         .unwrap();
         let spec = serde_json::to_value(&service.spec).unwrap();
         assert_eq!(spec["replicas"], 2);
         assert_eq!(spec["engine"]["warmupIterations"], 1);
         assert_eq!(spec["engine"]["drainSeconds"], 5);
-        assert_eq!(spec["template"]["env"], json!([]));
+        assert_eq!(
+            spec["template"]["env"],
+            json!([{"name": "A", "value": "1"}])
+        );
         assert_eq!(spec["model"]["name"], SMOLLM2);
     }
 }
