@@ -8,10 +8,182 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, Client};
 use npufleet_contract::headers;
+use npufleet_crds::InferenceService;
 use tokio::sync::{Mutex, Notify};
 
+use crate::cluster::Cluster;
+use crate::node_agent::{NodeAgent, NodeAgentConfig};
+
 pub use npufleet_local::router::{RunningRouter, serving_addresses};
+
+/// How long a fleet of SmolLM2 workers on this machine may take to reach a replica count.
+const SCALING_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// A test's namespace of the shared cluster with the InferenceService CRD served and a node
+/// agent, `agent-<test>`, that runs worker pods as processes on loopback subnet `subnet`.
+pub struct Testbed {
+    pub client: Client,
+    pub namespace: String,
+    pub agent: NodeAgent,
+    manager: String,
+}
+
+impl Testbed {
+    /// `manager` applies the CRD and the test's InferenceServices.
+    pub async fn start(
+        c: &Cluster,
+        client: &Client,
+        test: &str,
+        subnet: u8,
+        manager: &str,
+    ) -> Result<Self> {
+        let namespace = c.namespace(client, test).await?;
+        crate::crd::install_inference_service(client, manager).await?;
+        let agent = NodeAgent::start(
+            client.clone(),
+            NodeAgentConfig::new(
+                &format!("agent-{test}"),
+                crate::paths::workspace_bin("npufleet-worker")?,
+                c.scratch().join(format!("agent-{test}")),
+                subnet,
+            ),
+        )
+        .await?;
+        Ok(Self {
+            client: client.clone(),
+            namespace,
+            agent,
+            manager: manager.to_owned(),
+        })
+    }
+
+    /// The controller and the built-in autoscaler for this namespace, in this process.
+    pub fn start_operator(&self) -> Result<crate::operator::RunningOperator> {
+        crate::operator::start_with_builtin_autoscaler(&self.client, &self.namespace)
+    }
+
+    pub fn services(&self) -> Api<InferenceService> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    pub fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// [`crate::service::smollm2`] `name` on this test's node agent.
+    pub async fn smollm2(&self, name: &str, spec: serde_json::Value) -> Result<InferenceService> {
+        let model_path = tokio::task::spawn_blocking(crate::paths::smollm2_gguf).await??;
+        crate::service::smollm2(
+            &self.namespace,
+            name,
+            &model_path,
+            self.agent.node_name(),
+            spec,
+        )
+    }
+
+    /// Applies [`Testbed::smollm2`] `name` with `spec`; what was applied.
+    pub async fn apply_smollm2(
+        &self,
+        name: &str,
+        spec: serde_json::Value,
+    ) -> Result<InferenceService> {
+        self.apply(&self.smollm2(name, spec).await?).await
+    }
+
+    /// Applies [`crate::service::on_node_agent`] `name` serving `model` (its name and file) on
+    /// this test's node agent; what was applied.
+    pub async fn apply_on_agent(
+        &self,
+        name: &str,
+        model: (&str, &std::path::Path),
+        spec: serde_json::Value,
+    ) -> Result<InferenceService> {
+        let service = crate::service::on_node_agent(
+            &self.namespace,
+            name,
+            model,
+            self.agent.node_name(),
+            spec,
+        )?;
+        self.apply(&service).await
+    }
+
+    /// Waits (three minutes at most) until exactly `replicas` worker pods serve; their
+    /// addresses.
+    pub async fn wait_serving(&self, replicas: usize) -> Result<Vec<String>> {
+        wait_serving(&self.pods(), replicas, SCALING_TIMEOUT).await
+    }
+
+    /// Waits (four minutes at most, told as `what`) until at least `replicas` worker pods
+    /// serve, as a fleet scaling up under load gets there.
+    pub async fn wait_serving_at_least(&self, replicas: usize, what: &str) -> Result<()> {
+        let pods = self.pods();
+        crate::wait::until(what, Duration::from_secs(240), || async {
+            let serving = serving_addresses(&pods).await?.len();
+            if serving >= replicas {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("{serving} serving")
+            }
+        })
+        .await
+    }
+
+    /// Waits (three minutes at most, told as `what`) until InferenceService `name` wants
+    /// `replicas` and exactly `live_pods` pods are left, as after a scale-down.
+    pub async fn wait_scaled_to(
+        &self,
+        name: &str,
+        (replicas, live_pods): (i32, usize),
+        what: &str,
+    ) -> Result<()> {
+        let (services, pods) = (self.services(), self.pods());
+        crate::wait::until(what, SCALING_TIMEOUT, || async {
+            let desired = services.get(name).await?.spec.replicas;
+            let live = pods.list(&Default::default()).await?.items.len();
+            if desired == replicas && live == live_pods {
+                Ok(Some(()))
+            } else {
+                anyhow::bail!("desired {desired}, {live} pods")
+            }
+        })
+        .await
+    }
+
+    /// Applies `service` as this test's field manager; `service` again.
+    pub async fn apply(&self, service: &InferenceService) -> Result<InferenceService> {
+        crate::operator::apply(&self.services(), &self.manager, service).await?;
+        Ok(service.clone())
+    }
+}
+
+/// Waits (at most `timeout`) until exactly `replicas` worker pods serve; their addresses.
+pub async fn wait_serving(
+    pods: &Api<Pod>,
+    replicas: usize,
+    timeout: Duration,
+) -> Result<Vec<String>> {
+    crate::wait::until(&format!("{replicas} replicas serving"), timeout, || async {
+        let serving = serving_addresses(pods).await?;
+        Ok((serving.len() == replicas).then_some(serving))
+    })
+    .await
+}
+
+/// The Prometheus text a worker at `address` exports.
+pub async fn worker_metrics(http: &reqwest::Client, address: &str) -> Result<String> {
+    let port = npufleet_contract::ports::HTTP_PORT;
+    Ok(http
+        .get(format!("http://{address}:{port}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
 
 /// Picks worker addresses directly, fewest requests in flight first, for tests that exercise
 /// the workers themselves without the router in between (the product's routing is

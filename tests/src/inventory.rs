@@ -14,17 +14,20 @@ use npufleet_crds::InferenceService;
 use npufleet_operator::labels;
 use npufleet_operator::resources::{names, pod_group};
 
+/// Object names, in order.
+pub type Names = BTreeSet<String>;
+
 /// The names of the objects of each kind that carry a service's label.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Inventory {
-    pub pods: BTreeSet<String>,
-    pub config_maps: BTreeSet<String>,
-    pub pod_groups: BTreeSet<String>,
-    pub services: BTreeSet<String>,
-    pub disruption_budgets: BTreeSet<String>,
+    pub pods: Names,
+    pub config_maps: Names,
+    pub pod_groups: Names,
+    pub services: Names,
+    pub disruption_budgets: Names,
     /// Objects among these whose controller is not the service of that name as it is now
     /// (an earlier incarnation's leftovers, or no controller at all), as `kind/name`.
-    pub foreign: BTreeSet<String>,
+    pub foreign: Names,
 }
 
 impl Inventory {
@@ -39,19 +42,18 @@ impl Inventory {
     ) -> Result<Self> {
         let params = ListParams::default().labels(&format!("{}={name}", labels::INFERENCE_SERVICE));
         let mut inventory = Self::default();
-        let mut take =
-            |kind: &str, meta: &ObjectMeta, into: fn(&mut Self) -> &mut BTreeSet<String>| {
-                let object = meta.name.clone().unwrap_or_default();
-                let owned = meta.owner_references.iter().flatten().any(|owner| {
-                    owner.controller == Some(true)
-                        && owner.kind == "InferenceService"
-                        && Some(owner.uid.as_str()) == uid
-                });
-                if !owned {
-                    inventory.foreign.insert(format!("{kind}/{object}"));
-                }
-                into(&mut inventory).insert(object);
-            };
+        let mut take = |kind: &str, meta: &ObjectMeta, into: fn(&mut Self) -> &mut Names| {
+            let object = meta.name.clone().unwrap_or_default();
+            let owned = meta.owner_references.iter().flatten().any(|owner| {
+                owner.controller == Some(true)
+                    && owner.kind == "InferenceService"
+                    && Some(owner.uid.as_str()) == uid
+            });
+            if !owned {
+                inventory.foreign.insert(format!("{kind}/{object}"));
+            }
+            into(&mut inventory).insert(object);
+        };
         for pod in Api::<Pod>::namespaced(client.clone(), namespace)
             .list(&params)
             .await?
@@ -119,7 +121,7 @@ impl Inventory {
             .into_iter()
             .collect(),
             disruption_budgets: [names::disruption_budget(service)].into_iter().collect(),
-            foreign: BTreeSet::new(),
+            foreign: Names::new(),
         }
     }
 

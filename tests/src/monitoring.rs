@@ -72,12 +72,7 @@ impl Prometheus {
             ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .arg("--log.level=warn");
-        // Checked from the polling closure, which may only borrow it.
-        let process = std::sync::Mutex::new(Process::start(
-            "prometheus",
-            cmd,
-            &dir.join("prometheus.log"),
-        )?);
+        let process = start_checked("prometheus", cmd, &dir.join("prometheus.log"))?;
         let url = format!("http://127.0.0.1:{port}");
         let http = reqwest::Client::new();
         wait::until("Prometheus ready", Duration::from_secs(60), || async {
@@ -173,11 +168,7 @@ impl Adapter {
             // default would hide a fleet that started after it for that long.
             .arg("--metrics-relist-interval=15s")
             .arg("--v=1");
-        let process = std::sync::Mutex::new(Process::start(
-            "prometheus-adapter",
-            cmd,
-            &dir.join("adapter.log"),
-        )?);
+        let process = start_checked("prometheus-adapter", cmd, &dir.join("adapter.log"))?;
 
         let apply = PatchParams::apply(MANAGER).force();
         let service = json!({
@@ -244,6 +235,16 @@ impl Adapter {
 }
 
 /// Fails, and stops the polling, when `process` has exited.
+/// Starts `cmd` as [`Process::start`] does, in a lock: the polling closures that check it has
+/// not [`exited`] may only borrow it.
+fn start_checked(
+    name: &str,
+    cmd: Command,
+    log: &std::path::Path,
+) -> Result<std::sync::Mutex<Process>> {
+    Ok(std::sync::Mutex::new(Process::start(name, cmd, log)?))
+}
+
 fn exited(process: &std::sync::Mutex<Process>) -> Result<()> {
     process
         .lock()

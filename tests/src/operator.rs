@@ -134,13 +134,21 @@ pub fn spawn_replica(
 }
 
 fn binary_command(kubeconfig: &Path, lease_namespace: &str, identity: &str) -> Result<Command> {
+    let (mut cmd, _) = command(kubeconfig, "info")?;
+    cmd.args(["--lease-namespace", lease_namespace, "--identity", identity]);
+    Ok(cmd)
+}
+
+/// The operator binary with `kubeconfig`'s credentials, logging at `rust_log`, serving its
+/// metrics on a free loopback port (returned); the caller adds the rest of its flags.
+pub fn command(kubeconfig: &Path, rust_log: &str) -> Result<(Command, u16)> {
+    let port = free_port()?;
     let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
     cmd.arg("--metrics-addr")
-        .arg(format!("127.0.0.1:{}", free_port()?))
-        .args(["--lease-namespace", lease_namespace, "--identity", identity])
+        .arg(format!("127.0.0.1:{port}"))
         .env("KUBECONFIG", kubeconfig)
-        .env("RUST_LOG", "info");
-    Ok(cmd)
+        .env("RUST_LOG", rust_log);
+    Ok((cmd, port))
 }
 
 fn start_binary(cluster: &Cluster, identity: &str, cmd: Command) -> Result<Process> {
@@ -163,17 +171,10 @@ pub async fn external_metric(
     metric: &str,
     selector: &str,
 ) -> Result<Vec<serde_json::Value>> {
-    use npufleet_operator::external_metrics::{GROUP_VERSION, tls};
+    use npufleet_operator::external_metrics::GROUP_VERSION;
     let service = "npufleet-external-metrics";
-    let names = tls::service_dns_names(service, namespace, "cluster.local");
     // Made by the first replica to start; every replica serves this one.
-    let certificate = tls::ServingCertificate::ensure_in_secret(
-        client,
-        namespace,
-        "npufleet-external-metrics-tls",
-        &names,
-    )
-    .await?;
+    let certificate = external_metrics_certificate(client, service, namespace).await?;
     let host = format!("{service}.{namespace}.svc");
     let http = reqwest::Client::builder()
         .add_root_certificate(reqwest::Certificate::from_pem(
@@ -199,6 +200,25 @@ pub async fn external_metric(
         "not an ExternalMetricValueList: {list}"
     );
     Ok(list["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// The external metrics server's CA and serving certificate for Service `service` in
+/// `namespace`, as every operator replica ensures it: made once, kept in the Secret the chart
+/// names.
+pub async fn external_metrics_certificate(
+    client: &Client,
+    service: &str,
+    namespace: &str,
+) -> Result<npufleet_operator::external_metrics::tls::ServingCertificate> {
+    use npufleet_operator::external_metrics::tls;
+    let names = tls::service_dns_names(service, namespace, "cluster.local");
+    tls::ServingCertificate::ensure_in_secret(
+        client,
+        namespace,
+        "npufleet-external-metrics-tls",
+        &names,
+    )
+    .await
 }
 
 /// Who holds the operator's leader Lease in `namespace`, if anyone.
@@ -296,4 +316,53 @@ pub async fn events(
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
         .filter(|e| e.reason.as_deref() == Some(reason))
         .collect())
+}
+
+/// Sets InferenceService `name`'s `spec.replicas` with a merge patch, as a user editing the
+/// manifest would.
+pub async fn set_replicas(
+    services: &Api<InferenceService>,
+    name: &str,
+    replicas: i32,
+) -> Result<()> {
+    services
+        .patch(name, &PatchParams::default(), &replicas_patch(replicas))
+        .await?;
+    Ok(())
+}
+
+/// Sets InferenceService `name`'s replicas through its scale subresource, as `kubectl scale`
+/// and an HPA do.
+pub async fn scale(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
+    services
+        .patch_scale(name, &PatchParams::default(), &replicas_patch(replicas))
+        .await?;
+    Ok(())
+}
+
+fn replicas_patch(replicas: i32) -> Patch<serde_json::Value> {
+    Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}}))
+}
+
+/// A test's namespace with the InferenceService CRD served and the controller and built-in
+/// autoscaler running in this process for it ([`start_with_builtin_autoscaler`]).
+pub struct OperatedNamespace {
+    pub namespace: String,
+    pub services: Api<InferenceService>,
+    pub pods: Api<k8s_openapi::api::core::v1::Pod>,
+    _operator: RunningOperator,
+}
+
+impl OperatedNamespace {
+    /// The namespace of `c` for `test`; `manager` applies the CRD.
+    pub async fn start(c: &Cluster, client: &Client, test: &str, manager: &str) -> Result<Self> {
+        let namespace = c.namespace(client, test).await?;
+        crate::crd::install_inference_service(client, manager).await?;
+        Ok(Self {
+            _operator: start_with_builtin_autoscaler(client, &namespace)?,
+            services: Api::namespaced(client.clone(), &namespace),
+            pods: Api::namespaced(client.clone(), &namespace),
+            namespace,
+        })
+    }
 }

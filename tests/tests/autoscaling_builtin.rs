@@ -9,14 +9,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
-use npufleet_contract::env as worker_env;
-use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::operator::ReplicaWatch;
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::{service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-builtin-test";
@@ -26,67 +21,36 @@ const CLIENTS: u32 = 6;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failures() -> Result<()>
 {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "autoscaling-builtin").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let worker = paths::workspace_bin("npufleet-worker")?;
-        let node = "agent-builtin-0";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(node, worker, c.scratch().join("agent-builtin"), 41),
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "autoscaling-builtin", 41, MANAGER).await?;
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({
+                "replicas": 1,
+                "engine": {"drainSeconds": 60},
+                "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": TARGET_QUEUE},
+            }),
         )
         .await?;
-
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "replicas": 1,
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1, "drainSeconds": 60},
-                "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
-            }
-        }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
-
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        wait::until("the first replica serving", Duration::from_secs(180), || async {
-            let serving = serving_addresses(&pods).await?;
-            Ok((serving.len() == 1).then_some(()))
-        })
-        .await?;
+        bed.wait_serving(1).await?;
 
         // Watch the desired count while the load runs.
-        let router = RunningRouter::start(c, "router-builtin", &ns, &[]).await?;
+        let router = RunningRouter::start(c, "router-builtin", &bed.namespace, &[]).await?;
         let load = Load::through(&router);
+        let services = bed.services();
         let replicas = ReplicaWatch::start(&services, "chat");
 
         let burst_started = Instant::now();
         load.start(
             CLIENTS,
             "/v1/chat/completions",
-            json!({
-                "model": "smollm2",
-                "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-                "max_tokens": 24,
-            }),
+            service::chat("Name three rivers in Europe.", 24),
         );
 
         let needed = CLIENTS.div_ceil(TARGET_QUEUE);
-        wait::until("every needed replica serving under load", Duration::from_secs(240), || async {
-            let serving = serving_addresses(&pods).await?.len() as u32;
-            if serving >= needed { Ok(Some(())) } else { anyhow::bail!("{serving} serving") }
-        })
-        .await?;
+        bed.wait_serving_at_least(needed as usize, "every needed replica serving under load")
+            .await?;
         let scaled_up_in = burst_started.elapsed();
         // Keep the load on the full fleet until every client has been served by it again,
         // then end the burst.
@@ -99,12 +63,8 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         load.stop().await?;
         let burst = burst_started.elapsed();
 
-        wait::until("the scale-down back to one serving replica", Duration::from_secs(180), || async {
-            let desired = services.get("chat").await?.spec.replicas;
-            let live = pods.list(&ListParams::default()).await?.items.len();
-            if desired == 1 && live == 1 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
-        })
-        .await?;
+        bed.wait_scaled_to("chat", (1, 1), "the scale-down back to one serving replica")
+            .await?;
 
         let first_up = replicas
             .first_scale_up()
@@ -128,7 +88,6 @@ async fn a_burst_takes_one_replica_to_what_the_load_needs_and_back_without_failu
         assert!(first_up < Duration::from_secs(10), "first scale-up after {first_up:?}");
 
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -19,7 +19,7 @@ use npufleet_operator::autoscaler::hpa;
 use npufleet_operator::external_metrics::{
     MetricsServer, MetricsStore, QUEUE_DEPTH, SERVICE_LABEL, ServiceLoad, TlsSettings, tls,
 };
-use npufleet_tests::{cluster, wait};
+use npufleet_tests::{cluster, operator, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-hpa-test";
@@ -40,22 +40,10 @@ async fn register_metrics_server(
     std::net::SocketAddr,
     tls::ServingCertificate,
 )> {
-    let names = tls::service_dns_names(METRICS_SERVICE, namespace, "cluster.local");
-    let certificate = tls::ServingCertificate::ensure_in_secret(
-        client,
-        namespace,
-        "npufleet-external-metrics-tls",
-        &names,
-    )
-    .await?;
+    let certificate =
+        operator::external_metrics_certificate(client, METRICS_SERVICE, namespace).await?;
     // A second operator replica (or a restart) serves the same certificate.
-    let again = tls::ServingCertificate::ensure_in_secret(
-        client,
-        namespace,
-        "npufleet-external-metrics-tls",
-        &names,
-    )
-    .await?;
+    let again = operator::external_metrics_certificate(client, METRICS_SERVICE, namespace).await?;
     assert_eq!(
         again, certificate,
         "a second replica made another certificate"
@@ -156,9 +144,7 @@ async fn kubectl(args: Vec<String>) -> Result<std::process::Output> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "autoscaling-hpa").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let store = MetricsStore::default();
@@ -312,7 +298,6 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
             started.elapsed().as_secs_f64()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

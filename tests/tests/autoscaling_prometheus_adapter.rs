@@ -11,17 +11,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
-use kube::api::{Api, ListParams};
-use npufleet_contract::env as worker_env;
-use npufleet_crds::InferenceService;
+use kube::api::Api;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::monitoring::{Adapter, EXTERNAL_METRICS_API_SERVICE, Prometheus, deploy_file};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::operator::ReplicaWatch;
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::{cluster, paths, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-prometheus-adapter-test";
@@ -127,47 +124,25 @@ async fn chart_leaves_the_adapter_alone(client: &kube::Client) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "prometheus-adapter").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let worker = paths::workspace_bin("npufleet-worker")?;
-        let node = "agent-adapter-0";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(node, worker, c.scratch().join("agent-adapter"), 43),
-        )
-        .await?;
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "prometheus-adapter", 43, MANAGER).await?;
+        let ns = bed.namespace.clone();
         let prometheus = Prometheus::start(c, &ns).await?;
         let _adapter = Adapter::register(c, &client, &ns, &prometheus).await?;
         chart_leaves_the_adapter_alone(&client).await?;
         // The controller and the autoscaler loop, which in mode hpa only writes the HPA; no
         // external metrics server is started.
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1, "drainSeconds": 60},
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({
+                "engine": {"drainSeconds": 60},
                 "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
-            }
-        }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
-
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        wait::until("the first replica serving", Duration::from_secs(180), || async {
-            let serving = serving_addresses(&pods).await?;
-            Ok((serving.len() == 1).then_some(()))
-        })
+            }),
+        )
         .await?;
+        bed.wait_serving(1).await?;
+        let services = bed.services();
 
         // Prometheus found the worker through the API server, the adapter relisted it, and the
         // aggregator serves the adapter's answer for the operator's selector.
@@ -194,11 +169,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         load.start(
             CLIENTS,
             "/v1/chat/completions",
-            json!({
-                "model": "smollm2",
-                "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-                "max_tokens": 24,
-            }),
+            service::chat("Name three rivers in Europe.", 24),
         );
         wait::until("the HPA's first scale-up", Duration::from_secs(120), || async {
             let desired = services.get("chat").await?.spec.replicas;
@@ -252,12 +223,8 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         load.stop().await?;
         let burst = burst_started.elapsed();
         let down_started = Instant::now();
-        wait::until("the HPA scaling chat back to 1", Duration::from_secs(180), || async {
-            let desired = services.get("chat").await?.spec.replicas;
-            let live = pods.list(&ListParams::default()).await?.items.len();
-            if desired == 1 && live == 1 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
-        })
-        .await?;
+        bed.wait_scaled_to("chat", (1, 1), "the HPA scaling chat back to 1")
+            .await?;
 
         let (sent, failed) = (load.sent(), load.failed());
         eprintln!(
@@ -269,7 +236,6 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
         );
         assert_eq!(failed, 0, "failed requests: {:?}", load.failures().await);
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -22,15 +22,15 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
-use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::policy::Reason;
 use npufleet_operator::autoscaler::{
     FIELD_MANAGER as AUTOSCALER, MANUAL_SCALE_REVERTED, METRICS_UNAVAILABLE, SCALING_ACTIVE,
 };
 use npufleet_tests::cluster::FakeNode;
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::fleet::Testbed;
+use npufleet_tests::operator::OperatedNamespace;
+use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-replicas-test";
@@ -123,20 +123,38 @@ fn unreachable_service(
     replicas: i32,
     max: i32,
 ) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": namespace},
-        "spec": {
-            "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
+    service::unread_smollm2(
+        namespace,
+        "chat",
+        json!({
             "replicas": replicas,
-            "accelerator": {"type": "cpu"},
             "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": max},
             "scheduling": {
                 "nodeSelector": {UNREACHABLE_NODE: node},
                 "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
             },
-        }
-    }))?)
+        }),
+    )
+}
+
+/// A namespace for `test` with the operator running, and in it [`unreachable_service`] asking
+/// for `replicas` of at most `max`, on an [`unreachable_node`] of its own on `subnet`; with
+/// every pod name the namespace has had, watched from before the service was applied, and the
+/// manifest applied.
+async fn unreachable_fleet(
+    c: &cluster::Cluster,
+    client: &Client,
+    test: &str,
+    subnet: u8,
+    (replicas, max): (i32, i32),
+) -> Result<(OperatedNamespace, PodsSeen, InferenceService)> {
+    let node = format!("unreachable-{test}");
+    unreachable_node(client, &node, subnet).await?;
+    let operated = OperatedNamespace::start(c, client, test, MANAGER).await?;
+    let seen = PodsSeen::start(operated.pods.clone());
+    let manifest = unreachable_service(&operated.namespace, &node, replicas, max)?;
+    npufleet_tests::operator::apply(&operated.services, MANAGER, &manifest).await?;
+    Ok((operated, seen, manifest))
 }
 
 /// Runs `kubectl` with `args` off the async threads; its stdout, or its stderr as the error.
@@ -178,24 +196,14 @@ async fn reverted(client: &Client, ns: &str, expected: &str) -> Result<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warning() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "autoscaling-replicas").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let node = "unreachable-replicas";
-        unreachable_node(&client, node, 1).await?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        let seen = PodsSeen::start(pods.clone());
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         // The autoscaler cannot read these workers, so it holds what it has.
-        let manifest = unreachable_service(&ns, node, 10, 3)?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        let (operated, seen, manifest) =
+            unreachable_fleet(c, &client, "autoscaling-replicas", 1, (10, 3)).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
 
         // The manifest's 10 is cut to the maximum, and spec.replicas says so.
-        let note = reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
+        let note = reverted(&client, ns, "spec.replicas 10 reverted to 3: ").await?;
         assert!(
             note.contains("autoscaler owns the replica count") && note.contains("maxReplicas"),
             "{note}"
@@ -203,7 +211,7 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         wait::until("three serving replica groups", Duration::from_secs(30), || async {
             let service = services.get("chat").await?;
             let status = service.status.clone().unwrap_or_default();
-            let live = live_pods(&pods).await?;
+            let live = live_pods(pods).await?;
             let shown = (service.spec.replicas, status.desired_replicas, status.ready_replicas, live);
             if shown == (3, Some(3), 3, 3) {
                 Ok(Some(()))
@@ -214,7 +222,7 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         .await?;
         let created = seen.names();
         assert_eq!(created.len(), 3, "replicas: 10 with maxReplicas: 3 created {created:?}");
-        let table = kubectl(&["get", "infsvc", "chat", "-n", &ns]).await?;
+        let table = kubectl(&["get", "infsvc", "chat", "-n", ns]).await?;
         assert_eq!(column(&table, "DESIRED").as_deref(), Some("3"), "{table}");
         assert_eq!(column(&table, "READY").as_deref(), Some("3"), "{table}");
 
@@ -236,8 +244,8 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         );
 
         // kubectl scale is answered, not silently dropped.
-        kubectl(&["scale", "infsvc/chat", "--replicas=4", "-n", &ns]).await?;
-        reverted(&client, &ns, "spec.replicas 4 reverted to 3: ").await?;
+        kubectl(&["scale", "infsvc/chat", "--replicas=4", "-n", ns]).await?;
+        reverted(&client, ns, "spec.replicas 4 reverted to 3: ").await?;
         wait::until("spec.replicas back at 3", Duration::from_secs(30), || async {
             let replicas = services.get("chat").await?.spec.replicas;
             if replicas == 3 { Ok(Some(())) } else { anyhow::bail!("spec.replicas {replicas}") }
@@ -245,10 +253,10 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
         .await?;
 
         // A GitOps tool re-applies the manifest with replicas: 10.
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        npufleet_tests::operator::apply(services, MANAGER, &manifest).await?;
         let reapplied = services.get("chat").await?;
         let generation = reapplied.metadata.generation;
-        reverted(&client, &ns, "spec.replicas 10 reverted to 3: ").await?;
+        reverted(&client, ns, "spec.replicas 10 reverted to 3: ").await?;
         wait::until(
             "the re-applied count put back and seen by the reconcile",
             Duration::from_secs(30),
@@ -264,13 +272,12 @@ async fn a_replica_count_set_by_hand_is_put_back_to_the_autoscalers_with_a_warni
             },
         )
         .await?;
-        assert_eq!(live_pods(&pods).await?, 3);
+        assert_eq!(live_pods(pods).await?, 3);
         assert_eq!(seen.names(), created, "a count set by hand created pods");
         assert_eq!(autoscaled_count(&services.get("chat").await?), Some(3));
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// How long the count must hold: the autoscaler that read unreachable workers as idle
@@ -280,18 +287,9 @@ const HOLD: Duration = Duration::from_secs(15);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "metrics-unavailable").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let node = "unreachable-metrics";
-        unreachable_node(&client, node, 2).await?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest = unreachable_service(&ns, node, 3, 5)?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let (operated, ..) = unreachable_fleet(c, &client, "metrics-unavailable", 2, (3, 5)).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
 
         let condition = wait::until("ScalingActive=False", Duration::from_secs(45), || async {
             let service = services.get("chat").await?;
@@ -317,13 +315,13 @@ async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Resul
             "{message}"
         );
         // One warning when it turned, however the count of unread workers grew after.
-        let warnings = npufleet_tests::operator::events(&client, &ns, "chat", METRICS_UNAVAILABLE).await?;
+        let warnings = npufleet_tests::operator::events(&client, ns, "chat", METRICS_UNAVAILABLE).await?;
         let note = warnings.last().and_then(|e| e.note.clone()).context("no MetricsUnavailable event")?;
         assert!(note.contains("serving workers could not be read; first: "), "{note}");
 
         wait::until("the count to hold through the old scale-down time", HOLD * 2, || async {
             let service = services.get("chat").await?;
-            let live = live_pods(&pods).await?;
+            let live = live_pods(pods).await?;
             let held = (service.spec.replicas, autoscaled_count(&service), live);
             if held != (3, Some(3), 3) {
                 return Err(wait::fatal(anyhow::anyhow!(
@@ -336,49 +334,29 @@ async fn workers_whose_load_cannot_be_read_hold_the_count_and_say_why() -> Resul
         .await?;
         for reason in [Reason::ScaleDown, Reason::RateLimited, Reason::Idle] {
             let reason = reason.as_str();
-            let scaled = npufleet_tests::operator::events(&client, &ns, "chat", reason).await?;
+            let scaled = npufleet_tests::operator::events(&client, ns, "chat", reason).await?;
             assert!(scaled.is_empty(), "a {reason} event: {:?}", scaled.last().and_then(|e| e.note.clone()));
         }
         let service = services.get("chat").await?;
         let queue = service.status.and_then(|s| s.autoscaling).and_then(|a| a.queue_depth);
         assert_eq!(queue, None, "a load never read is shown as a queue of {queue:?}");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "scale-to-zero").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let worker = paths::workspace_bin("npufleet-worker")?;
-        let node = "agent-scale-to-zero-0";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(node, worker, c.scratch().join("agent-scale-to-zero"), 61),
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "scale-to-zero", 61, MANAGER).await?;
+        let ns = bed.namespace.clone();
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({"autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2}}),
         )
         .await?;
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1},
-                "autoscaling": {"mode": "builtin", "minReplicas": 0, "maxReplicas": 2},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
-            }
-        }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &manifest).await?;
+        let services = bed.services();
         let ready = |service: &InferenceService| service.status.as_ref().map_or(0, |s| s.ready_replicas);
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let pod_states = || async {
@@ -478,28 +456,21 @@ async fn an_idle_fleet_scales_to_zero_and_a_wake_request_brings_it_back() -> Res
             wake_to_ready.as_secs_f64()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hpa_mode_with_min_replicas_zero_is_rejected_at_admission() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = c.namespace(&client, "hpa-min-zero").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let manifest: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-                "accelerator": {"type": "cpu"},
-                "autoscaling": {"mode": "hpa", "minReplicas": 0, "maxReplicas": 3},
-            }
-        }))?;
+        let manifest = service::unread_smollm2(
+            &ns,
+            "chat",
+            json!({"autoscaling": {"mode": "hpa", "minReplicas": 0, "maxReplicas": 3}}),
+        )?;
         let refused = services
             .patch(
                 "chat",
@@ -520,7 +491,6 @@ async fn hpa_mode_with_min_replicas_zero_is_rejected_at_admission() -> Result<()
         );
         assert!(services.get_opt("chat").await?.is_none());
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

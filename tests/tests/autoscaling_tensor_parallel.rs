@@ -14,10 +14,8 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use npufleet_contract::env as worker_env;
 use npufleet_contract::pods;
-use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
+use npufleet_tests::{paths, process, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "autoscaling-tp-test";
@@ -44,59 +42,34 @@ async fn groups(pods: &Api<Pod>) -> Result<BTreeMap<String, Vec<String>>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = c.namespace(&client, "autoscaling-tp").await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "autoscaling-tp", 42, MANAGER).await?;
+        let ns = bed.namespace.clone();
         let worker = paths::workspace_bin("npufleet-worker")?;
         // A random-weight model whose 8 heads and 4 KV heads split over 2 ranks.
         let model = c.scratch().join("tp-model.gguf");
-        let generated = std::process::Command::new(&worker)
+        let mut generate = std::process::Command::new(&worker);
+        generate
             .args(["gen-test-model", "--layers", "2", "--dim", "128", "--heads", "8"])
             .args(["--kv-heads", "4", "--context", "2048", "--out"])
-            .arg(&model)
-            .output()?;
-        ensure!(
-            generated.status.success(),
-            "gen-test-model: {}",
-            String::from_utf8_lossy(&generated.stderr)
-        );
-        let node = "agent-tp-0";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(node, worker, c.scratch().join("agent-tp"), 42),
-        )
-        .await?;
-
-        let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
-
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "tp", "namespace": ns},
-            "spec": {
-                "model": {"name": "tiny", "source": {"imagePath": model.display().to_string()}},
+            .arg(&model);
+        process::stdout_of(generate)?;
+        let _operator = bed.start_operator()?;
+        bed.apply_on_agent(
+            "tp",
+            ("tiny", &model),
+            json!({
                 "replicas": 1,
                 "accelerator": {"type": "cpu", "devicesPerPod": 1},
                 "parallelism": {"tensor": 2},
-                "engine": {"warmupIterations": 1, "drainSeconds": 60},
+                "engine": {"drainSeconds": 60},
                 "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": TARGET_QUEUE},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [
-                    {"name": worker_env::THREADS, "value": "1"},
-                    {"name": worker_env::IGNORE_EOS, "value": "true"},
-                ]},
-            }
-        }))?;
-        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
-
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        wait::until("the first group serving", Duration::from_secs(180), || async {
-            let serving = serving_addresses(&pods).await?;
-            Ok((serving.len() == 1).then_some(()))
-        })
+                "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
+            }),
+        )
         .await?;
+        bed.wait_serving(1).await?;
+        let (services, pods) = (bed.services(), bed.pods());
         let first = groups(&pods).await?;
         ensure!(
             first.values().all(|ranks| ranks == &["0", "1"]) && first.len() == 1,
@@ -132,11 +105,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
             json!({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 48}),
         );
         let needed = CLIENTS.div_ceil(TARGET_QUEUE);
-        wait::until("both groups serving under load", Duration::from_secs(240), || async {
-            let serving = serving_addresses(&pods).await?.len() as u32;
-            if serving >= needed { Ok(Some(())) } else { anyhow::bail!("{serving} serving") }
-        })
-        .await?;
+        bed.wait_serving_at_least(needed as usize, "both groups serving under load")
+            .await?;
         let scaled_up_in = burst_started.elapsed();
         let both = groups(&pods).await?;
         ensure!(
@@ -161,12 +131,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
         .await?;
         load.stop().await?;
 
-        wait::until("the scale-down back to one group", Duration::from_secs(180), || async {
-            let desired = services.get("tp").await?.spec.replicas;
-            let live = pods.list(&ListParams::default()).await?.items.len();
-            if desired == 1 && live == 2 { Ok(Some(())) } else { anyhow::bail!("desired {desired}, {live} pods") }
-        })
-        .await?;
+        bed.wait_scaled_to("tp", (1, 2), "the scale-down back to one group")
+            .await?;
         let last = groups(&pods).await?;
         ensure!(last.len() == 1, "one group expected after the scale-down, got {last:?}");
         watcher.abort();
@@ -183,8 +149,8 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
         assert_eq!(max_desired.load(Ordering::Relaxed), needed);
         assert_eq!(max_groups.load(Ordering::Relaxed), needed);
 
-        Ok::<(), anyhow::Error>(())
-    }
-    .await;
-    c.diagnose(result.context("the TP-2 autoscaling test"))
+        Ok(())
+    })
+    .await
+    .context("the TP-2 autoscaling test")
 }

@@ -65,9 +65,7 @@ async fn helm_template_renders_offline_with_a_verified_metrics_api() -> Result<(
 /// namespace controller would leave every deleted namespace Terminating.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_default_values_and_no_operator_namespaces_still_delete() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let release_ns = c.namespace(&client, "chart-defaults").await?;
         let mut helm = c.helm();
         // Named apart from the other test's cluster-wide release, whose ClusterRole is named
@@ -100,16 +98,13 @@ async fn with_the_default_values_and_no_operator_namespaces_still_delete() -> Re
         )
         .await?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_crd_upgrade_step_upgrades_what_helm_leaves_alone() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         // An older release's CRD: the same, without spec.autoscaling.
         let text = std::fs::read_to_string(chart().join("crds").join(format!("{CRD}.yaml")))?;
         let mut old: CustomResourceDefinition = serde_yaml::from_str(&text)?;
@@ -156,7 +151,6 @@ async fn the_documented_crd_upgrade_step_upgrades_what_helm_leaves_alone() -> Re
         )
         .await?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

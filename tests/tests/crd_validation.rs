@@ -5,16 +5,8 @@ use anyhow::{Context, Result, bail};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
-use npufleet_tests::{cluster, paths};
+use npufleet_tests::{cluster, paths, process};
 use serde_json::{Value, json};
-
-fn api_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
-}
 
 async fn install_crd(client: &Client) -> Result<()> {
     let path = paths::repo_root()
@@ -32,6 +24,17 @@ async fn install_crd(client: &Client) -> Result<()> {
     .await
     .context("the apiserver accepts the generated CRD")?;
     npufleet_tests::crd::wait_established(client, "inferenceservices.npufleet.io").await
+}
+
+/// The generated CRD installed and a namespace for `test`: the namespace and its
+/// InferenceServices' API.
+async fn namespace_with_crd(test: &str) -> Result<(String, Api<DynamicObject>)> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    install_crd(&client).await?;
+    let ns = c.namespace(&client, test).await?;
+    let api = Api::namespaced_with(client, &ns, &npufleet_tests::service::api_resource());
+    Ok((ns, api))
 }
 
 fn valid(name: &str) -> Value {
@@ -84,11 +87,7 @@ async fn rejection(api: &Api<DynamicObject>, object: Value) -> Result<String> {
 
 #[tokio::test]
 async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    install_crd(&client).await?;
-    let ns = c.namespace(&client, "crd-validation").await?;
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+    let (_, api) = namespace_with_crd("crd-validation").await?;
 
     let base = valid("ok");
     let cases: Vec<(&str, Value, &str)> = vec![
@@ -363,11 +362,7 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
 
 #[tokio::test]
 async fn an_optional_enum_offers_only_its_values_and_takes_null_as_unset() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    install_crd(&client).await?;
-    let ns = c.namespace(&client, "crd-enums").await?;
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &api_resource());
+    let (_, api) = namespace_with_crd("crd-enums").await?;
 
     let sometimes = with(
         valid("sometimes"),
@@ -422,22 +417,13 @@ async fn an_optional_enum_offers_only_its_values_and_takes_null_as_unset() -> Re
 
 #[tokio::test]
 async fn samples_are_valid() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    install_crd(&client).await?;
-    let ns = c.namespace(&client, "crd-samples").await?;
+    let (ns, _) = namespace_with_crd("crd-samples").await?;
     let samples = paths::repo_root().join("deploy/samples");
-    let out = c
-        .kubectl()
+    let mut apply = cluster::shared().kubectl();
+    apply
         .args(["apply", "--dry-run=server", "-n", &ns, "-f"])
-        .arg(&samples)
-        .output()?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+        .arg(&samples);
+    let text = process::stdout_of(apply)?;
     assert_eq!(
         text.matches("created (server dry run)").count(),
         3,

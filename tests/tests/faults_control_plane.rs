@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams};
+use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
 use npufleet_operator::labels;
 use npufleet_operator::resources::names;
-use npufleet_tests::{cluster, wait};
+use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 
 const MANAGER: &str = "faults-control-plane-test";
@@ -30,9 +31,8 @@ async fn wait_apiserver_ready(c: &cluster::Cluster, since: Instant) -> Result<Du
         Duration::from_secs(90),
         || async {
             c.ensure_running().map_err(wait::fatal)?;
-            let client = c.client().await?;
-            let request = http::Request::get("/readyz").body(Vec::new())?;
-            client.request_text(request).await?;
+            let readyz = http::Request::get("/readyz").body(Vec::new())?;
+            c.client().await?.request_text(readyz).await?;
             Ok(Some(since.elapsed()))
         },
     )
@@ -49,13 +49,7 @@ async fn scale_and_time(client: &Client, namespace: &str, replicas: i32) -> Resu
         "the scale request accepted",
         Duration::from_secs(30),
         || async {
-            services
-                .patch_scale(
-                    "chat",
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-                )
-                .await?;
+            npufleet_tests::operator::scale(&services, "chat", replicas).await?;
             Ok(Some(()))
         },
     )
@@ -86,6 +80,14 @@ async fn assert_converged(
         labels::INFERENCE_SERVICE,
         service.name_any()
     ));
+    // The names of the objects of `kind` labelled as the service's.
+    let labelled = async |kind: ApiResource| -> Result<BTreeSet<String>> {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &kind);
+        let listed = api.list(&owned).await?.items;
+        Ok(names_of(
+            listed.into_iter().map(|o| o.metadata.name).collect(),
+        ))
+    };
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
     let listed = pods.list(&ListParams::default()).await?.items;
@@ -95,16 +97,7 @@ async fn assert_converged(
     assert_eq!(pod_names, expected, "worker pods after the restarts");
     assert_eq!(pod_count, expected.len(), "duplicate worker pods");
 
-    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let tables = names_of(
-        config_maps
-            .list(&owned)
-            .await?
-            .items
-            .into_iter()
-            .map(|c| c.metadata.name)
-            .collect(),
-    );
+    let tables = labelled(ApiResource::erase::<ConfigMap>(&())).await?;
     let allowed: BTreeSet<String> = (0..replicas)
         .map(|g| names::rank_table(service, g))
         .collect();
@@ -113,16 +106,7 @@ async fn assert_converged(
         "ConfigMaps {tables:?}, groups' rank tables {allowed:?}"
     );
 
-    let services: Api<Service> = Api::namespaced(client.clone(), &namespace);
-    let found = names_of(
-        services
-            .list(&owned)
-            .await?
-            .items
-            .into_iter()
-            .map(|s| s.metadata.name)
-            .collect(),
-    );
+    let found = labelled(ApiResource::erase::<Service>(&())).await?;
     let allowed: BTreeSet<String> = [
         names::headless_service(service),
         names::client_service(service),
@@ -138,9 +122,7 @@ async fn assert_converged(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarting() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let namespace = c.namespace(&client, "faults-control-plane").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let mut operator =
@@ -154,15 +136,7 @@ async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarti
         .await?;
 
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": namespace},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-                "replicas": 1,
-                "accelerator": {"type": "cpu"},
-            }
-        }))?;
+        let service = service::unread_smollm2(&namespace, "chat", json!({"replicas": 1}))?;
         npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
         wait::until("the first worker pod", Duration::from_secs(60), || async {
@@ -205,7 +179,6 @@ async fn the_operator_recovers_from_apiserver_and_etcd_restarts_without_restarti
         assert_eq!(holder.as_deref(), Some(IDENTITY));
         operator.ensure_running().context("the operator exited")?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -21,16 +21,14 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use npufleet_contract::env as worker_env;
 use npufleet_crds::InferenceService;
 use npufleet_operator::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
 use npufleet_operator::leader::{LEASE_NAME, LEASE_SECONDS};
 use npufleet_operator::resources::services as children;
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::inventory::Inventory;
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
 use npufleet_tests::process::Process;
-use npufleet_tests::{cluster, crd, net, operator, paths, wait};
+use npufleet_tests::{cluster, crd, net, operator, service, wait};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -65,22 +63,16 @@ struct Desired {
 }
 
 fn manifest(namespace: &str, name: &str, desired: &Desired) -> Result<InferenceService> {
-    let mut object = json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"name": name, "source": {"imagePath": "/models/m.gguf"}},
-            "replicas": desired.replicas,
-            "accelerator": {"type": "cpu"},
-            "disruptionBudget": {"maxUnavailable": desired.max_unavailable},
-        }
+    let mut spec = json!({
+        "model": {"name": name},
+        "replicas": desired.replicas,
+        "disruptionBudget": {"maxUnavailable": desired.max_unavailable},
     });
     if desired.kind == Kind::Cce {
-        object["spec"]["accelerator"] =
-            json!({"type": "ascend910", "platform": "cce", "devicesPerPod": 2});
-        object["spec"]["parallelism"] = json!({"tensor": 4});
+        spec["accelerator"] = json!({"type": "ascend910", "platform": "cce", "devicesPerPod": 2});
+        spec["parallelism"] = json!({"tensor": 4});
     }
-    Ok(serde_json::from_value(object)?)
+    service::unread(namespace, name, spec)
 }
 
 /// A namespace of its own with the CRDs the operator uses.
@@ -184,22 +176,9 @@ async fn lease_left(client: &Client, namespace: &str) -> Result<Duration> {
     Ok(Duration::try_from(left).unwrap_or_default())
 }
 
-async fn scale(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
-    services
-        .patch_scale(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await?;
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_replica_takes_over_a_scale_up_when_the_leader_is_killed() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = setup(c, &client, "faults-operator-takeover").await?;
         let mut leader = operator::spawn_replica(c, &ns, "operator-takeover-a", None)?;
         operator::wait_leader(&client, &ns, "operator-takeover-a", TIMEOUT).await?;
@@ -226,7 +205,7 @@ async fn a_standby_replica_takes_over_a_scale_up_when_the_leader_is_killed() -> 
         // standby's to finish.
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         desired.replicas = 10;
-        scale(&services, "chat", desired.replicas).await?;
+        operator::scale(&services, "chat", desired.replicas).await?;
         let made_at_kill = wait::until("the scale-up under way", TIMEOUT, || async {
             let made = pods.list(&ListParams::default()).await?.items.len();
             Ok((made > 2).then_some(made))
@@ -237,7 +216,7 @@ async fn a_standby_replica_takes_over_a_scale_up_when_the_leader_is_killed() -> 
         let killed = Instant::now();
         // A change after the kill, which only the standby can apply.
         desired.replicas = 12;
-        scale(&services, "chat", desired.replicas).await?;
+        operator::scale(&services, "chat", desired.replicas).await?;
         let names = |list: Vec<Pod>| -> std::collections::BTreeSet<String> {
             list.into_iter().map(|p| p.name_any()).collect()
         };
@@ -269,29 +248,16 @@ async fn a_standby_replica_takes_over_a_scale_up_when_the_leader_is_killed() -> 
             "takeover took {first_applied:?}"
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
-        let ns = setup(c, &client, "faults-operator-metrics").await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let node = "agent-faults-operator";
-        let _agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(
-                node,
-                paths::workspace_bin("npufleet-worker")?,
-                c.scratch().join(node),
-                71,
-            ),
-        )
-        .await?;
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "faults-operator-metrics", 71, MANAGER).await?;
+        crd::serve_volcano_pod_groups(&client, MANAGER).await?;
+        let ns = bed.namespace.clone();
         let leader_addr = net::free_addr()?;
         let mut leader =
             operator::spawn_replica(c, &ns, "operator-metrics-a", Some(leader_addr))?;
@@ -300,37 +266,20 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
         let _standby =
             operator::spawn_replica(c, &ns, "operator-metrics-b", Some(standby_addr))?;
 
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": ns},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1},
-                // The HPA has the one count to keep: the metric is what is under test.
-                "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 1, "targetQueueDepth": 1},
-                "scheduling": node_agent::scheduling(node),
-                "template": {"env": [{"name": worker_env::THREADS, "value": "1"}]},
-            }
-        }))?;
-        operator::apply(&services, MANAGER, &service).await?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        wait::until("the replica serving", Duration::from_secs(180), || async {
-            Ok((serving_addresses(&pods).await?.len() == 1).then_some(()))
-        })
+        bed.apply_smollm2(
+            "chat",
+            // The HPA has the one count to keep: the metric is what is under test.
+            json!({"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 1, "targetQueueDepth": 1}}),
+        )
         .await?;
+        bed.wait_serving(1).await?;
 
         let router = RunningRouter::start(c, "router-faults-operator", &ns, &[]).await?;
         let load = Load::through(&router);
         load.start(
             3,
             "/v1/chat/completions",
-            json!({
-                "model": "smollm2",
-                "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-                "max_tokens": 48,
-            }),
+            service::chat("Name three rivers in Europe.", 48),
         );
         let selector = format!("{SERVICE_LABEL}=chat");
         let both = || async {
@@ -395,18 +344,15 @@ async fn leader_and_standby_serve_the_same_external_metrics() -> Result<()> {
             LEAD_WATCHED.as_secs()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// Creates, scales, changes and deletes InferenceServices while SIGKILLing the operator at
 /// random moments, `rounds` times; after each restart the fleet must converge. Prints each
 /// round's convergence time and the seed that reproduces the run.
 async fn restarts_at_random_points(test: &str, rounds: usize) -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let ns = setup(c, &client, test).await?;
         let identity = format!("{test}-operator");
         let mut operator = operator::spawn_replica(c, &ns, &identity, None)?;
@@ -454,7 +400,7 @@ async fn restarts_at_random_points(test: &str, rounds: usize) -> Result<()> {
                     match choice {
                         1 => {
                             want.replicas = rng.random_range(0..=3);
-                            scale(&services, &name, want.replicas).await?;
+                            operator::scale(&services, &name, want.replicas).await?;
                             done.push(format!("scale {name} to {}", want.replicas));
                         }
                         2 => {
@@ -500,9 +446,8 @@ async fn restarts_at_random_points(test: &str, rounds: usize) -> Result<()> {
             times.last().copied().unwrap_or_default().as_secs_f64()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,15 +8,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
+use kube::api::ListParams;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::pods;
-use npufleet_crds::InferenceService;
-use npufleet_tests::fleet::{Router, serving_addresses};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::fleet::{Router, Testbed, serving_addresses};
+use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
 use tokio::sync::Mutex;
 
@@ -30,78 +27,37 @@ const KILL_NOTICE_PROMISE: Duration = Duration::from_secs(2);
 /// period, the status update and one routing refresh).
 const HANG_UNROUTED_PROMISE: Duration = Duration::from_secs(5);
 
-fn worker_env_of(env: &[(&str, &str)]) -> serde_json::Value {
-    std::iter::once((worker_env::THREADS, "1"))
-        .chain(env.iter().copied())
-        .map(|(name, value)| json!({"name": name, "value": value}))
-        .collect()
-}
-
 /// A namespace with a node agent, the operator, and a CPU InferenceService `chat` of
 /// `replicas` SmolLM2 workers serving.
 struct Fleet {
-    client: Client,
-    namespace: String,
-    agent: NodeAgent,
+    bed: Testbed,
     _operator: npufleet_tests::operator::RunningOperator,
+}
+
+impl std::ops::Deref for Fleet {
+    type Target = Testbed;
+
+    fn deref(&self) -> &Testbed {
+        &self.bed
+    }
 }
 
 impl Fleet {
     /// `env`: settings for the workers beside one compute thread each.
     async fn start(test: &str, subnet: u8, replicas: i32, env: &[(&str, &str)]) -> Result<Fleet> {
         let c = cluster::shared();
-        let client = c.client().await?;
-        let namespace = c.namespace(&client, test).await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-        let node = format!("agent-{test}");
-        let agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(
-                &node,
-                paths::workspace_bin("npufleet-worker")?,
-                c.scratch().join(format!("agent-{test}")),
-                subnet,
-            ),
+        let bed = Testbed::start(c, &c.client().await?, test, subnet, MANAGER).await?;
+        let operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({"replicas": replicas, "template": {"env": service::worker_env(env)}}),
         )
         .await?;
-        let operator =
-            npufleet_tests::operator::start_with_builtin_autoscaler(&client, &namespace)?;
-        let service: InferenceService = serde_json::from_value(json!({
-            "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "chat", "namespace": namespace},
-            "spec": {
-                "model": {"name": "smollm2", "source": {"imagePath": model_path.display().to_string()}},
-                "replicas": replicas,
-                "accelerator": {"type": "cpu"},
-                "engine": {"warmupIterations": 1},
-                "scheduling": node_agent::scheduling(&node),
-                "template": {"env": worker_env_of(env)},
-            }
-        }))?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
-        npufleet_tests::operator::apply(&services, MANAGER, &service).await?;
-        let fleet = Fleet {
-            client,
-            namespace,
-            agent,
+        bed.wait_serving(replicas as usize).await?;
+        Ok(Fleet {
+            bed,
             _operator: operator,
-        };
-        let pods = fleet.pods();
-        wait::until(
-            "every replica serving",
-            Duration::from_secs(180),
-            || async {
-                let serving = serving_addresses(&pods).await?;
-                Ok((serving.len() == replicas as usize).then_some(()))
-            },
-        )
-        .await?;
-        Ok(fleet)
-    }
-
-    fn pods(&self) -> Api<Pod> {
-        Api::namespaced(self.client.clone(), &self.namespace)
+        })
     }
 
     /// The serving pod at `address`, and its worker's process id.
@@ -129,8 +85,7 @@ fn signal(pid: i32, signal: i32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let fleet = Fleet::start("faults-kill", 61, 1, &[(worker_env::IGNORE_EOS, "true")]).await?;
         let address = serving_addresses(&fleet.pods()).await?.remove(0);
         let (pod, pid) = fleet.worker_at(&address).await?;
@@ -187,9 +142,8 @@ async fn a_worker_killed_mid_stream_gives_its_client_a_clean_error_promptly() ->
         );
         assert!(noticed < KILL_NOTICE_PROMISE, "noticed after {noticed:?}");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// Closed-loop clients with a deadline per request, routed to the serving workers; records who
@@ -257,11 +211,10 @@ impl DeadlineLoad {
 #[ignore = "timing-sensitive: its 5 s readiness bound fails on a loaded 2-core machine; run by make chaos"]
 async fn a_hung_worker_stops_being_ready_and_used_and_no_client_waits_past_its_deadline()
 -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let fleet = Fleet::start("faults-hang", 62, 2, &[]).await?;
         let pods = fleet.pods();
-        let services: Api<InferenceService> = Api::namespaced(fleet.client.clone(), &fleet.namespace);
+        let services = fleet.services();
         let load = Arc::new(DeadlineLoad::default());
         let routing = {
             let (load, pods) = (load.clone(), pods.clone());
@@ -351,7 +304,6 @@ async fn a_hung_worker_stops_being_ready_and_used_and_no_client_waits_past_its_d
             assert_eq!(address, &hung_address, "a request to the healthy worker failed: {outcome:?}");
         }
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

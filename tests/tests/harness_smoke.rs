@@ -8,12 +8,21 @@ use std::time::Duration;
 use anyhow::Result;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
 use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The shared cluster, an admin client and a namespace of it for `test`.
+async fn shared_namespace(test: &str) -> Result<(&'static cluster::Cluster, Client, String)> {
+    let c = cluster::shared();
+    let client = c.client().await?;
+    let ns = c.namespace(&client, test).await?;
+    Ok((c, client, ns))
+}
 
 fn widget_crd() -> Result<CustomResourceDefinition> {
     Ok(serde_json::from_value(json!({
@@ -41,22 +50,10 @@ fn widget_crd() -> Result<CustomResourceDefinition> {
 
 #[tokio::test]
 async fn crd_objects_are_validated_by_the_apiserver() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let ns = c.namespace(&client, "smoke-crd").await?;
+    let (_, client, ns) = shared_namespace("smoke-crd").await?;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     crds.create(&PostParams::default(), &widget_crd()?).await?;
-    wait::until("Widget CRD Established", TIMEOUT, || async {
-        let crd = crds.get("widgets.smoke.npufleet.io").await?;
-        let established = crd
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True");
-        Ok(established.then_some(()))
-    })
-    .await?;
+    npufleet_tests::crd::wait_established(&client, "widgets.smoke.npufleet.io").await?;
 
     let gvk = GroupVersionKind::gvk("smoke.npufleet.io", "v1", "Widget");
     let ar = ApiResource::from_gvk(&gvk);
@@ -91,9 +88,7 @@ async fn crd_objects_are_validated_by_the_apiserver() -> Result<()> {
 
 #[tokio::test]
 async fn deleting_an_owner_garbage_collects_what_it_owns() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let ns = c.namespace(&client, "smoke-gc").await?;
+    let (c, client, ns) = shared_namespace("smoke-gc").await?;
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
     let owner: ConfigMap = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "name": "owner" }
@@ -122,9 +117,7 @@ async fn deleting_an_owner_garbage_collects_what_it_owns() -> Result<()> {
 
 #[tokio::test]
 async fn the_scheduler_places_npu_pods_on_kwok_nodes_by_extended_resource() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let ns = c.namespace(&client, "smoke-sched").await?;
+    let (c, client, ns) = shared_namespace("smoke-sched").await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod = |name: &str, npus: &str| -> Result<Pod> {
         Ok(serde_json::from_value(json!({
@@ -155,13 +148,11 @@ async fn the_scheduler_places_npu_pods_on_kwok_nodes_by_extended_resource() -> R
     assert!(node.starts_with("ascend-node-"), "placed on {node}");
     let reason = wait::until("the 16-NPU pod Unschedulable", TIMEOUT, || async {
         let p = pods.get("too-big").await?;
-        let cond = p
-            .status
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
+        let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+        let unscheduled = conditions
             .into_iter()
             .find(|c| c.type_ == "PodScheduled" && c.status == "False");
-        Ok(cond.and_then(|c| c.message))
+        Ok(unscheduled.and_then(|c| c.message))
     })
     .await?;
     assert!(

@@ -118,9 +118,33 @@ fn chart_file(name: &str) -> Result<serde_yaml::Value> {
     Ok(serde_yaml::from_str(&std::fs::read_to_string(&path)?)?)
 }
 
-fn smollm2_sample() -> Result<InferenceService> {
+/// What the SmolLM2 sample names: its worker image's name (last path segment) and tag, and
+/// the model file's path in that image.
+struct Sample {
+    image_name: String,
+    image_tag: String,
+    model: String,
+}
+
+fn smollm2_sample() -> Result<Sample> {
     let path = paths::repo_root().join(SMOLLM2_SAMPLE);
-    Ok(serde_yaml::from_str(&std::fs::read_to_string(path)?)?)
+    let sample: InferenceService = serde_yaml::from_str(&std::fs::read_to_string(path)?)?;
+    let image = sample
+        .spec
+        .template
+        .image
+        .context("the sample names no image")?;
+    let (name, tag) = name_and_tag(&image)?;
+    Ok(Sample {
+        image_name: name.to_owned(),
+        image_tag: tag.to_owned(),
+        model: sample
+            .spec
+            .model
+            .source
+            .image_path
+            .context("the sample has no imagePath")?,
+    })
 }
 
 /// Splits `registry/path/name:tag` into the image's name (last path segment) and tag.
@@ -145,14 +169,11 @@ fn archives_carry_the_chart_tags_entrypoints_nonroot_user_and_ports() -> Result<
     let metrics_port = values["metrics"]["port"]
         .as_u64()
         .context("values.yaml has no metrics.port")?;
-    let sample = smollm2_sample()?;
-    let sample_image = sample
-        .spec
-        .template
-        .image
-        .clone()
-        .context("the sample names no image")?;
-    let (sample_name, sample_tag) = name_and_tag(&sample_image)?;
+    let Sample {
+        image_name: sample_name,
+        image_tag: sample_tag,
+        model,
+    } = smollm2_sample()?;
     let worker_ports = tcp(&[HTTP_PORT, GRPC_PORT]);
 
     let expected = [
@@ -207,13 +228,7 @@ fn archives_carry_the_chart_tags_entrypoints_nonroot_user_and_ports() -> Result<
     }
 
     // The sample's model path is a file of the image its tag names.
-    let model = sample
-        .spec
-        .model
-        .source
-        .image_path
-        .context("the sample has no imagePath")?;
-    let smollm2 = image(&format!("localhost/npufleet/{sample_name}"), sample_tag)?;
+    let smollm2 = image(&format!("localhost/npufleet/{sample_name}"), &sample_tag)?;
     let archive = Archive::unpack(&smollm2.path)?;
     let mut found = false;
     for layer in archive.layers()? {
@@ -343,21 +358,12 @@ impl Drop for Container {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_worker_image_serves_as_nonroot_on_a_read_only_root() -> Result<()> {
-    let sample = smollm2_sample()?;
-    let sample_image = sample
-        .spec
-        .template
-        .image
-        .clone()
-        .context("the sample names no image")?;
-    let (sample_name, sample_tag) = name_and_tag(&sample_image)?;
-    let model = sample
-        .spec
-        .model
-        .source
-        .image_path
-        .context("the sample has no imagePath")?;
-    let image = image(&format!("localhost/npufleet/{sample_name}"), sample_tag)?;
+    let Sample {
+        image_name: sample_name,
+        image_tag: sample_tag,
+        model,
+    } = smollm2_sample()?;
+    let image = image(&format!("localhost/npufleet/{sample_name}"), &sample_tag)?;
     let http = net::free_addr()?;
     let grpc = net::free_addr()?;
     let dir = tempfile::tempdir()?;

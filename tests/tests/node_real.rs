@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, PostParams};
 use npufleet_tests::cluster::{self, Cluster};
 use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL, RealNode};
-use npufleet_tests::{access, wait};
+use npufleet_tests::{access, paths, wait};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -33,13 +33,8 @@ fn node(c: &Cluster) -> &RealNode {
 }
 
 fn netcheck_image(c: &Cluster) -> String {
-    node(c)
-        .images()
-        .iter()
-        .find(|image| image.name == "netcheck")
+    paths::image_tag(node(c).images(), "netcheck")
         .expect("tests/setup/node.sh lists the netcheck image")
-        .tag
-        .clone()
 }
 
 /// A pod of one netcheck container, as the restricted standard wants it.

@@ -16,7 +16,7 @@ use kube::Client;
 use kube::api::{Api, PostParams};
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
 use npufleet_tests::real_node::{self, REAL_NODE_LABEL};
-use npufleet_tests::wait;
+use npufleet_tests::{paths, wait};
 use serde_json::json;
 
 /// Set for the child run of [`crashing_node`]: the test that gets killed.
@@ -27,13 +27,8 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// Starts a pod of the pause image on the real node and waits until it runs.
 async fn running_pod(c: &Cluster, client: &Client, name: &str) -> Result<()> {
     let node = c.real_node().context("the cluster has a real node")?;
-    let pause = node
-        .images()
-        .iter()
-        .find(|image| image.name == "pause")
-        .context("tests/setup/node.sh lists the pause image")?
-        .tag
-        .clone();
+    let pause = paths::image_tag(node.images(), "pause")
+        .context("tests/setup/node.sh lists the pause image")?;
     let ns = c.namespace(client, name).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod: Pod = serde_json::from_value(json!({

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use npufleet_contract::labels;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::InferenceService;
 use npufleet_tests::chart::{self, LocalImages};
 use npufleet_tests::cluster::{Cluster, ClusterOptions};
-use npufleet_tests::fleet::{Load, request_once};
+use npufleet_tests::fleet::{Load, request_once, worker_metrics};
 use npufleet_tests::real_node::{self, CLUSTER_DOMAIN, REAL_NODE_LABEL};
 use npufleet_tests::{access, operator, paths, process, wait};
 use serde_json::json;
@@ -45,17 +45,6 @@ async fn workers(pods: &Api<Pod>, service: &str) -> Result<Vec<Pod>> {
         .list(&ListParams::default().labels(&selector))
         .await?
         .items)
-}
-
-async fn set_replicas(services: &Api<InferenceService>, name: &str, replicas: i32) -> Result<()> {
-    services
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await?;
-    Ok(())
 }
 
 /// The pod's memory cgroup (v1, kubelet's cgroupfs layout): peak usage, working set (usage
@@ -98,12 +87,7 @@ const BURST_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The worker's `vllm:kv_cache_usage_perc`, a fraction.
 async fn kv_cache_usage(http: &reqwest::Client, ip: &str) -> Result<f64> {
-    let metrics = http
-        .get(format!("http://{ip}:{HTTP_PORT}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = worker_metrics(http, ip).await?;
     metrics
         .lines()
         .find(|l| l.starts_with("vllm:kv_cache_usage_perc"))
@@ -224,13 +208,8 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
 
     // The router's DNS name, from a pod.
     let dns_name = format!("{}.{release_ns}.svc.{CLUSTER_DOMAIN}", chart::ROUTER);
-    let netcheck = node
-        .images()
-        .iter()
-        .find(|image| image.name == "netcheck")
-        .context("tests/setup/node.sh lists the netcheck image")?
-        .tag
-        .clone();
+    let netcheck = paths::image_tag(node.images(), "netcheck")
+        .context("tests/setup/node.sh lists the netcheck image")?;
     let fetch: Pod = serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -275,7 +254,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
     load.start(4, "/v1/chat/completions", body.clone());
     load.wait_sent(8, "requests at one replica").await?;
     let scaled_up = Instant::now();
-    set_replicas(&services, &name, 2).await?;
+    operator::set_replicas(&services, &name, 2).await?;
     c.diagnose(
         wait::until(
             "both replicas answering through the router",
@@ -383,7 +362,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         .filter_map(|p| p.metadata.name)
         .collect();
     let scaled_down = Instant::now();
-    set_replicas(&services, &name, 1).await?;
+    operator::set_replicas(&services, &name, 1).await?;
     let grace = Duration::from_secs(
         first
             .spec
@@ -514,12 +493,7 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         .status
         .and_then(|s| s.pod_ip)
         .context("the worker has no address")?;
-    let metrics = http
-        .get(format!("http://{pod_ip}:{HTTP_PORT}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
+    let metrics = worker_metrics(&http, &pod_ip).await?;
     let cache = metrics
         .lines()
         .find(|l| l.starts_with("vllm:cache_config_info"))

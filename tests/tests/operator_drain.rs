@@ -15,6 +15,8 @@ use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use npufleet_crds::InferenceService;
+use npufleet_tests::operator::OperatedNamespace;
+use npufleet_tests::service::unread as service;
 use npufleet_tests::{cluster, wait};
 use serde_json::json;
 
@@ -97,15 +99,6 @@ async fn nodes_of(pods: &Api<Pod>) -> Result<BTreeMap<String, String>> {
         .collect())
 }
 
-/// InferenceService `name` in `ns` with `spec`.
-fn service(ns: &str, name: &str, spec: serde_json::Value) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }))?)
-}
-
 /// A service of 150 single-pod groups is made in batches, and its status counts them meanwhile.
 async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result<()> {
     let services: Api<InferenceService> = Api::namespaced(client.clone(), ns);
@@ -113,9 +106,8 @@ async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result
         ns,
         "wide",
         json!({
-            "model": {"name": "wide-model", "source": {"imagePath": "/models/m.gguf"}},
+            "model": {"name": "wide-model"},
             "replicas": 150,
-            "accelerator": {"type": "cpu"},
         }),
     )?;
     services.create(&PostParams::default(), &wide).await?;
@@ -142,22 +134,21 @@ async fn a_large_service_shows_its_progress(client: &Client, ns: &str) -> Result
 async fn large_services_show_progress_and_a_drain_recreates_each_group_once() -> Result<()> {
     let c = cluster::shared();
     let client: Client = c.client().await?;
-    let ns = c.namespace(&client, "operator-drain").await?;
-    npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-    let _operator = npufleet_tests::operator::start_with_builtin_autoscaler(&client, &ns)?;
+    let operated = OperatedNamespace::start(c, &client, "operator-drain", MANAGER).await?;
+    let ns = operated.namespace.clone();
     let wide = c.namespace(&client, "operator-wide").await?;
     a_large_service_shows_its_progress(&client, &wide).await?;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pods = operated.pods.clone();
     let (incarnations, recorder) = record_incarnations(pods.clone()).await?;
 
     // Every pod starts on ascend-node-0, the node to drain.
     kubectl(c, &["cordon", "ascend-node-1"])?;
-    let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
+    let services = &operated.services;
     let tp2 = service(
         &ns,
         "tp2",
         json!({
-            "model": {"name": "tp2-model", "source": {"imagePath": "/models/m.gguf"}},
+            "model": {"name": "tp2-model"},
             "replicas": 2,
             "accelerator": {"type": "ascend910", "devicesPerPod": 1},
             "parallelism": {"tensor": 2},
@@ -165,7 +156,7 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
     )?;
     services.create(&PostParams::default(), &tp2).await?;
     wait::until("tp2 Ready with 2 groups", TIMEOUT, || async {
-        Ok(ready_groups(&services, "tp2").await?.filter(|&n| n == 2))
+        Ok(ready_groups(services, "tp2").await?.filter(|&n| n == 2))
     })
     .await?;
     let before = nodes_of(&pods).await?;
@@ -193,7 +184,7 @@ async fn large_services_show_progress_and_a_drain_recreates_each_group_once() ->
     let drained = drain.await??;
     eprintln!("{drained}");
     wait::until("tp2 Ready again on ascend-node-1", TIMEOUT, || async {
-        let ready = ready_groups(&services, "tp2").await?.filter(|&n| n == 2);
+        let ready = ready_groups(services, "tp2").await?.filter(|&n| n == 2);
         let nodes = nodes_of(&pods).await?;
         let moved = nodes.len() == 4 && nodes.values().all(|n| n == "ascend-node-1");
         Ok(ready.filter(|_| moved))

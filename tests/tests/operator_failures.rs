@@ -13,21 +13,14 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::Client;
 use kube::api::{Api, DynamicObject, EvictParams, ListParams, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_operator::metrics::Metrics;
 use npufleet_operator::{Context, Settings};
 use npufleet_tests::cluster::FakeNode;
+use npufleet_tests::service::unread_json;
 use npufleet_tests::{cluster, crd, wait};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(45);
-
-fn isvc_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
-}
 
 /// The CRD and one controller for every test of this binary, on a thread and runtime of
 /// their own so they outlive each test's runtime.
@@ -77,7 +70,11 @@ async fn fixture(test: &str) -> Result<Fixture> {
     let c = cluster::shared();
     let client = c.client().await?;
     let namespace = c.namespace(&client, test).await?;
-    let services = Api::namespaced_with(client.clone(), &namespace, &isvc_resource());
+    let services = Api::namespaced_with(
+        client.clone(),
+        &namespace,
+        &npufleet_tests::service::api_resource(),
+    );
     Ok(Fixture {
         client,
         namespace,
@@ -85,29 +82,18 @@ async fn fixture(test: &str) -> Result<Fixture> {
     })
 }
 
-fn service(name: &str, spec: Value) -> Result<DynamicObject> {
-    let mut object = json!({
-        "apiVersion": "npufleet.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-            "accelerator": {"type": "cpu"},
-        }
-    });
-    merge(&mut object["spec"], spec);
-    Ok(serde_json::from_value(object)?)
+impl Fixture {
+    /// Creates [`service`] `name` with `spec` in the test's namespace.
+    async fn create(&self, name: &str, spec: Value) -> Result<()> {
+        self.services
+            .create(&PostParams::default(), &service(name, spec)?)
+            .await?;
+        Ok(())
+    }
 }
 
-fn merge(target: &mut Value, patch: Value) {
-    match (target, patch) {
-        (Value::Object(target), Value::Object(patch)) => {
-            for (key, value) in patch {
-                merge(target.entry(key).or_insert(Value::Null), value);
-            }
-        }
-        (target, patch) => *target = patch,
-    }
+fn service(name: &str, spec: Value) -> Result<DynamicObject> {
+    Ok(serde_json::from_value(unread_json(None, name, spec))?)
 }
 
 /// The condition `type_` of the service, as (status, reason, message).
@@ -192,23 +178,30 @@ async fn wait_event(
     .await
 }
 
+/// Creates [`service`] `name` with `spec`, whose first pod the apiserver refuses; once the
+/// service says so, its `ReplicaFailure` message and the `FailedCreate` event's type and note.
+async fn refused(f: &Fixture, name: &str, spec: Value) -> Result<(String, String, String)> {
+    f.create(name, spec).await?;
+    let message = wait_condition(f, name, "ReplicaFailure", "True", "FailedCreate").await?;
+    let (type_, note) = wait_event(f, name, "FailedCreate", &format!("{name}-0-0")).await?;
+    Ok((message, type_, note))
+}
+
 #[tokio::test]
 async fn a_refused_pod_shows_as_a_replica_failure_and_a_warning_event_while_the_rest_is_made()
 -> Result<()> {
     let f = fixture("refused-pod").await?;
-    let isvc = service(
+    let (message, type_, note) = refused(
+        &f,
         "llm",
         json!({"scheduling": {"priorityClassName": "no-such-class"}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
-
-    let message = wait_condition(&f, "llm", "ReplicaFailure", "True", "FailedCreate").await?;
+    )
+    .await?;
     assert!(
         message.contains("creating Pod llm-0-0")
             && message.contains("no PriorityClass with name no-such-class was found"),
         "{message}"
     );
-    let (type_, note) = wait_event(&f, "llm", "FailedCreate", "llm-0-0").await?;
     assert_eq!(type_, "Warning");
     assert!(note.contains("no PriorityClass"), "{note}");
     // The reconcile went on past the refusal: the Services exist.
@@ -238,21 +231,20 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
     namespaces
         .patch(&f.namespace, &PatchParams::default(), &Patch::Merge(label))
         .await?;
-    let isvc = service(
+    let (message, _, note) = refused(
+        &f,
         "cann",
         json!({"template": {
             "volumes": [{"name": "cann", "hostPath": {"path": "/usr/local/Ascend"}}],
             "volumeMounts": [{"name": "cann", "mountPath": "/usr/local/Ascend", "readOnly": true}],
         }}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
-    let message = wait_condition(&f, "cann", "ReplicaFailure", "True", "FailedCreate").await?;
+    )
+    .await?;
     assert!(
         message.contains("violates PodSecurity \"restricted:latest\"")
             && message.contains("hostPath"),
         "{message}"
     );
-    let (_, note) = wait_event(&f, "cann", "FailedCreate", "cann-0-0").await?;
     assert!(note.contains("hostPath"), "{note}");
     Ok(())
 }
@@ -261,8 +253,7 @@ async fn a_pod_security_violation_names_the_policy_in_status() -> Result<()> {
 async fn model_like_names_get_valid_object_names_and_events_name_each_group() -> Result<()> {
     let f = fixture("model-names").await?;
     for name in ["qwen2.5-0.5b", "7b-chat"] {
-        let isvc = service(name, json!({}))?;
-        f.services.create(&PostParams::default(), &isvc).await?;
+        f.create(name, json!({})).await?;
     }
     for name in ["qwen2.5-0.5b", "7b-chat"] {
         wait_condition(&f, name, "Ready", "True", "AllReplicasReady").await?;
@@ -453,13 +444,13 @@ async fn evictions_never_take_more_than_the_budgeted_groups_out_of_service() -> 
     cluster::shared()
         .add_fake_node(&f.client, &FakeNode::ascend910(node))
         .await?;
-    let isvc = service(
+    f.create(
         "tp2",
         json!({"replicas": 2, "accelerator": {"type": "ascend910", "devicesPerPod": 1},
                "parallelism": {"tensor": 2},
                "scheduling": {"nodeSelector": {"kubernetes.io/hostname": node}}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    )
+    .await?;
     wait_condition(&f, "tp2", "Ready", "True", "AllReplicasReady").await?;
     let budgets: Api<PodDisruptionBudget> = Api::namespaced(f.client.clone(), &f.namespace);
     // The disruption controller has counted all four pods and allows one disruption.
@@ -539,12 +530,11 @@ async fn a_group_on_a_lost_node_is_made_again_on_another() -> Result<()> {
             .insert("topology.kubernetes.io/zone".into(), "node-loss".into());
         c.add_fake_node(&f.client, &node).await?;
     }
-    let isvc = service(
+    f.create(
         "lost",
         json!({"accelerator": {"type": "ascend910", "devicesPerPod": 1},
                "scheduling": {"nodeSelector": {POOL: "node-loss"}, "nodeLossTolerationSeconds": 1}}),
-    )?;
-    f.services.create(&PostParams::default(), &isvc).await?;
+    ).await?;
     wait_condition(&f, "lost", "Ready", "True", "AllReplicasReady").await?;
     let pods: Api<Pod> = Api::namespaced(f.client.clone(), &f.namespace);
     let first = pods.get("lost-0-0").await?;

@@ -55,15 +55,7 @@ fn install_namespaced(c: &cluster::Cluster, release_namespace: &str, watched: &s
 }
 
 fn service(namespace: &str) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": namespace},
-        "spec": {
-            "model": {"name": "smollm2", "source": {"imagePath": "/models/smollm2.gguf"}},
-            "replicas": 1,
-            "accelerator": {"type": "cpu"},
-        }
-    }))?)
+    npufleet_tests::service::unread_smollm2(namespace, "chat", json!({"replicas": 1}))
 }
 
 fn is_ready(service: &InferenceService) -> bool {

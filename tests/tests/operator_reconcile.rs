@@ -18,9 +18,8 @@ use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
-use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
-use npufleet_tests::{cluster, paths, runtime, wait};
+use npufleet_tests::{cluster, paths, runtime, service, wait};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -31,13 +30,6 @@ const IDENTITY: &str = "operator-under-test";
 struct Operator {
     metrics_port: u16,
     _process: Process,
-}
-
-fn isvc_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    )
 }
 
 fn pod_group_resource() -> ApiResource {
@@ -102,18 +94,14 @@ async fn start_operator(c: &cluster::Cluster) -> Result<Operator> {
 
     let token = cluster::service_account_token(&client, RELEASE_NAMESPACE, "npufleet").await?;
     let kubeconfig = c.kubeconfig_with_token(&token, "operator-kubeconfig.yaml")?;
-    let metrics_port = free_port()?;
-    let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
+    let (mut cmd, metrics_port) =
+        npufleet_tests::operator::command(&kubeconfig, "info,npufleet_operator=debug")?;
     cmd.args([
         "--external-metrics-addr=",
-        "--metrics-addr",
-        &format!("127.0.0.1:{metrics_port}"),
         "--lease-namespace",
         RELEASE_NAMESPACE,
     ])
-    .args(["--identity", IDENTITY, "--log-format", "json"])
-    .env("KUBECONFIG", &kubeconfig)
-    .env("RUST_LOG", "info,npufleet_operator=debug");
+    .args(["--identity", IDENTITY, "--log-format", "json"]);
     let process = Process::start(
         "npufleet-operator",
         cmd,
@@ -218,6 +206,47 @@ async fn condition(
     Ok(found)
 }
 
+/// With the shared operator running, a namespace for `test` and in it InferenceService `name`
+/// on Ascend 910, `devices` per pod, tensor-parallel `tensor`, created: the admin client, the
+/// namespace, and its InferenceServices' API.
+async fn ascend_service(
+    c: &cluster::Cluster,
+    test: &str,
+    name: &str,
+    devices: u32,
+    tensor: u32,
+) -> Result<(Client, String, Api<DynamicObject>)> {
+    operator();
+    let client = c.client().await?;
+    let ns = c.namespace(&client, test).await?;
+    let isvcs: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &npufleet_tests::service::api_resource(),
+    );
+    let isvc: DynamicObject = serde_json::from_value(service::unread_json(
+        None,
+        name,
+        json!({
+            "model": {"name": format!("{name}-model")},
+            "accelerator": {"type": "ascend910", "devicesPerPod": devices},
+            "parallelism": {"tensor": tensor},
+        }),
+    ))?;
+    isvcs.create(&PostParams::default(), &isvc).await?;
+    Ok((client, ns, isvcs))
+}
+
+/// Waits until InferenceService `name` is Ready, told as `what`.
+async fn wait_ready(isvcs: &Api<DynamicObject>, name: &str, what: &str) -> Result<()> {
+    wait::until(what, TIMEOUT, || async {
+        let ready = condition(isvcs, name, "Ready").await?.map(|c| c.0);
+        Ok((ready.as_deref() == Some("True")).then_some(()))
+    })
+    .await
+    .with_context(operator_log)
+}
+
 async fn rank_table(config_maps: &Api<ConfigMap>, name: &str) -> Result<Option<Value>> {
     let Some(cm) = config_maps.get_opt(name).await? else {
         return Ok(None);
@@ -304,7 +333,11 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
         k
     })?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
+    let isvcs: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &npufleet_tests::service::api_resource(),
+    );
 
     // DeepSeek-style 13B: two replica groups of one pod with 4 x Ascend 910, TP 4.
     let result = wait::until("every sample's pods exist", TIMEOUT, || async {
@@ -340,30 +373,22 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
     let selector = spec.node_selector.clone().context("node selector")?;
     assert_eq!(selector["accelerator"], "huawei-Ascend910");
     assert_eq!(selector["node.kubernetes.io/npu.chip.name"], "910B3");
-    assert_eq!(
-        env_value(&pod, "HCCL_IF_IP").as_deref(),
-        Some("fieldRef:status.podIP")
-    );
-    assert_eq!(
-        env_value(&pod, "HCCL_CONNECT_TIMEOUT").as_deref(),
-        Some("600")
-    );
-    assert_eq!(
-        env_value(&pod, "RANK_TABLE_FILE").as_deref(),
-        Some("/user/serverid/devindex/config/hccl.json")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_MODEL").as_deref(),
-        Some("/models/deepseek-13b-chat")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_SERVED_MODEL_NAME").as_deref(),
-        Some("deepseek-13b-chat")
-    );
-    assert_eq!(
-        env_value(&pod, "NPUFLEET_PREFIX_TEMPLATES").as_deref(),
-        Some(r#"["You are a helpful assistant."]"#)
-    );
+    for (name, value) in [
+        ("HCCL_IF_IP", "fieldRef:status.podIP"),
+        ("HCCL_CONNECT_TIMEOUT", "600"),
+        (
+            "RANK_TABLE_FILE",
+            "/user/serverid/devindex/config/hccl.json",
+        ),
+        ("NPUFLEET_MODEL", "/models/deepseek-13b-chat"),
+        ("NPUFLEET_SERVED_MODEL_NAME", "deepseek-13b-chat"),
+        (
+            "NPUFLEET_PREFIX_TEMPLATES",
+            r#"["You are a helpful assistant."]"#,
+        ),
+    ] {
+        assert_eq!(env_value(&pod, name).as_deref(), Some(value), "{name}");
+    }
     assert_eq!(
         spec.containers[0].args.as_deref(),
         Some(&["serve".to_string()][..])
@@ -458,16 +483,7 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
         env_value(&pod, "NPUFLEET_MODEL").as_deref(),
         Some("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     );
-    wait::until("smollm2 Ready", TIMEOUT, || async {
-        Ok((condition(&isvcs, "smollm2", "Ready")
-            .await?
-            .map(|c| c.0)
-            .as_deref()
-            == Some("True"))
-        .then_some(()))
-    })
-    .await
-    .with_context(operator_log)?;
+    wait_ready(&isvcs, "smollm2", "smollm2 Ready").await?;
     let smollm2 = isvcs.get("smollm2").await?;
     assert_eq!(smollm2.data["status"]["readyReplicas"], 1);
     assert_eq!(
@@ -506,35 +522,11 @@ async fn samples_reconcile_into_the_documented_ascend_objects() -> Result<()> {
 
 #[tokio::test]
 async fn a_failed_rank_degrades_the_service_and_its_group_is_recreated() -> Result<()> {
-    operator();
     let c = cluster::shared();
-    let client = c.client().await?;
-    let ns = c.namespace(&client, "operator-recreate").await?;
-    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
-    let isvc: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "tp"},
-        "spec": {
-            "model": {"name": "tp-model", "source": {"imagePath": "/models/m.gguf"}},
-            "accelerator": {"type": "ascend910", "devicesPerPod": 2},
-            "parallelism": {"tensor": 4},
-        }
-    }))?;
-    isvcs.create(&PostParams::default(), &isvc).await?;
+    let (client, ns, isvcs) = ascend_service(c, "operator-recreate", "tp", 2, 4).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-
-    wait::until("tp Ready", TIMEOUT, || async {
-        Ok((condition(&isvcs, "tp", "Ready")
-            .await?
-            .map(|c| c.0)
-            .as_deref()
-            == Some("True"))
-        .then_some(()))
-    })
-    .await
-    .with_context(operator_log)?;
+    wait_ready(&isvcs, "tp", "tp Ready").await?;
     assert_eq!(
         condition(&isvcs, "tp", "RankTableReady")
             .await?
@@ -680,21 +672,25 @@ async fn an_endpoint_picker_gets_an_inference_pool_of_the_serving_pods() -> Resu
     let c = cluster::shared();
     let client = c.client().await?;
     let ns = c.namespace(&client, "operator-inference-pool").await?;
-    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
+    let isvcs: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &npufleet_tests::service::api_resource(),
+    );
     let pool_resource = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool"),
         "inferencepools",
     );
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &pool_resource);
-    let service: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "qwen2.5-0.5b", "namespace": ns},
-        "spec": {
+    let service: DynamicObject = serde_json::from_value(service::manifest_json(
+        Some(&ns),
+        "qwen2.5-0.5b",
+        json!({
             "model": {"name": "qwen", "source": {"imagePath": "/models/qwen.gguf"}},
             "accelerator": {"type": "cpu"},
             "routing": {"endpointPicker": {"service": "qwen-epp"}},
-        }
-    }))?;
+        }),
+    ))?;
     isvcs
         .patch(
             "qwen2.5-0.5b",
@@ -761,34 +757,10 @@ async fn an_endpoint_picker_gets_an_inference_pool_of_the_serving_pods() -> Resu
 async fn after_a_burst_of_pod_events_a_deleted_pod_is_still_recreated() -> Result<()> {
     const BURST_PODS: usize = 1500;
     const CLIENTS: usize = 16;
-    operator();
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let ns = c.namespace(&client, "operator-burst").await?;
-    let isvcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &isvc_resource());
-    let isvc: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "tp2"},
-        "spec": {
-            "model": {"name": "tp2-model", "source": {"imagePath": "/models/m.gguf"}},
-            "accelerator": {"type": "ascend910", "devicesPerPod": 1},
-            "parallelism": {"tensor": 2},
-        }
-    }))?;
-    isvcs.create(&PostParams::default(), &isvc).await?;
+    let (client, ns, isvcs) =
+        ascend_service(cluster::shared(), "operator-burst", "tp2", 1, 2).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let ready = || async {
-        Ok((condition(&isvcs, "tp2", "Ready")
-            .await?
-            .map(|c| c.0)
-            .as_deref()
-            == Some("True"))
-        .then_some(()))
-    };
-    wait::until("tp2 Ready", TIMEOUT, ready)
-        .await
-        .with_context(operator_log)?;
+    wait_ready(&isvcs, "tp2", "tp2 Ready").await?;
 
     // Each pod carries the label the operator watches and is deleted as soon as it exists
     // (never scheduled, so at once): the watch delivers each creation and deletion together.
@@ -839,8 +811,6 @@ async fn after_a_burst_of_pod_events_a_deleted_pod_is_still_recreated() -> Resul
     )
     .await
     .with_context(operator_log)?;
-    wait::until("tp2 Ready again", TIMEOUT, ready)
-        .await
-        .with_context(operator_log)?;
+    wait_ready(&isvcs, "tp2", "tp2 Ready again").await?;
     Ok(())
 }

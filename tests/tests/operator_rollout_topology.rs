@@ -18,9 +18,11 @@ use npufleet_contract::pods;
 use npufleet_crds::{InferenceService, NODE_LABEL_ACCELERATOR};
 use npufleet_operator::labels;
 use npufleet_operator::resources::pod::SERVER_TOPOLOGY_KEY;
-use npufleet_tests::cluster::{self, FakeNode};
-use npufleet_tests::{crd, operator, wait};
-use serde_json::{Value, json};
+use npufleet_tests::cluster::FakeNode;
+use npufleet_tests::operator::OperatedNamespace;
+use npufleet_tests::service::unread;
+use npufleet_tests::{operator, wait};
+use serde_json::json;
 
 const MANAGER: &str = "operator-rollout-topology-test";
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -28,14 +30,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// Each test runs its own controller, and a controller reconciles every namespace: one test at
 /// a time, so no two controllers act on the same service.
 static ONE_CONTROLLER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn manifest(ns: &str, name: &str, spec: Value) -> Result<InferenceService> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-    }))?)
-}
 
 fn ready_condition(service: &InferenceService) -> Option<&str> {
     service
@@ -168,26 +162,19 @@ fn replay(events: &[Seen]) -> Vec<Snapshot> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
     let _one = ONE_CONTROLLER.lock().await;
-    let result = async {
-        let ns = c.namespace(&client, "rollout-one-replica").await?;
-        crd::install_inference_service(&client, MANAGER).await?;
-        let _operator = operator::start_with_builtin_autoscaler(&client, &ns)?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let operated = OperatedNamespace::start(c, &client, "rollout-one-replica", MANAGER).await?;
+        let OperatedNamespace { namespace: ns, services, pods, .. } = &operated;
 
         // Default rollout settings: the surge group is what keeps one replica serving.
         let spec = |revision: &str| {
             json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
                 "replicas": 1,
-                "accelerator": {"type": "cpu"},
                 "template": {"env": [{"name": "REVISION", "value": revision}]},
             })
         };
-        operator::apply(&services, MANAGER, &manifest(&ns, "chat", spec("1"))?).await?;
+        operator::apply(services, MANAGER, &unread(ns, "chat", spec("1"))?).await?;
         let old = wait::until("chat Ready on its first spec", TIMEOUT, || async {
             let service = services.get("chat").await?;
             let list = pods.list(&ListParams::default()).await?.items;
@@ -200,9 +187,9 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
         let old_uid = old.uid().context("uid")?;
         let old_hash = template_hash(&old).context("template hash")?;
 
-        let mut watch = PodEvents::start(&pods, "chat").await?;
+        let mut watch = PodEvents::start(pods, "chat").await?;
         let changed = Instant::now();
-        operator::apply(&services, MANAGER, &manifest(&ns, "chat", spec("2"))?).await?;
+        operator::apply(services, MANAGER, &unread(ns, "chat", spec("2"))?).await?;
         let generation = services
             .get("chat")
             .await?
@@ -282,7 +269,7 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
 
         let rolled = wait::until("the RollingGroup event", TIMEOUT, || async {
             let found: Vec<(String, String)> =
-                npufleet_tests::operator::events(&client, &ns, "chat", "RollingGroup")
+                npufleet_tests::operator::events(&client, ns, "chat", "RollingGroup")
                     .await?
                     .into_iter()
                     .map(|e| {
@@ -303,9 +290,9 @@ async fn a_rollout_of_a_one_replica_service_keeps_it_serving() -> Result<()> {
             old.name_any()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result.context("the one-replica rollout test"))
+    })
+    .await
+    .context("the one-replica rollout test")
 }
 
 /// The server (the node's `SERVER_TOPOLOGY_KEY` label) each pod of `service` was bound to,
@@ -358,47 +345,38 @@ async fn placements(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_of_a_group_share_a_server_and_groups_spread() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
     let _one = ONE_CONTROLLER.lock().await;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         // The shared cluster has two Ascend 910 servers; a third gives the scheduler a real
         // choice for every rank.
         c.add_fake_node(&client, &FakeNode::ascend910("ascend-node-2"))
             .await?;
-        let ns = c.namespace(&client, "placement").await?;
-        crd::install_inference_service(&client, MANAGER).await?;
-        let _operator = operator::start_with_builtin_autoscaler(&client, &ns)?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &ns);
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+        let operated = OperatedNamespace::start(c, &client, "placement", MANAGER).await?;
+        let OperatedNamespace {
+            namespace: ns,
+            services,
+            pods,
+            ..
+        } = &operated;
         let nodes: Api<Node> = Api::all(client.clone());
 
         // Two pods of 2 NPUs per group: two groups would fit on one 8-NPU server, so where
         // they go is placement policy, not capacity.
-        let tp = manifest(
-            &ns,
+        let tp = unread(
+            ns,
             "tp",
             json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
                 "replicas": 2,
                 "accelerator": {"type": "ascend910", "devicesPerPod": 2},
                 "parallelism": {"tensor": 4},
             }),
         )?;
-        let cpu = manifest(
-            &ns,
-            "cpu",
-            json!({
-                "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-                "replicas": 3,
-                "accelerator": {"type": "cpu"},
-            }),
-        )?;
-        operator::apply(&services, MANAGER, &tp).await?;
-        operator::apply(&services, MANAGER, &cpu).await?;
+        let cpu = unread(ns, "cpu", json!({"replicas": 3}))?;
+        operator::apply(services, MANAGER, &tp).await?;
+        operator::apply(services, MANAGER, &cpu).await?;
 
-        let tp_servers = placements(&pods, &nodes, "tp", 4).await?;
-        let cpu_servers = placements(&pods, &nodes, "cpu", 3).await?;
+        let tp_servers = placements(pods, &nodes, "tp", 4).await?;
+        let cpu_servers = placements(pods, &nodes, "cpu", 3).await?;
         let mut groups: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for pod in pods
             .list(&ListParams::default().labels(&format!("{}=tp", labels::INFERENCE_SERVICE)))
@@ -441,7 +419,7 @@ async fn ranks_of_a_group_share_a_server_and_groups_spread() -> Result<()> {
         })
         .await?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result.context("the placement test"))
+    })
+    .await
+    .context("the placement test")
 }

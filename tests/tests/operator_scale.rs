@@ -4,18 +4,15 @@
 //! targets it has met so far. Slow, so not part of the default suite:
 //!   make scale-test
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use npufleet_tests::cluster::{Cluster, ClusterOptions, FakeNode};
-use npufleet_tests::net::free_port;
 use npufleet_tests::process::Process;
-use npufleet_tests::{paths, wait};
+use npufleet_tests::{paths, service, wait};
 use serde_json::json;
 
 const SERVICES: usize = 500;
@@ -67,10 +64,7 @@ async fn five_hundred_inference_services_reach_ready() -> Result<()> {
             &Patch::Apply(&crd),
         )
         .await?;
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    );
+    let resource = service::api_resource();
     wait::until(
         "InferenceService API served",
         Duration::from_secs(60),
@@ -87,39 +81,30 @@ async fn five_hundred_inference_services_reach_ready() -> Result<()> {
     .await?;
     let ns = c.namespace(&client, "scale").await?;
 
-    let port = free_port()?;
-    let mut cmd = Command::new(paths::workspace_bin("npufleet-operator")?);
+    let (mut cmd, port) = npufleet_tests::operator::command(c.kubeconfig(), "warn")?;
     cmd.args([
         "--external-metrics-addr=",
-        "--metrics-addr",
-        &format!("127.0.0.1:{port}"),
         "--leader-election=false",
         "--log-format",
         "json",
-    ])
-    .env("KUBECONFIG", c.kubeconfig())
-    .env("RUST_LOG", "warn");
+    ]);
     let operator = Process::start(
         "npufleet-operator",
         cmd,
         &c.scratch().join("scale-operator.log"),
     )?;
 
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("npufleet.io", "v1alpha1", "InferenceService"),
-        "inferenceservices",
-    );
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &resource);
     let started = Instant::now();
     futures::stream::iter(0..SERVICES)
         .map(|i| {
             let api = api.clone();
             async move {
-                let object: DynamicObject = serde_json::from_value(json!({
-                    "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-                    "metadata": {"name": format!("svc-{i}")},
-                    "spec": {"model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}}, "accelerator": {"type": "cpu"}}
-                }))?;
+                let object: DynamicObject = serde_json::from_value(service::unread_json(
+                    None,
+                    &format!("svc-{i}"),
+                    json!({}),
+                ))?;
                 api.create(&PostParams::default(), &object).await?;
                 anyhow::Ok(())
             }

@@ -20,18 +20,18 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::{Client, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::env as worker_env;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
-use npufleet_tests::fleet::{RunningRouter, serving_addresses, sse_error};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_tests::{cluster, paths, wait};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, worker_metrics};
+use npufleet_tests::{cluster, service, wait};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "router-bench";
-const MODEL: &str = "smollm2";
+const MODEL: &str = npufleet_tests::service::SMOLLM2;
 const REPLICAS: usize = 3;
 /// 128 blocks of 16 positions per replica: room for about two of the shared trace's system
 /// prompts beside the requests in flight, not for all of them.
@@ -48,25 +48,17 @@ const POLICIES: [RoutingPolicy; 3] = [
     RoutingPolicy::PrefixAffinity,
 ];
 
-async fn service(namespace: &str, node: &str, replicas: usize) -> Result<InferenceService> {
-    let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "bench", "namespace": namespace},
-        "spec": {
-            "model": {"name": MODEL, "source": {"imagePath": model_path.display().to_string()}},
-            "replicas": replicas,
-            "accelerator": {"type": "cpu"},
-            "engine": {"warmupIterations": 1, "drainSeconds": 5},
-            "scheduling": node_agent::scheduling(node),
-            // Every answer runs to max_tokens, so runs differ only in where requests went.
-            "template": {"env": [
-                {"name": "NPUFLEET_THREADS", "value": "1"},
-                {"name": "NPUFLEET_IGNORE_EOS", "value": "true"},
-                {"name": "NPUFLEET_KV_CACHE_BLOCKS", "value": KV_CACHE_BLOCKS},
-            ]},
-        }
-    }))?)
+/// What the service `bench` sets beside [`service::smollm2`]'s defaults.
+fn bench_spec(replicas: usize) -> Value {
+    json!({
+        "replicas": replicas,
+        "engine": {"drainSeconds": 5},
+        // Every answer runs to max_tokens, so runs differ only in where requests went.
+        "template": {"env": service::worker_env(&[
+            (worker_env::IGNORE_EOS, "true"),
+            ("NPUFLEET_KV_CACHE_BLOCKS", KV_CACHE_BLOCKS),
+        ])},
+    })
 }
 
 /// The sum of a Prometheus series over its labels, in `metrics` text.
@@ -219,12 +211,7 @@ async fn cache_counters(
 ) -> Result<BTreeMap<String, [f64; 3]>> {
     let mut counters = BTreeMap::new();
     for address in addresses {
-        let metrics = http
-            .get(format!("http://{address}:{HTTP_PORT}/metrics"))
-            .send()
-            .await?
-            .text()
-            .await?;
+        let metrics = worker_metrics(http, address).await?;
         counters.insert(
             address.clone(),
             [
@@ -278,18 +265,6 @@ async fn use_policy(
     .await
 }
 
-async fn wait_serving(pods: &Api<Pod>, replicas: usize) -> Result<Vec<String>> {
-    wait::until(
-        &format!("{replicas} replicas serving"),
-        Duration::from_secs(180),
-        || async {
-            let serving = serving_addresses(pods).await?;
-            Ok((serving.len() == replicas).then_some(serving))
-        },
-    )
-    .await
-}
-
 /// Held by each benchmark: two at once would measure each other.
 static ONE_BENCHMARK_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -300,45 +275,26 @@ struct Bench {
     pods: Api<Pod>,
     router: RunningRouter,
     addresses: Vec<String>,
-    _agent: NodeAgent,
+    _bed: Testbed,
     _operator: npufleet_tests::operator::RunningOperator,
 }
 
 impl Bench {
     async fn start(name: &str, subnet: u8, replicas: usize) -> Result<Bench> {
         let c = cluster::shared();
-        let client: Client = c.client().await?;
-        let namespace = c.namespace(&client, name).await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(
-                &format!("agent-{name}"),
-                paths::workspace_bin("npufleet-worker")?,
-                c.scratch().join(format!("agent-{name}")),
-                subnet,
-            ),
-        )
-        .await?;
-        let operator =
-            npufleet_tests::operator::start_with_builtin_autoscaler(&client, &namespace)?;
+        let bed = Testbed::start(c, &c.client().await?, name, subnet, MANAGER).await?;
+        let operator = bed.start_operator()?;
         let router =
-            RunningRouter::start(c, name, &namespace, &["--wake-interval-seconds", "1"]).await?;
-        let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-        npufleet_tests::operator::apply(
-            &services,
-            MANAGER,
-            &service(&namespace, agent.node_name(), replicas).await?,
-        )
-        .await?;
-        let addresses = wait_serving(&pods, replicas).await?;
+            RunningRouter::start(c, name, &bed.namespace, &["--wake-interval-seconds", "1"])
+                .await?;
+        bed.apply_smollm2("bench", bench_spec(replicas)).await?;
+        let addresses = bed.wait_serving(replicas).await?;
         Ok(Bench {
-            services,
-            pods,
+            services: bed.services(),
+            pods: bed.pods(),
             router,
             addresses,
-            _agent: agent,
+            _bed: bed,
             _operator: operator,
         })
     }
@@ -348,8 +304,7 @@ impl Bench {
 #[ignore = "minutes on a 2-core machine: run by make bench-router"]
 async fn routing_benchmark() -> Result<()> {
     let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let Bench { services, pods, router, addresses, .. } = &Bench::start("router-bench", 81, REPLICAS).await?;
         let http = reqwest::Client::new();
 
@@ -385,22 +340,19 @@ async fn routing_benchmark() -> Result<()> {
         }
         wake_from_zero(services, pods, router).await?;
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a minute on a 2-core machine: run by make bench-router"]
 async fn router_cost_benchmark() -> Result<()> {
     let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let bench = Bench::start("router-cost", 82, 1).await?;
         router_cost(&reqwest::Client::new(), &bench.router, &bench.addresses[0]).await
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// Pairs of one-token requests, one straight to the worker and one through the router, whose

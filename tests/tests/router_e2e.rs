@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Secret, SecretKeySelector};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
+use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, PostParams};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::headers;
@@ -22,46 +22,33 @@ use npufleet_contract::proto::inference::{
 };
 use npufleet_crds::InferenceService;
 use npufleet_test_support::raw_http;
-use npufleet_tests::fleet::{Load, RunningRouter, serving_addresses, sse_error};
-use npufleet_tests::node_agent::{self, NodeAgent, NodeAgentConfig};
+use npufleet_tests::fleet::{Load, RunningRouter, Testbed, sse_error, wait_serving};
+use npufleet_tests::operator::set_replicas;
 use npufleet_tests::process::Process;
+use npufleet_tests::service::{self, chat};
 use npufleet_tests::{cluster, paths, wait};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 const MANAGER: &str = "router-e2e-test";
-const MODEL: &str = "smollm2";
+const MODEL: &str = npufleet_tests::service::SMOLLM2;
 
-fn chat(content: &str, max_tokens: u32) -> Value {
+/// What the SmolLM2 service `chat` sets beside [`service::smollm2`]'s defaults: `replicas`,
+/// and the workers' settings `extra_env`.
+fn chat_spec(replicas: i32, extra_env: &[(&str, &str)]) -> Value {
+    // Every answer runs to its max_tokens, so a long stream is still going when a test kills
+    // its worker.
+    let env: Vec<(&str, &str)> = [(worker_env::IGNORE_EOS, "true")]
+        .into_iter()
+        .chain(extra_env.iter().copied())
+        .collect();
     json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
+        "replicas": replicas,
+        "engine": {"drainSeconds": 30},
+        "routing": {"policy": "least-load"},
+        "template": {"env": service::worker_env(&env)},
     })
-}
-
-/// An InferenceService `chat` serving SmolLM2 on the node agent `node`, with `replicas`.
-async fn service(namespace: &str, node: &str, replicas: i32) -> Result<InferenceService> {
-    let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-        "metadata": {"name": "chat", "namespace": namespace},
-        "spec": {
-            "model": {"name": MODEL, "source": {"imagePath": model_path.display().to_string()}},
-            "replicas": replicas,
-            "accelerator": {"type": "cpu"},
-            "engine": {"warmupIterations": 1, "drainSeconds": 30},
-            "routing": {"policy": "least-load"},
-            "scheduling": node_agent::scheduling(node),
-            // Every answer runs to its max_tokens, so a long stream is still going when a test
-            // kills its worker.
-            "template": {"env": [
-                {"name": worker_env::THREADS, "value": "1"},
-                {"name": worker_env::IGNORE_EOS, "value": "true"},
-            ]},
-        }
-    }))?)
 }
 
 /// An Open Inference Protocol text request for `model`, greedy, at most `max_tokens`.
@@ -90,24 +77,19 @@ fn oip_text(model: &str, text: &str, max_tokens: i64) -> ModelInferRequest {
     }
 }
 
-async fn set_replicas(services: &Api<InferenceService>, replicas: i32) -> Result<()> {
-    services
-        .patch(
-            "chat",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
-        )
-        .await?;
-    Ok(())
-}
-
 /// A namespace with a node agent, the operator, and the router watching it.
 struct Fleet {
-    client: Client,
-    namespace: String,
-    agent: NodeAgent,
+    bed: Testbed,
     router: RunningRouter,
     operator: FleetOperator,
+}
+
+impl std::ops::Deref for Fleet {
+    type Target = Testbed;
+
+    fn deref(&self) -> &Testbed {
+        &self.bed
+    }
 }
 
 /// The fleet's operator: in this process, or its own binary for a test that measures it.
@@ -133,25 +115,14 @@ impl Fleet {
     ) -> Result<Fleet> {
         let c = cluster::shared();
         let client = c.client().await?;
-        let namespace = c.namespace(&client, test).await?;
-        npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
-        let node = format!("agent-{test}");
-        let agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(
-                &node,
-                paths::workspace_bin("npufleet-worker")?,
-                c.scratch().join(format!("agent-{test}")),
-                subnet,
-            ),
-        )
-        .await?;
+        let bed = Testbed::start(c, &client, test, subnet, MANAGER).await?;
+        let namespace = &bed.namespace;
         let operator = if operator_binary {
             let identity = format!("operator-{test}");
-            let process = npufleet_tests::operator::spawn_replica(c, &namespace, &identity, None)?;
+            let process = npufleet_tests::operator::spawn_replica(c, namespace, &identity, None)?;
             npufleet_tests::operator::wait_leader(
                 &client,
-                &namespace,
+                namespace,
                 &identity,
                 Duration::from_secs(60),
             )
@@ -159,28 +130,24 @@ impl Fleet {
             FleetOperator::Binary { process }
         } else {
             FleetOperator::InProcess {
-                _tasks: npufleet_tests::operator::start_with_builtin_autoscaler(
-                    &client, &namespace,
-                )?,
+                _tasks: bed.start_operator()?,
             }
         };
         let router =
-            RunningRouter::start(c, &format!("router-{test}"), &namespace, router_args).await?;
+            RunningRouter::start(c, &format!("router-{test}"), namespace, router_args).await?;
         Ok(Fleet {
-            client,
-            namespace,
-            agent,
+            bed,
             router,
             operator,
         })
     }
 
-    fn services(&self) -> Api<InferenceService> {
-        Api::namespaced(self.client.clone(), &self.namespace)
-    }
-
-    fn pods(&self) -> Api<Pod> {
-        Api::namespaced(self.client.clone(), &self.namespace)
+    /// [`Fleet::start`] with the service applied at `replicas`, once they all serve.
+    async fn serving(test: &str, subnet: u8, replicas: i32) -> Result<Fleet> {
+        let fleet = Self::start(test, subnet, &[]).await?;
+        fleet.apply(replicas).await?;
+        fleet.wait_serving(usize::try_from(replicas)?).await?;
+        Ok(fleet)
     }
 
     async fn apply(&self, replicas: i32) -> Result<()> {
@@ -189,38 +156,15 @@ impl Fleet {
 
     /// [`Fleet::apply`] with `extra_env` added to the worker template's environment.
     async fn apply_with_env(&self, replicas: i32, extra_env: &[(&str, &str)]) -> Result<()> {
-        let mut service = serde_json::to_value(
-            service(&self.namespace, self.agent.node_name(), replicas).await?,
-        )?;
-        let env = service["spec"]["template"]["env"]
-            .as_array_mut()
-            .context("the template's env")?;
-        env.extend(
-            extra_env
-                .iter()
-                .map(|(name, value)| json!({"name": name, "value": value})),
-        );
-        npufleet_tests::operator::apply(
-            &self.services(),
-            MANAGER,
-            &serde_json::from_value(service)?,
-        )
-        .await
+        self.apply_smollm2("chat", chat_spec(replicas, extra_env))
+            .await?;
+        Ok(())
     }
 
     /// Waits until `replicas` worker pods serve and the router's own view lists the model
     /// (its watch may trail the pods' readiness).
     async fn wait_serving(&self, replicas: usize) -> Result<()> {
-        let pods = self.pods();
-        wait::until(
-            &format!("{replicas} replicas serving"),
-            Duration::from_secs(120),
-            || async {
-                let serving = serving_addresses(&pods).await?.len();
-                Ok((serving == replicas).then_some(()))
-            },
-        )
-        .await?;
+        wait_serving(&self.pods(), replicas, Duration::from_secs(120)).await?;
         let models = self.router.url("/v1/models");
         wait::until(
             "the router to list the model",
@@ -254,19 +198,20 @@ async fn error_of(response: reqwest::Response) -> Result<(u16, String)> {
 /// 429 with Retry-After.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_and_a_full_or_expired_hold_get_clear_errors() -> Result<()> {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let namespace = c.namespace(&client, "router-errors").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let services: Api<InferenceService> = Api::namespaced(client.clone(), &namespace);
         // No operator here: the service stays at zero replicas.
-        npufleet_tests::operator::apply(
-            &services,
-            MANAGER,
-            &service(&namespace, "nowhere", 0).await?,
-        )
-        .await?;
+        let model_path = tokio::task::spawn_blocking(paths::smollm2_gguf).await??;
+        let at_zero = service::smollm2(
+            &namespace,
+            "chat",
+            &model_path,
+            "nowhere",
+            chat_spec(0, &[]),
+        )?;
+        npufleet_tests::operator::apply(&services, MANAGER, &at_zero).await?;
         let router = RunningRouter::start(
             c,
             "router-errors",
@@ -388,17 +333,15 @@ async fn bad_requests_and_a_full_or_expired_hold_get_clear_errors() -> Result<()
             annotated.annotations()
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// A fleet at zero answers 20 concurrent held requests once a replica is Ready, and the
 /// router's wake-up annotation is what tells the scaler to start one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let fleet = Fleet::start("router-zero", 72, &["--wake-interval-seconds", "1"]).await?;
         fleet.apply(0).await?;
         let services = fleet.services();
@@ -434,7 +377,7 @@ async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken()
             Ok(service.annotations().contains_key(WAKE_REQUESTED_AT).then(|| started.elapsed()))
         })
         .await?;
-        set_replicas(&services, 1).await?;
+        set_replicas(&services, "chat", 1).await?;
         fleet.wait_serving(1).await?;
         let ready_after = started.elapsed();
         let mut answered = Vec::new();
@@ -455,9 +398,8 @@ async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken()
             "{metrics}"
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// The router picks replicas up as they turn Ready, spreads load over them, stops sending to
@@ -466,11 +408,8 @@ async fn a_fleet_at_zero_holds_twenty_requests_and_answers_them_all_once_woken()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_failures()
 -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
-        let fleet = Fleet::start("router-scale", 71, &[]).await?;
-        fleet.apply(1).await?;
-        fleet.wait_serving(1).await?;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let fleet = Fleet::serving("router-scale", 71, 1).await?;
         let http = reqwest::Client::new();
 
         let models: Value = http.get(fleet.router.url("/v1/models")).send().await?.json().await?;
@@ -522,7 +461,7 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         let load = Load::through(&fleet.router);
         load.start(4, "/v1/chat/completions", chat("Name a river.", 8));
         let services = fleet.services();
-        set_replicas(&services, 2).await?;
+        set_replicas(&services, "chat", 2).await?;
         let joined = wait::until("the second replica answering", Duration::from_secs(90), || async {
             let answered = load.answered_by().await;
             Ok((answered.len() == 2).then_some(answered))
@@ -530,7 +469,7 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         .await?;
         eprintln!("answers per replica with two serving: {joined:?}");
 
-        set_replicas(&services, 1).await?;
+        set_replicas(&services, "chat", 1).await?;
         let pods = fleet.pods();
         wait::until("one worker pod left", Duration::from_secs(90), || async {
             let live = pods.list(&ListParams::default()).await?.items.len();
@@ -551,9 +490,8 @@ async fn replicas_join_as_they_turn_ready_and_leave_as_they_terminate_without_fa
         assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
         assert_eq!(new_answers, HashSet::from([&remaining]), "answers after the scale-down came from {new_answers:?}");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// The value of each series `name{...}` in Prometheus `metrics` text whose labels include
@@ -577,11 +515,8 @@ fn per_replica(metrics: &str, name: &str, label: &str) -> std::collections::BTre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one() -> Result<()> {
     const REQUESTS: usize = 12;
-    let c = cluster::shared();
-    let result = async {
-        let fleet = Fleet::start("router-stream", 77, &[]).await?;
-        fleet.apply(3).await?;
-        fleet.wait_serving(3).await?;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let fleet = Fleet::serving("router-stream", 77, 3).await?;
         let mut grpc =
             GrpcInferenceServiceClient::connect(format!("http://{}", fleet.router.grpc)).await?;
         let (requests, outgoing) = tokio::sync::mpsc::channel(REQUESTS + 1);
@@ -689,9 +624,8 @@ async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one(
             "no answer to the request sent after the others finished"
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// The router's listeners bound their connections (no replica needed): a partial request head
@@ -701,9 +635,7 @@ async fn the_requests_of_one_open_grpc_stream_are_routed_and_counted_one_by_one(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_number() -> Result<()>
 {
-    let c = cluster::shared();
-    let client = c.client().await?;
-    let result = async {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
         let namespace = c.namespace(&client, "router-connections").await?;
         npufleet_tests::crd::install_inference_service(&client, MANAGER).await?;
         let (timed, limited) = futures::try_join!(
@@ -762,9 +694,8 @@ async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_num
             channel.server_live(ServerLiveRequest {}).await?;
         }
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// A new template rolled out while clients stream through the router: every stream ends
@@ -773,11 +704,8 @@ async fn the_routers_listeners_bound_header_reads_idle_connections_and_their_num
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica_serving()
 -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
-        let fleet = Fleet::start("router-rollout", 75, &[]).await?;
-        fleet.apply(2).await?;
-        fleet.wait_serving(2).await?;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let fleet = Fleet::serving("router-rollout", 75, 2).await?;
         let pods = fleet.pods();
         let old: HashSet<String> = pods
             .list(&ListParams::default())
@@ -820,9 +748,8 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
         assert_eq!(load.failed(), 0, "failures: {:?}", load.failures().await);
         assert!(least_serving >= 2, "only {least_serving} replicas served during the rollout");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// A worker killed with SIGKILL under load: requests it had not answered go to the other
@@ -830,11 +757,8 @@ async fn a_rollout_under_streaming_load_fails_no_request_and_keeps_every_replica
 /// client waits past its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
-        let fleet = Fleet::start("router-kill", 73, &[]).await?;
-        fleet.apply(2).await?;
-        fleet.wait_serving(2).await?;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let fleet = Fleet::serving("router-kill", 73, 2).await?;
         let load = Load::through(&fleet.router);
         load.start(4, "/v1/chat/completions", chat("Name a river.", 16));
         let answered = wait::until("both replicas answering", Duration::from_secs(60), || async {
@@ -890,9 +814,8 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
             bail!("no retry recorded: {metrics}");
         }
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// A service whose workers require an API key (`spec.apiKeySecret`) behind the router, which
@@ -901,8 +824,7 @@ async fn a_worker_killed_under_load_leaves_no_client_hanging() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_api_key_goes_through_the_router_to_the_workers_that_check_it() -> Result<()> {
     const KEY: &str = "router-e2e-key";
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let fleet = Fleet::start("router-auth", 74, &[]).await?;
         let secret: Secret = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Secret",
@@ -912,13 +834,13 @@ async fn a_clients_api_key_goes_through_the_router_to_the_workers_that_check_it(
         Api::<Secret>::namespaced(fleet.client.clone(), &fleet.namespace)
             .create(&PostParams::default(), &secret)
             .await?;
-        let mut guarded = service(&fleet.namespace, fleet.agent.node_name(), 1).await?;
+        let mut guarded = fleet.smollm2("chat", chat_spec(1, &[])).await?;
         guarded.spec.api_key_secret = Some(SecretKeySelector {
             name: "chat-api-key".into(),
             key: "key".into(),
             optional: None,
         });
-        npufleet_tests::operator::apply(&fleet.services(), MANAGER, &guarded).await?;
+        fleet.bed.apply(&guarded).await?;
         fleet.wait_serving(1).await?;
 
         let http = reqwest::Client::new();
@@ -967,9 +889,8 @@ async fn a_clients_api_key_goes_through_the_router_to_the_workers_that_check_it(
             .context("the stream ended before its first response")?;
         assert!(first.error_message.is_empty(), "{}", first.error_message);
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// Resident memory of process `pid`, in KiB.
@@ -1020,8 +941,7 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
             .unwrap_or(600),
     );
     let warm_up = soak / 5;
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, _| async move {
         let fleet = Fleet::start_with("soak", 76, &[], true).await?;
         let FleetOperator::Binary { process: operator } = &fleet.operator else {
             bail!("the soak measures the operator binary");
@@ -1069,7 +989,7 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
             }
             if now >= next_scale {
                 replicas = 3 - replicas;
-                set_replicas(&services, replicas).await?;
+                set_replicas(&services, "chat", replicas).await?;
                 cycles += 1;
                 next_scale = now + SCALE_EVERY;
             }
@@ -1114,7 +1034,6 @@ async fn a_soak_of_mixed_traffic_and_scale_cycles_keeps_memory_flat_and_fails_no
         ensure!(failures.is_empty(), "failed requests: {failures:#?}");
         ensure!(grown.is_empty(), "resident memory grew: {grown:?}");
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -24,6 +24,7 @@ const RELEASE: &str = "npufleet";
 const ROUTER: &str = "npufleet-router";
 const MANAGER: &str = "security-admission-test";
 const TIMEOUT: Duration = Duration::from_secs(60);
+const RBAC: &str = <k8s_openapi::api::rbac::v1::ClusterRole as k8s_openapi::Resource>::GROUP;
 /// The verbs that change state, as discovery lists them.
 const WRITE_VERBS: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
 
@@ -71,10 +72,8 @@ fn replica_failure(conditions: &[(String, String, String)]) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, client| async move {
         let namespace = release_namespace();
-        let client = c.client().await?;
 
         // Each Deployment's ReplicaSet creates all its pods; a refusal by admission would
         // leave it short, with the apiserver's words in a ReplicaFailure condition.
@@ -129,14 +128,11 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             ("cpu", json!({"type": "cpu"})),
             ("npu", json!({"type": "ascend910", "devicesPerPod": 1})),
         ] {
-            let service: InferenceService = serde_json::from_value(json!({
-                "apiVersion": "npufleet.io/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
-                    "accelerator": accelerator,
-                },
-            }))?;
+            let service = npufleet_tests::service::unread(
+                namespace,
+                name,
+                json!({"accelerator": accelerator}),
+            )?;
             operator::apply(&services, MANAGER, &service).await?;
         }
         for name in ["cpu", "npu"] {
@@ -160,9 +156,8 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             .await?;
         }
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }
 
 /// What each account may write, and where; the promise the chart's RBAC keeps.
@@ -214,10 +209,8 @@ fn promised_writes(namespace: &str) -> Vec<(&'static str, Access)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() -> Result<()> {
-    let c = cluster::shared();
-    let result = async {
+    npufleet_tests::on_shared_cluster(|_, client| async move {
         let namespace = release_namespace();
-        let client = c.client().await?;
         let accounts = [
             ServiceAccount::new(namespace, RELEASE),
             ServiceAccount::new(namespace, ROUTER),
@@ -256,8 +249,8 @@ async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() ->
             for (verb, group, resource) in [
                 ("impersonate", "", "serviceaccounts"),
                 ("impersonate", "", "users"),
-                ("escalate", "rbac.authorization.k8s.io", "clusterroles"),
-                ("bind", "rbac.authorization.k8s.io", "clusterroles"),
+                ("escalate", RBAC, "clusterroles"),
+                ("bind", RBAC, "clusterroles"),
                 ("create", "", "serviceaccounts/token"),
                 ("create", "", "pods/exec"),
             ] {
@@ -321,7 +314,6 @@ async fn the_service_accounts_read_no_secret_and_write_only_their_own_kinds() ->
             "promised but refused (the product needs these): {missing:#?}"
         );
         Ok(())
-    }
-    .await;
-    c.diagnose(result)
+    })
+    .await
 }

@@ -136,6 +136,15 @@ pub struct ImageArchive {
     pub path: PathBuf,
 }
 
+/// The tag of the image the project calls `name` (`pause`, `netcheck`) among `images`.
+pub fn image_tag(images: &[ImageArchive], name: &str) -> Result<String> {
+    images
+        .iter()
+        .find(|image| image.name == name)
+        .map(|image| image.tag.clone())
+        .with_context(|| format!("no {name} image among {images:?}"))
+}
+
 /// Reads `<name> <tag> <archive path>` lines, as `tests/setup/node.sh images` and
 /// `tests/setup/images.sh` print them.
 pub fn parse_image_lines(text: &str) -> Result<Vec<ImageArchive>> {
