@@ -2,47 +2,27 @@
 //! change results, the prefix cache is reused, the queue bound, cancellation, preemption,
 //! stop conditions, drain and input validation behave as the `Engine` contract says.
 
+mod model_support;
+
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use npufleet_worker::api::{
     Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
-    RequestTimings, SamplingParams, SubmitError, Usage,
+    SamplingParams, SubmitError,
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
+
+use model_support::{Outcome, collect_within, smollm2_path};
 
 const DEADLINE: Duration = Duration::from_secs(180);
 
 /// SmolLM2-135M-Instruct (Q4_1 GGUF), fetched into the cache by the set-up script.
 fn model_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let script = PathBuf::from(
-            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
-        )
-        .join("../tests/setup/model.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .output()
-            .expect("running tests/setup/model.sh");
-        assert!(
-            out.status.success(),
-            "model.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).expect("model.sh prints a path");
-        PathBuf::from(
-            stdout
-                .lines()
-                .last()
-                .expect("model.sh prints a path")
-                .trim(),
-        )
-    })
-    .clone()
+    PATH.get_or_init(smollm2_path).clone()
 }
 
 fn start(cfg: EngineConfig) -> Arc<EngineHandle> {
@@ -76,55 +56,27 @@ fn wait_for(engine: &EngineHandle, done: impl Fn(&EngineHandle) -> bool, what: &
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-struct Outcome {
-    tokens: Vec<u32>,
-    text: String,
-    reason: FinishReason,
-    usage: Usage,
-    timings: RequestTimings,
-}
-
 /// Reads a stream to its end; panics on a failure event or a stream that ends early.
 fn collect(stream: GenerationStream) -> Outcome {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        let mut stream = stream;
-        let mut tokens = Vec::new();
-        let mut text = String::new();
-        loop {
-            let event = tokio::time::timeout(DEADLINE, stream.recv())
-                .await
-                .expect("timed out waiting for an event")
-                .expect("the stream ended without a final event");
-            match event {
-                GenerationEvent::Token {
-                    token_id,
-                    text: piece,
-                } => {
-                    tokens.push(token_id);
-                    text.push_str(&piece);
-                }
-                GenerationEvent::Finished {
-                    reason,
-                    usage,
-                    timings,
-                } => {
-                    return Outcome {
-                        tokens,
-                        text,
-                        reason,
-                        usage,
-                        timings,
-                    };
-                }
-                GenerationEvent::Failed { message } => panic!("request failed: {message}"),
-            }
-        }
-    })
+    collect_within(stream, DEADLINE)
+}
+
+/// The field a refused submit blames and the message.
+fn invalid_param<T: std::fmt::Debug>(result: Result<T, SubmitError>) -> (&'static str, String) {
+    match result {
+        Err(SubmitError::Invalid {
+            message,
+            param: Some(param),
+        }) => (param, message),
+        other => panic!("expected Invalid naming a field, got {other:?}"),
+    }
+}
+
+/// The message of a submit refused as invalid, checked to blame `param`.
+fn refused(engine: &EngineHandle, request: GenerateRequest, param: &str) -> String {
+    let (blamed, message) = invalid_param(engine.submit(request));
+    assert_eq!(blamed, param, "{message}");
+    message
 }
 
 fn request(id: &str, prompt: &str, params: SamplingParams) -> GenerateRequest {
@@ -652,38 +604,32 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
     assert!(outcome.timings.queued <= outcome.timings.first_token);
 
     // Asking for more than the room left is a mistake the client hears about.
-    let too_many = engine.submit(GenerateRequest {
-        id: "too-many".into(),
-        prompt: Prompt::Tokens(prompt.clone()),
-        params: SamplingParams {
-            max_tokens: Some(23),
-            ..SamplingParams::default()
+    let message = refused(
+        &engine,
+        GenerateRequest {
+            id: "too-many".into(),
+            prompt: Prompt::Tokens(prompt.clone()),
+            params: SamplingParams {
+                max_tokens: Some(23),
+                ..SamplingParams::default()
+            },
         },
-    });
-    let Err(SubmitError::Invalid {
-        message,
-        param: Some("max_tokens"),
-    }) = too_many
-    else {
-        panic!("expected Invalid, got {too_many:?}");
-    };
+        "max_tokens",
+    );
     assert!(
         message.contains("max_tokens is 23") && message.contains("at most 22"),
         "{message}"
     );
 
-    let too_long = engine.submit(GenerateRequest {
-        id: "long".into(),
-        prompt: Prompt::Tokens((0..32).collect()),
-        params: SamplingParams::default(),
-    });
-    let Err(SubmitError::Invalid {
-        message,
-        param: Some("prompt"),
-    }) = too_long
-    else {
-        panic!("expected Invalid, got {too_long:?}");
-    };
+    let message = refused(
+        &engine,
+        GenerateRequest {
+            id: "long".into(),
+            prompt: Prompt::Tokens((0..32).collect()),
+            params: SamplingParams::default(),
+        },
+        "prompt",
+    );
     assert!(
         message.contains("32") && message.contains("KV cache"),
         "{message}"
@@ -750,20 +696,13 @@ fn bad_requests_are_rejected_with_the_problem_named() {
     let context = engine.model_info().context_length;
     // The message, checked to name the field it blames.
     let invalid = |params: SamplingParams, prompt: Prompt| -> String {
-        match engine.submit(GenerateRequest {
+        let (param, message) = invalid_param(engine.submit(GenerateRequest {
             id: "bad".into(),
             prompt,
             params,
-        }) {
-            Err(SubmitError::Invalid {
-                message,
-                param: Some(param),
-            }) => {
-                assert!(message.contains(param), "{param}: {message}");
-                message
-            }
-            other => panic!("expected Invalid naming a field, got {other:?}"),
-        }
+        }));
+        assert!(message.contains(param), "{param}: {message}");
+        message
     };
     let text = || Prompt::Text("Hello".into());
 

@@ -15,13 +15,7 @@ use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInfe
 use npufleet_worker::server::oip;
 use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker, poll_until};
-
-async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let response = client.post(url).json(&body).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
+use serve_support::{MODEL_NAME, Worker, error_message, get_text, open_stream, poll_until, post};
 
 fn text_request(id: &str, text: &[u8], max_tokens: i64) -> ModelInferRequest {
     let mut request = oip::text_request(
@@ -44,14 +38,7 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
 }
 
 async fn scrape(client: &reqwest::Client, worker: &Worker) -> String {
-    client
-        .get(format!("{}/metrics", worker.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    get_text(client, &format!("{}/metrics", worker.http)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,10 +161,7 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("GET is not allowed on /v1/completions"),
+        error_message(&body).contains("GET is not allowed on /v1/completions"),
         "{body}"
     );
 }
@@ -186,12 +170,7 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
 async fn an_idle_grpc_stream_does_not_hold_shutdown() {
     let mut worker = Worker::start(&["--drain-timeout", "30"]).await;
     let mut client = worker.grpc_client().await;
-    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
-    let mut responses = client
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
+    let (requests, mut responses) = open_stream(&mut client).await;
     requests
         .send(text_request("idle-1", b"hello", 3))
         .await
@@ -256,12 +235,7 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
         })
         .collect();
     let mut grpc = worker.grpc_client().await;
-    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
-    let mut grpc_responses = grpc
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
+    let (requests, mut grpc_responses) = open_stream(&mut grpc).await;
     requests
         .send(text_request("long", b"hello world", 2000))
         .await
@@ -354,11 +328,7 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
     assert!(told >= 1, "every request finished inside the drain timeout");
     let status = worker.wait_exit(Duration::from_secs(10)).await;
     assert!(!status.success(), "exit status {status:?}");
-    assert!(
-        worker.log().contains("requests unanswered"),
-        "{}",
-        worker.log()
-    );
+    worker.assert_logged("requests unanswered");
     drop(requests);
 }
 
@@ -377,12 +347,7 @@ async fn an_oversized_grpc_message_names_the_limit() {
         "{status:?}"
     );
 
-    let (requests, outgoing) = tokio::sync::mpsc::channel(1);
-    let mut responses = client
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
+    let (requests, mut responses) = open_stream(&mut client).await;
     requests.send(text_request("big", &big, 4)).await.unwrap();
     let status = responses.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");

@@ -6,20 +6,14 @@ use std::process::Command;
 
 use npufleet_worker::model::PrecisionPolicy;
 use npufleet_worker::tools::collective_bench;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker::tools::testmodel::{GenTestModelArgs, write_into};
 use npufleet_worker::tools::tp_bench::generate_in_process;
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog";
 
 /// A random-weight model whose 8 heads and 4 KV heads split over 1, 2 and 4 ranks.
 fn random_model(dir: &Path) -> PathBuf {
-    let mut spec = GenTestModelArgs::new(PathBuf::new(), TestModelFormat::Gguf);
-    spec.layers = 3;
-    spec.dim = 128;
-    spec.heads = 8;
-    spec.kv_heads = 4;
-    spec.seed = 7;
-    write_into(dir, spec).unwrap()
+    write_into(dir, GenTestModelArgs::splittable(3, 7)).unwrap()
 }
 
 fn smollm2() -> PathBuf {

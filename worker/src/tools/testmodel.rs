@@ -84,6 +84,19 @@ impl GenTestModelArgs {
         }
     }
 
+    /// A GGUF spec of `layers` layers whose 8 heads and 4 KV heads split over 1, 2 and 4
+    /// tensor-parallel ranks; `write_into` names the file.
+    pub fn splittable(layers: usize, seed: u64) -> Self {
+        GenTestModelArgs {
+            layers,
+            dim: 128,
+            heads: 8,
+            kv_heads: 4,
+            seed,
+            ..GenTestModelArgs::new(PathBuf::new(), TestModelFormat::Gguf)
+        }
+    }
+
     fn ffn_dim(&self) -> usize {
         if self.ffn > 0 {
             self.ffn

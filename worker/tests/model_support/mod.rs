@@ -3,6 +3,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
+
+use npufleet_worker::api::{
+    FinishReason, GenerationEvent, GenerationStream, RequestTimings, Usage,
+};
 
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::model::{
@@ -271,4 +276,57 @@ pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<
                 .collect()
         })
         .collect()
+}
+
+/// What one request's stream carried.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: RequestTimings,
+}
+
+/// Reads a stream to its end; panics on a failure event, a stream that ends early, or no
+/// event within `deadline`.
+pub fn collect_within(stream: GenerationStream, deadline: Duration) -> Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let mut stream = stream;
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        loop {
+            let event = tokio::time::timeout(deadline, stream.recv())
+                .await
+                .expect("timed out waiting for an event")
+                .expect("the stream ended without a final event");
+            match event {
+                GenerationEvent::Token {
+                    token_id,
+                    text: piece,
+                } => {
+                    tokens.push(token_id);
+                    text.push_str(&piece);
+                }
+                GenerationEvent::Finished {
+                    reason,
+                    usage,
+                    timings,
+                } => {
+                    return Outcome {
+                        tokens,
+                        text,
+                        reason,
+                        usage,
+                        timings,
+                    };
+                }
+                GenerationEvent::Failed { message } => panic!("request failed: {message}"),
+            }
+        }
+    })
 }
