@@ -220,31 +220,16 @@ fn default_auto_holds_no_float_copy_it_never_reads() {
 fn command_line_writes_a_loadable_model() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("tiny.gguf");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-        .args([
-            "gen-test-model",
-            "--format",
-            "gguf",
-            "--layers",
-            "1",
-            "--dim",
-            "32",
-            "--heads",
-            "2",
-            "--kv-heads",
-            "1",
-        ])
-        .args(["--vocab", "300", "--seed", "3", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
+    let stdout = run_ok(
+        std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
+            .args(["gen-test-model", "--format", "gguf", "--layers", "1"])
+            .args(["--dim", "32", "--heads", "2", "--kv-heads", "1"])
+            .args(["--vocab", "300", "--seed", "3", "--out"])
+            .arg(&out),
+        "gen-test-model",
     );
     assert_eq!(
-        String::from_utf8_lossy(&status.stdout).trim(),
+        String::from_utf8_lossy(&stdout).trim(),
         out.display().to_string()
     );
     let model = load(&out, PrecisionPolicy::Fp32);

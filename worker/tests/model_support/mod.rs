@@ -86,18 +86,28 @@ pub fn setup_path(script: &str) -> PathBuf {
 /// As [`setup_path`], with arguments.
 pub fn setup_path_with(script: &str, args: &[&str]) -> PathBuf {
     let root = repo_root();
-    let out = Command::new("bash")
-        .arg(root.join("tests/setup").join(script))
-        .args(args)
-        .current_dir(&root)
+    let out = run_ok(
+        Command::new("bash")
+            .arg(root.join("tests/setup").join(script))
+            .args(args)
+            .current_dir(&root),
+        script,
+    );
+    PathBuf::from(String::from_utf8(out).expect("utf-8 path").trim())
+}
+
+/// Runs `command` to its end and returns its standard output; fails the test, showing the
+/// standard error, when `what` does not succeed.
+pub fn run_ok(command: &mut Command, what: &str) -> Vec<u8> {
+    let out = command
         .output()
-        .unwrap_or_else(|e| panic!("running {script}: {e}"));
+        .unwrap_or_else(|e| panic!("running {what}: {e}"));
     assert!(
         out.status.success(),
-        "{script} failed: {}",
+        "{what} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+    out.stdout
 }
 
 pub fn smollm2_path() -> PathBuf {
@@ -204,16 +214,12 @@ pub fn reference_script(name: &str) -> PathBuf {
 /// Writes the random Qwen2 GGUF file `out` with `tests/reference/qwen2_model.py` and its
 /// `args` (`--weights`, `--tied`, `--template`, `--hf-dir`).
 pub fn write_qwen2_model(out: &Path, args: &[&str]) -> PathBuf {
-    let result = Command::new(python())
-        .arg(reference_script("qwen2_model.py"))
-        .arg(out)
-        .args(args)
-        .output()
-        .expect("running qwen2_model.py");
-    assert!(
-        result.status.success(),
-        "qwen2_model.py failed: {}",
-        String::from_utf8_lossy(&result.stderr)
+    run_ok(
+        Command::new(python())
+            .arg(reference_script("qwen2_model.py"))
+            .arg(out)
+            .args(args),
+        "qwen2_model.py",
     );
     out.to_path_buf()
 }
@@ -231,20 +237,16 @@ pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<
     let dir = tempfile::tempdir_in(&tmp).expect("temporary directory");
     let prompts_file = dir.path().join("prompts.json");
     std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
-    let out = Command::new(python())
-        .arg(reference_script("llama_numpy.py"))
-        .arg(model)
-        .arg(&prompts_file)
-        .arg(n_gen.to_string())
-        .arg(tmp.join("llama-numpy-cache"))
-        .output()
-        .expect("running llama_numpy.py");
-    assert!(
-        out.status.success(),
-        "numpy reference failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        Command::new(python())
+            .arg(reference_script("llama_numpy.py"))
+            .arg(model)
+            .arg(&prompts_file)
+            .arg(n_gen.to_string())
+            .arg(tmp.join("llama-numpy-cache")),
+        "the numpy reference",
     );
-    let path = String::from_utf8(out.stdout).unwrap();
+    let path = String::from_utf8(out).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path.trim()).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
