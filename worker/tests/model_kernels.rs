@@ -89,6 +89,14 @@ fn kernel_sets() -> (Kernels, Vec<Kernels>) {
     (sets.remove(0), simd)
 }
 
+/// Runs `check` with the scalar reference against each SIMD set, each from a fresh `Rng(seed)`.
+fn against_scalar(seed: u64, mut check: impl FnMut(&Kernels, &Kernels, &mut Rng)) {
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        check(&scalar, fast, &mut Rng(seed));
+    }
+}
+
 fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
     let mut out = vec![BlockQ8Act::default(); x.len() / QK];
     (k.quantize_act)(x, &mut out);
@@ -97,35 +105,31 @@ fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
 
 #[test]
 fn activation_quantisation_matches_scalar_exactly() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(7);
+    against_scalar(7, |scalar, fast, rng| {
         for blocks in [1, 3, 18, 49] {
             let mut x = rng.vec(blocks * QK, 3.0);
             x[5] = 0.0;
             let zeros = [0f32; QK];
             for input in [&x[..], &zeros[..]] {
                 assert_eq!(
-                    quantize(&scalar, input),
+                    quantize(scalar, input),
                     quantize(fast, input),
                     "{blocks} blocks"
                 );
             }
         }
-    }
+    });
 }
 
 #[test]
 fn quantised_dot_products_match_scalar() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(11);
+    against_scalar(11, |scalar, fast, rng| {
         // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
         // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
         for blocks in [1, 2, 7, 18, 33, 48] {
             let w = rng.vec(blocks * QK, 0.5);
             let x = rng.vec(blocks * QK, 2.0);
-            let xq = quantize(&scalar, &x);
+            let xq = quantize(scalar, &x);
             let q40 = quant::quantize_q4_0(&w);
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
@@ -170,7 +174,7 @@ fn quantised_dot_products_match_scalar() {
                 );
             }
         }
-    }
+    });
 }
 
 /// One weight-row group against every activation row of `x`.
@@ -182,9 +186,9 @@ fn group<B>(kernel: GroupKernel<B>, w: &[B], x: &[BlockQ8Act]) -> Vec<[f32; GROU
 
 #[test]
 fn grouped_kernels_match_scalar_for_every_batch_size() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(17);
+    // Every SIMD set is also checked against the first.
+    let simd = kernel_sets().1;
+    against_scalar(17, |scalar, fast, rng| {
         // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
         // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
         for blocks in [1, 2, 7, 18, 33, 48] {
@@ -193,7 +197,7 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
             let x = rng.vec(32 * cols, 2.0);
-            let xq = quantize(&scalar, &x);
+            let xq = quantize(scalar, &x);
             for n in (1..=9).chain([16, 17, 32]) {
                 let xq = &xq[..n * blocks];
                 let q41_scalar = group(scalar.gemm_q4_1_group, &q41, xq);
@@ -242,7 +246,7 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
                 );
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -291,9 +295,7 @@ fn exponential_kernels_match_the_standard_library() {
 
 #[test]
 fn float_kernels_match_scalar() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(3);
+    against_scalar(3, |scalar, fast, rng| {
         for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
             let a = rng.vec(n, 1.0);
             let b = rng.vec(n, 1.0);
@@ -309,7 +311,7 @@ fn float_kernels_match_scalar() {
                     let (p, q) = (o1[j * 9 + r], o2[j * 9 + r]);
                     assert!(close(p, q, 1e-5), "dot_f32_rows n={n} [{j}][{r}]");
                     // A product is the same bits alone as inside a block.
-                    for (k, got) in [(&scalar, p), (fast, q)] {
+                    for (k, got) in [(scalar, p), (fast, q)] {
                         let mut one = [0f32];
                         let (wr, xj) = (&w[r * n..(r + 1) * n], &x[j * n..(j + 1) * n]);
                         (k.dot_f32_rows)(wr, xj, n, &mut one, 1);
@@ -363,7 +365,7 @@ fn float_kernels_match_scalar() {
                 assert!(close(*p, *q, 1e-5), "axpy_strided n={n}");
             }
         }
-    }
+    });
 }
 
 /// Keys and values rounded to f16, and the same values widened back to f32.

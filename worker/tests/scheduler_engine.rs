@@ -61,6 +61,11 @@ fn collect(stream: GenerationStream) -> Outcome {
     collect_within(stream, DEADLINE)
 }
 
+/// Submits `request` and reads its answer to the end.
+fn run(engine: &EngineHandle, request: GenerateRequest) -> Outcome {
+    collect(engine.submit(request).expect("submit"))
+}
+
 /// The field a refused submit blames and the message.
 fn invalid_param<T: std::fmt::Debug>(result: Result<T, SubmitError>) -> (&'static str, String) {
     match result {
@@ -106,10 +111,7 @@ fn sampled(max_tokens: u32, seed: u64) -> SamplingParams {
 }
 
 fn run_alone(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
-    requests
-        .iter()
-        .map(|r| collect(engine.submit(r.clone()).expect("submit")))
-        .collect()
+    requests.iter().map(|r| run(engine, r.clone())).collect()
 }
 
 fn run_together(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
@@ -170,10 +172,9 @@ fn batched_results_equal_unbatched_results() {
     }
     // Seeds matter: "b" and "e" share a seed but not a prompt; the same seed and prompt
     // with another seed gives another continuation.
-    let reseeded = collect(
-        start(config())
-            .submit(request("b", "Once upon a time", sampled(16, 8)))
-            .expect("submit"),
+    let reseeded = run(
+        &start(config()),
+        request("b", "Once upon a time", sampled(16, 8)),
     );
     assert_ne!(reseeded.tokens, alone[1].tokens);
     assert!(
@@ -187,20 +188,11 @@ fn batched_results_equal_unbatched_results() {
 fn prefix_cache_serves_a_repeated_system_prompt() {
     let engine = start(config());
     let prompt = chat("Name a large desert.");
-    let first = collect(
-        engine
-            .submit(request("1", &prompt, greedy(8)))
-            .expect("submit"),
-    );
-    let second = collect(
-        engine
-            .submit(request("2", &prompt, greedy(8)))
-            .expect("submit"),
-    );
-    let other = collect(
-        engine
-            .submit(request("3", &chat("Name a long river."), greedy(8)))
-            .expect("submit"),
+    let first = run(&engine, request("1", &prompt, greedy(8)));
+    let second = run(&engine, request("2", &prompt, greedy(8)));
+    let other = run(
+        &engine,
+        request("3", &chat("Name a long river."), greedy(8)),
     );
 
     assert_eq!(first.usage.cached_prompt_tokens, 0);
@@ -241,10 +233,9 @@ fn prefix_templates_are_computed_during_warm_up() {
     assert!(engine.load().kv_cache_usage > 0.0);
     let template_tokens = engine.tokenize(SYSTEM).expect("tokenize").len();
     assert!(template_tokens >= 16, "{template_tokens}");
-    let outcome = collect(
-        engine
-            .submit(request("t", &chat("Name a tall mountain."), greedy(4)))
-            .expect("submit"),
+    let outcome = run(
+        &engine,
+        request("t", &chat("Name a tall mountain."), greedy(4)),
     );
     // Every full block of the template is served from the cache on the first request.
     assert_eq!(
@@ -363,11 +354,7 @@ fn preemption_under_a_tiny_kv_cache_still_completes_every_request() {
 fn stop_strings_and_stop_tokens_end_generation() {
     let engine = start(config());
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
+    let free = run(&engine, request("free", prompt, greedy(24)));
     assert!(free.text.len() > 12, "{:?}", free.text);
 
     // A stop string taken from the middle of the free-running text.
@@ -416,11 +403,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
     assert!(by_token.text.len() < free.text.len());
 
     // The model's end-of-sequence token ends a chat answer.
-    let answer = collect(
-        engine
-            .submit(request("eos", &chat("Say hello."), greedy(200)))
-            .expect("submit"),
-    );
+    let answer = run(&engine, request("eos", &chat("Say hello."), greedy(200)));
     assert_eq!(answer.reason, FinishReason::Stop);
     assert!(!answer.text.contains("<|im_end|>"), "{:?}", answer.text);
 }
@@ -429,11 +412,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
 fn min_tokens_and_ignore_eos_hold_off_the_end() {
     let engine = start(config());
     let question = chat("Say hello.");
-    let answer = collect(
-        engine
-            .submit(request("eos", &question, greedy(200)))
-            .expect("submit"),
-    );
+    let answer = run(&engine, request("eos", &question, greedy(200)));
     assert_eq!(answer.reason, FinishReason::Stop);
     let answered = answer.tokens.len();
 
@@ -482,11 +461,7 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
 
     // A stop id and a stop string are held off the same way.
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
+    let free = run(&engine, request("free", prompt, greedy(24)));
     let stop_id = free.tokens[3];
     let held = collect(
         engine
@@ -530,11 +505,7 @@ fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
         ..config()
     });
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
+    let free = run(&engine, request("free", prompt, greedy(24)));
     let chars: Vec<char> = free.text.chars().collect();
     let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
     let generated_before = engine.load().generation_tokens_total;
@@ -797,10 +768,6 @@ fn bad_requests_are_rejected_with_the_problem_named() {
 
     // Nothing was queued, and a good request still works.
     assert_eq!(engine.load().waiting, 0);
-    let ok = collect(
-        engine
-            .submit(request("ok", "Hello", greedy(2)))
-            .expect("submit"),
-    );
+    let ok = run(&engine, request("ok", "Hello", greedy(2)));
     assert_eq!(ok.tokens.len(), 2);
 }

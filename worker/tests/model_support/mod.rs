@@ -231,6 +231,22 @@ pub struct RefStep {
     pub top_logits: Vec<f32>,
 }
 
+/// Checks each of the reference's top logits at one step against `logits`, within
+/// `tolerance` (`what` names the model in a failure); returns the largest difference.
+pub fn top_logits_diff(logits: &[f32], step: &RefStep, tolerance: f32, what: &str) -> f32 {
+    let mut max_diff = 0f32;
+    for (&id, &want) in step.top_ids.iter().zip(&step.top_logits) {
+        let diff = (logits[id as usize] - want).abs();
+        max_diff = max_diff.max(diff);
+        assert!(
+            diff <= tolerance,
+            "{what}: logit of token {id}: {} vs numpy {want}",
+            logits[id as usize]
+        );
+    }
+    max_diff
+}
+
 /// Greedy decoding of `n_gen` tokens after each prompt by `tests/reference/llama_numpy.py`.
 pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<RefStep>> {
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
