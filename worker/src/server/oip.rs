@@ -596,20 +596,7 @@ mod tests {
     use super::*;
 
     fn text_request(text: &[u8]) -> ModelInferRequest {
-        ModelInferRequest {
-            model_name: "m".into(),
-            inputs: vec![InferInputTensor {
-                name: TEXT_INPUT.into(),
-                datatype: "BYTES".into(),
-                shape: vec![1],
-                contents: Some(InferTensorContents {
-                    bytes_contents: vec![text.to_vec()],
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
+        super::text_request("m", text, [])
     }
 
     fn raw_text_request(text: &[u8]) -> ModelInferRequest {

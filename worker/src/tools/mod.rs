@@ -8,3 +8,16 @@ pub mod bench;
 pub mod collective_bench;
 pub mod testmodel;
 pub mod tp_bench;
+
+/// Each rank thread's result, in rank order; a thread that panicked is an error.
+fn join_ranks<T>(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, anyhow::Result<T>>>,
+) -> Vec<anyhow::Result<T>> {
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank thread panicked")))
+        })
+        .collect()
+}

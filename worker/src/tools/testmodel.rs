@@ -146,18 +146,24 @@ pub fn write_test_model(args: &GenTestModelArgs) -> Result<PathBuf> {
         args.vocab >= min_vocab,
         "vocab must be at least {min_vocab} (specials + 256 bytes)"
     );
-    let (tokens, merges, types) = vocabulary(args.vocab);
+    let vocab = vocabulary(args.vocab);
     let w = random_weights(args);
     match args.format {
-        TestModelFormat::Gguf => write_gguf(args, &w, &tokens, &merges, &types)?,
-        TestModelFormat::Safetensors => write_safetensors(args, &w, &tokens, &merges, &types)?,
+        TestModelFormat::Gguf => write_gguf(args, &w, &vocab)?,
+        TestModelFormat::Safetensors => write_safetensors(args, &w, &vocab)?,
     }
     Ok(args.out.clone())
 }
 
-/// Tokens (specials, the 256 byte symbols, learnt merges, reserved padding), merges, and
-/// GGUF token types.
-fn vocabulary(size: usize) -> (Vec<String>, Vec<String>, Vec<i32>) {
+/// A byte-level BPE vocabulary: tokens (specials, the 256 byte symbols, learnt merges,
+/// reserved padding), merges, and GGUF token types.
+struct Vocabulary {
+    tokens: Vec<String>,
+    merges: Vec<String>,
+    types: Vec<i32>,
+}
+
+fn vocabulary(size: usize) -> Vocabulary {
     let byte_chars = byte_chars();
     let mut tokens: Vec<String> = SPECIAL_TOKENS.iter().map(|s| s.to_string()).collect();
     let mut types = vec![3; SPECIAL_TOKENS.len()];
@@ -210,7 +216,11 @@ fn vocabulary(size: usize) -> (Vec<String>, Vec<String>, Vec<i32>) {
         tokens.push(format!("<|reserved_{}|>", tokens.len()));
         types.push(3);
     }
-    (tokens, merges, types)
+    Vocabulary {
+        tokens,
+        merges,
+        types,
+    }
 }
 
 fn byte_chars() -> Vec<char> {
@@ -293,13 +303,12 @@ fn random_weights(a: &GenTestModelArgs) -> RandomWeights {
     RandomWeights { tensors }
 }
 
-fn write_gguf(
-    a: &GenTestModelArgs,
-    w: &RandomWeights,
-    tokens: &[String],
-    merges: &[String],
-    types: &[i32],
-) -> Result<()> {
+fn write_gguf(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
+    let Vocabulary {
+        tokens,
+        merges,
+        types,
+    } = vocab;
     let hd = a.dim / a.heads;
     let s = |v: &str| Value::String(v.to_string());
     let u = |v: usize| Value::U32(v as u32);
@@ -423,13 +432,12 @@ fn hf_name(name: &str) -> String {
     }
 }
 
-fn write_safetensors(
-    a: &GenTestModelArgs,
-    w: &RandomWeights,
-    tokens: &[String],
-    merges: &[String],
-    types: &[i32],
-) -> Result<()> {
+fn write_safetensors(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
+    let Vocabulary {
+        tokens,
+        merges,
+        types,
+    } = vocab;
     let dir = &a.out;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (dtype, elem) = match a.weight_type {
