@@ -97,6 +97,21 @@ fn against_scalar(seed: u64, mut check: impl FnMut(&Kernels, &Kernels, &mut Rng)
     }
 }
 
+/// `dot`, a quantised dot product of weights `w` (dequantised) with `x` quantised as `xq`,
+/// is the exact product but for activation rounding: at most half a step per element.
+fn assert_within_rounding(dot: f32, w: &[f32], x: &[f32], xq: &[BlockQ8Act], what: &str) {
+    let exact = scalar::dot_f32_scalar(w, x);
+    let bound: f32 = w
+        .chunks(QK)
+        .zip(xq)
+        .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
+        .sum();
+    assert!(
+        (dot - exact).abs() <= bound * 1.01 + 1e-4,
+        "{what}: {dot} vs exact {exact} (bound {bound})"
+    );
+}
+
 fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
     let mut out = vec![BlockQ8Act::default(); x.len() / QK];
     (k.quantize_act)(x, &mut out);
@@ -160,18 +175,7 @@ fn quantised_dot_products_match_scalar() {
                     "q4_1" => quant::dequantize_q4_1(&q41, &mut deq),
                     _ => quant::dequantize_q8_0(&q80, &mut deq),
                 }
-                // Against the exact product with the same weights, only activation rounding
-                // (at most half a step per element) remains.
-                let exact = scalar::dot_f32_scalar(&deq, &x);
-                let bound: f32 = deq
-                    .chunks(QK)
-                    .zip(&xq)
-                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
-                    .sum();
-                assert!(
-                    (s - exact).abs() <= bound * 1.01 + 1e-4,
-                    "{name}: {s} vs exact {exact} (bound {bound})"
-                );
+                assert_within_rounding(s, &deq, &x, &xq, name);
             }
         }
     });
@@ -923,20 +927,9 @@ fn gguf_block_dot_products_match_scalar_and_the_dequantised_weights() {
         for case in gguf_block_cases(&mut rng, 3, supers) {
             for r in 0..3 {
                 let s = (case.dot)(&scalar, r, &xq);
-                // Against the exact product with the same weights, only activation rounding
-                // (at most half a step per element) remains.
                 let w = &case.dequantized[r * cols..(r + 1) * cols];
-                let exact = scalar::dot_f32_scalar(w, &x);
-                let bound: f32 = w
-                    .chunks(QK)
-                    .zip(&xq)
-                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
-                    .sum();
-                assert!(
-                    (s - exact).abs() <= bound * 1.01 + 1e-4,
-                    "{} {supers} super-blocks: {s} vs exact {exact} (bound {bound})",
-                    case.name
-                );
+                let what = format!("{} {supers} super-blocks", case.name);
+                assert_within_rounding(s, w, &x, &xq, &what);
                 for fast in &simd {
                     let f = (case.dot)(fast, r, &xq);
                     assert!(

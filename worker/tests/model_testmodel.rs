@@ -161,18 +161,18 @@ fn every_weight_storage_loads_and_tracks_f32() {
     }
 }
 
+/// `auto` with prompts of up to 4 tokens at int8, so longer ones take the full-precision path.
+const INT8_UP_TO_4: PrecisionPolicy = PrecisionPolicy::Auto {
+    int8_max_prompt_tokens: 4,
+};
+
 /// Under `auto`, a block-quantised file is held once: full-precision chunks widen its blocks
 /// per tile instead of keeping an f32 copy, with exactly the results of the f32 copy.
 #[test]
 fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     let d = tempfile::tempdir().unwrap();
     let path = gguf_model(d.path(), TestWeightType::Q4_1);
-    let auto = load(
-        &path,
-        PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: 4,
-        },
-    );
+    let auto = load(&path, INT8_UP_TO_4);
     let int8 = load(&path, PrecisionPolicy::Int8);
     let fp32 = load(&path, PrecisionPolicy::Fp32);
     assert_eq!(auto.weight_bytes(), int8.weight_bytes());
@@ -202,12 +202,7 @@ fn default_auto_holds_no_float_copy_it_never_reads() {
     };
     assert_eq!(every_prompt_int8.precisions(), [WeightPrecision::Int8]);
     let default = load(&path, every_prompt_int8);
-    let limited = load(
-        &path,
-        PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: 4,
-        },
-    );
+    let limited = load(&path, INT8_UP_TO_4);
     assert!(default.weight_bytes() < limited.weight_bytes());
     let ids = default.tokenizer().encode("once upon a time");
     assert_eq!(

@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use npufleet_worker::api::{
-    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
-    SamplingParams, SubmitError,
+    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream,
+    LoadSnapshot, Prompt, SamplingParams, SubmitError,
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
@@ -46,6 +46,11 @@ fn config() -> EngineConfig {
         warmup_iterations: 2,
         ..EngineConfig::default()
     }
+}
+
+/// Waits until the engine's load report satisfies `done`.
+fn wait_load(engine: &EngineHandle, done: impl Fn(&LoadSnapshot) -> bool, what: &str) {
+    wait_for(engine, |e| done(&e.load()), what);
 }
 
 fn wait_for(engine: &EngineHandle, done: impl Fn(&EngineHandle) -> bool, what: &str) {
@@ -274,12 +279,9 @@ fn a_full_queue_refuses_at_once() {
     // Dropping the streams cancels everything, queued or running.
     drop(running);
     drop(waiting);
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.waiting == 0
-        },
+        |load| load.running == 0 && load.waiting == 0,
         "cancelled requests to leave",
     );
 }
@@ -301,12 +303,9 @@ fn cancelling_a_running_request_frees_its_blocks() {
         "the running request's blocks to show",
     );
     drop(stream);
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.kv_cache_usage == 0.0
-        },
+        |load| load.running == 0 && load.kv_cache_usage == 0.0,
         "the cancelled request's blocks to be freed",
     );
     let generated = engine.load().generation_tokens_total;
@@ -531,12 +530,9 @@ fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
         stopped.usage.completion_tokens as usize,
         stopped.tokens.len()
     );
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.kv_cache_usage == 0.0
-        },
+        |load| load.running == 0 && load.kv_cache_usage == 0.0,
         "the stopped sequence to leave the core",
     );
     let generated = engine.load().generation_tokens_total - generated_before;

@@ -728,6 +728,11 @@ async fn greedy_answer(client: &reqwest::Client, worker: &Worker, question: &str
     (text.to_string(), hits)
 }
 
+/// At least one block of the prompt came from the prefix cache.
+fn assert_hit(hits: f64, what: &str) {
+    assert!(hits >= 16.0, "{what} hit only {hits} cached tokens");
+}
+
 /// Temperature 0 gives the same text whether the prompt's prefix came from the cache or was
 /// computed, on the real model at the default precision policy: the same chat request twice
 /// (the second a full hit), and two requests sharing only their first blocks, each checked
@@ -749,7 +754,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
     let (computed, hits) = greedy_answer(&client, &warm, long).await;
     assert_eq!(hits, 0.0, "a fresh worker had {hits} cached tokens");
     let (cached, hits) = greedy_answer(&client, &warm, long).await;
-    assert!(hits >= 16.0, "the repeat hit only {hits} cached tokens");
+    assert_hit(hits, "the repeat");
     assert_eq!(
         cached, computed,
         "a full prefix-cache hit changed the answer"
@@ -757,10 +762,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
 
     // `short` shares the chat template and the question's first words with `long`.
     let (partly_cached, hits) = greedy_answer(&client, &warm, short).await;
-    assert!(
-        hits >= 16.0,
-        "the shared prefix hit only {hits} cached tokens"
-    );
+    assert_hit(hits, "the shared prefix");
     let (short_computed, hits) = greedy_answer(&client, &fresh, short).await;
     assert_eq!(hits, 0.0);
     assert_eq!(
@@ -769,10 +771,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
     );
     // And the other way round: `long` after `short` on the second worker.
     let (long_partly_cached, hits) = greedy_answer(&client, &fresh, long).await;
-    assert!(
-        hits >= 16.0,
-        "the shared prefix hit only {hits} cached tokens"
-    );
+    assert_hit(hits, "the shared prefix");
     assert_eq!(
         long_partly_cached, computed,
         "a partial hit changed the answer"

@@ -304,11 +304,6 @@ fn random_weights(a: &GenTestModelArgs) -> RandomWeights {
 }
 
 fn write_gguf(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
-    let Vocabulary {
-        tokens,
-        merges,
-        types,
-    } = vocab;
     let hd = a.dim / a.heads;
     let s = |v: &str| Value::String(v.to_string());
     let u = |v: usize| Value::U32(v as u32);
@@ -332,15 +327,15 @@ fn write_gguf(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Re
         ("tokenizer.ggml.pre".to_string(), s("smollm")),
         (
             "tokenizer.ggml.tokens".to_string(),
-            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+            Value::Array(vocab.tokens.iter().map(|t| s(t)).collect()),
         ),
         (
             "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            Value::Array(vocab.types.iter().map(|&t| Value::I32(t)).collect()),
         ),
         (
             "tokenizer.ggml.merges".to_string(),
-            Value::Array(merges.iter().map(|m| s(m)).collect()),
+            Value::Array(vocab.merges.iter().map(|m| s(m)).collect()),
         ),
         ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(1)),
         ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(2)),
@@ -433,11 +428,6 @@ fn hf_name(name: &str) -> String {
 }
 
 fn write_safetensors(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
-    let Vocabulary {
-        tokens,
-        merges,
-        types,
-    } = vocab;
     let dir = &a.out;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (dtype, elem) = match a.weight_type {
@@ -501,13 +491,14 @@ fn write_safetensors(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
-    let added: Vec<(u32, bool)> = types
+    let added: Vec<(u32, bool)> = vocab
+        .types
         .iter()
         .enumerate()
         .filter(|(_, t)| **t == 3)
         .map(|(i, _)| (i as u32, true))
         .collect();
-    byte_level_bpe(tokens, merges, &added, "smollm")?
+    byte_level_bpe(&vocab.tokens, &vocab.merges, &added, "smollm")?
         .save(dir.join("tokenizer.json"), true)
         .map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))?;
     let tokenizer_config = serde_json::json!({
