@@ -11,7 +11,7 @@ use npufleet_worker::api::ChatMessage;
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::collective::{Collective, CollectiveError};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
-use npufleet_worker::tools::testmodel::{
+use npufleet_worker_testkit::testmodel::{
     GenTestModelArgs, TestModelFormat, TestWeightType, write_into,
 };
 
@@ -209,40 +209,6 @@ fn default_auto_holds_no_float_copy_it_never_reads() {
         prompt_logits(&default, &ids, WeightPrecision::Int8),
         prompt_logits(&limited, &ids, WeightPrecision::Int8)
     );
-}
-
-#[test]
-fn command_line_writes_a_loadable_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("tiny.gguf");
-    let stdout = run_ok(
-        std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-            .args(["gen-test-model", "--format", "gguf", "--layers", "1"])
-            .args(["--dim", "32", "--heads", "2", "--kv-heads", "1"])
-            .args(["--vocab", "300", "--seed", "3", "--out"])
-            .arg(&out),
-        "gen-test-model",
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&stdout).trim(),
-        out.display().to_string()
-    );
-    let model = load(&out, PrecisionPolicy::Fp32);
-    assert_eq!(
-        (
-            model.config().n_layers,
-            model.config().dim,
-            model.config().vocab_size
-        ),
-        (1, 32, 300)
-    );
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-        .args(["gen-test-model", "--vocab", "10", "--out"])
-        .arg(dir.path().join("x.gguf"))
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("vocab must be at least"));
 }
 
 #[test]

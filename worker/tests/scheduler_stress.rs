@@ -12,7 +12,7 @@ use npufleet_worker::api::{
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 
 use model_support::collect_within;
 

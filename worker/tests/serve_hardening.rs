@@ -13,7 +13,7 @@ use npufleet_contract::proto::inference::ModelInferRequest;
 use npufleet_contract::proto::inference::ModelStreamInferResponse;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_worker::server::oip;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker, error_message, get_text, open_stream, poll_until, post};
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use npufleet_test_support::net::free_port;
 use npufleet_worker::tools::collective_bench::{loopback_rank_env, loopback_rank_table};
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, write_into};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, write_into};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker};
 

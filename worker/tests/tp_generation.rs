@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use model_support::smollm2_path as smollm2;
 use npufleet_worker::model::PrecisionPolicy;
 use npufleet_worker::tools::collective_bench;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, write_into};
 use npufleet_worker::tools::tp_bench::generate_in_process;
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, write_into};
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog";
 

@@ -17,7 +17,7 @@ use std::time::Duration;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::{ModelInferRequest, ModelStreamInferResponse};
 use npufleet_test_support::wait;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::Value;
 
 pub const MODEL_NAME: &str = "tiny";

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::backend::{Matrix, quant};
-use crate::model::gguf::{self, TensorType, Value, WriteTensor};
-use crate::model::tokenizer::byte_level_bpe;
-use crate::model::weights::rotary_half_to_adjacent;
+use npufleet_worker::backend::{Matrix, quant};
+use npufleet_worker::model::gguf::{self, TensorType, Value, WriteTensor};
+use npufleet_worker::model::tokenizer::byte_level_bpe;
+use npufleet_worker::model::weights::rotary_half_to_adjacent;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TestModelFormat {
