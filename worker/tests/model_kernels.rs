@@ -464,27 +464,16 @@ fn block_formats_round_trip() {
     let mut rng = Rng(5);
     let x = rng.vec(5 * QK, 1.0);
     let mut out = vec![0f32; x.len()];
+    let within = |out: &[f32], step: f32| x.iter().zip(out).all(|(a, b)| (a - b).abs() <= step);
     let q8 = quant::quantize_q8_0(&x);
     quant::dequantize_q8_0(&q8, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 1.0 / 127.0 + 1e-3)
-    );
+    assert!(within(&out, 1.0 / 127.0 + 1e-3));
     let q41 = quant::quantize_q4_1(&x);
     quant::dequantize_q4_1(&q41, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 2.0 / 15.0 * 0.5 + 2e-3)
-    );
+    assert!(within(&out, 2.0 / 15.0 * 0.5 + 2e-3));
     let q40 = quant::quantize_q4_0(&x);
     quant::dequantize_q4_0(&q40, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 1.0 / 8.0 + 2e-3)
-    );
+    assert!(within(&out, 1.0 / 8.0 + 2e-3));
     // The GGUF byte encodings parse back to the same blocks.
     assert_eq!(quant::parse_q8_0(&quant::q8_0_bytes(&q8)), q8);
     assert_eq!(quant::parse_q4_1(&quant::q4_1_bytes(&q41)), q41);

@@ -161,6 +161,15 @@ fn every_weight_storage_loads_and_tracks_f32() {
     }
 }
 
+/// Both models give `text` exactly the same prompt logits at `precision`.
+fn assert_same_logits(a: &Model, b: &Model, text: &str, precision: WeightPrecision) {
+    let ids = a.tokenizer().encode(text);
+    assert_eq!(
+        prompt_logits(a, &ids, precision),
+        prompt_logits(b, &ids, precision)
+    );
+}
+
 /// `auto` with prompts of up to 4 tokens at int8, so longer ones take the full-precision path.
 const INT8_UP_TO_4: PrecisionPolicy = PrecisionPolicy::Auto {
     int8_max_prompt_tokens: 4,
@@ -181,13 +190,8 @@ fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     assert_eq!(auto.decode_weight_bytes(), int8.decode_weight_bytes());
     assert!(auto.decode_weight_bytes() < auto.weight_bytes());
     assert!(fp32.decode_weight_bytes() > 3 * auto.decode_weight_bytes());
-    let ids = auto
-        .tokenizer()
-        .encode("once upon a time there was a little model");
-    assert_eq!(
-        prompt_logits(&auto, &ids, WeightPrecision::Full),
-        prompt_logits(&fp32, &ids, WeightPrecision::Full)
-    );
+    let text = "once upon a time there was a little model";
+    assert_same_logits(&auto, &fp32, text, WeightPrecision::Full);
 }
 
 /// Under the default `auto`, every prompt runs at int8, so a float file's layers that have
@@ -204,10 +208,11 @@ fn default_auto_holds_no_float_copy_it_never_reads() {
     let default = load(&path, every_prompt_int8);
     let limited = load(&path, INT8_UP_TO_4);
     assert!(default.weight_bytes() < limited.weight_bytes());
-    let ids = default.tokenizer().encode("once upon a time");
-    assert_eq!(
-        prompt_logits(&default, &ids, WeightPrecision::Int8),
-        prompt_logits(&limited, &ids, WeightPrecision::Int8)
+    assert_same_logits(
+        &default,
+        &limited,
+        "once upon a time",
+        WeightPrecision::Int8,
     );
 }
 

@@ -66,6 +66,12 @@ fn collect(stream: GenerationStream) -> Outcome {
     collect_within(stream, DEADLINE)
 }
 
+/// Three characters from the middle of `text`, to stop a generation at.
+fn middle_piece(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
+    chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect()
+}
+
 /// Submits `request` and reads its answer to the end.
 fn run(engine: &EngineHandle, request: GenerateRequest) -> Outcome {
     collect(engine.submit(request).expect("submit"))
@@ -101,6 +107,14 @@ fn greedy(max_tokens: u32) -> SamplingParams {
     SamplingParams {
         max_tokens: Some(max_tokens),
         ..SamplingParams::default()
+    }
+}
+
+/// Greedy, ending at any of `stop`.
+fn stopping_at(stop: Vec<String>, max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        stop,
+        ..greedy(max_tokens)
     }
 }
 
@@ -357,20 +371,15 @@ fn stop_strings_and_stop_tokens_end_generation() {
     assert!(free.text.len() > 12, "{:?}", free.text);
 
     // A stop string taken from the middle of the free-running text.
-    let chars: Vec<char> = free.text.chars().collect();
-    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let stop = middle_piece(&free.text);
     let cut = &free.text[..free.text.find(&stop).expect("stop string occurs")];
-    let stopped = collect(
-        engine
-            .submit(request(
-                "stop",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop.clone(), "\u{1F600}never".into()],
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let stopped = run(
+        &engine,
+        request(
+            "stop",
+            prompt,
+            stopping_at(vec![stop.clone(), "\u{1F600}never".into()], 24),
+        ),
     );
     assert_eq!(stopped.reason, FinishReason::Stop);
     assert_eq!(stopped.text, cut, "stop string {stop:?}");
@@ -378,17 +387,16 @@ fn stop_strings_and_stop_tokens_end_generation() {
 
     // A stop token id: generation ends on it and its text is not returned.
     let stop_id = free.tokens[3];
-    let by_token = collect(
-        engine
-            .submit(request(
-                "stop-id",
-                prompt,
-                SamplingParams {
-                    stop_token_ids: vec![stop_id],
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let by_token = run(
+        &engine,
+        request(
+            "stop-id",
+            prompt,
+            SamplingParams {
+                stop_token_ids: vec![stop_id],
+                ..greedy(24)
+            },
+        ),
     );
     let first_at = free
         .tokens
@@ -418,17 +426,16 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
     // The end-of-sequence id is never sampled before min_tokens: the answer goes on past it
     // and agrees with the free answer up to where that one ended.
     let min_tokens = answered as u32 + 10;
-    let longer = collect(
-        engine
-            .submit(request(
-                "min",
-                &question,
-                SamplingParams {
-                    min_tokens,
-                    ..greedy(200)
-                },
-            ))
-            .expect("submit"),
+    let longer = run(
+        &engine,
+        request(
+            "min",
+            &question,
+            SamplingParams {
+                min_tokens,
+                ..greedy(200)
+            },
+        ),
     );
     assert!(
         longer.usage.completion_tokens >= min_tokens,
@@ -440,17 +447,16 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
     assert!(!longer.text.contains("<|im_"), "{:?}", longer.text);
 
     // ignore_eos: exactly max_tokens, and the special tokens it passes are no text.
-    let all = collect(
-        engine
-            .submit(request(
-                "ignore",
-                &question,
-                SamplingParams {
-                    ignore_eos: true,
-                    ..greedy(40)
-                },
-            ))
-            .expect("submit"),
+    let all = run(
+        &engine,
+        request(
+            "ignore",
+            &question,
+            SamplingParams {
+                ignore_eos: true,
+                ..greedy(40)
+            },
+        ),
     );
     assert_eq!(all.reason, FinishReason::Length);
     assert_eq!(all.usage.completion_tokens, 40);
@@ -462,34 +468,32 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
     let prompt = "Here is a list of fruits: apple, banana,";
     let free = run(&engine, request("free", prompt, greedy(24)));
     let stop_id = free.tokens[3];
-    let held = collect(
-        engine
-            .submit(request(
-                "held-id",
-                prompt,
-                SamplingParams {
-                    stop_token_ids: vec![stop_id],
-                    min_tokens: 10,
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let held = run(
+        &engine,
+        request(
+            "held-id",
+            prompt,
+            SamplingParams {
+                stop_token_ids: vec![stop_id],
+                min_tokens: 10,
+                ..greedy(24)
+            },
+        ),
     );
     assert!(held.tokens.len() > 10, "{:?}", held.tokens);
     assert!(!held.tokens[..10].contains(&stop_id));
     let stop: String = free.text.chars().skip(4).take(3).collect();
-    let held = collect(
-        engine
-            .submit(request(
-                "held-string",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop],
-                    min_tokens: 24,
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let held = run(
+        &engine,
+        request(
+            "held-string",
+            prompt,
+            SamplingParams {
+                stop: vec![stop],
+                min_tokens: 24,
+                ..greedy(24)
+            },
+        ),
     );
     assert_eq!(held.reason, FinishReason::Length);
     assert_eq!(held.text, free.text);
@@ -505,20 +509,11 @@ fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
     });
     let prompt = "Here is a list of fruits: apple, banana,";
     let free = run(&engine, request("free", prompt, greedy(24)));
-    let chars: Vec<char> = free.text.chars().collect();
-    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let stop = middle_piece(&free.text);
     let generated_before = engine.load().generation_tokens_total;
-    let stopped = collect(
-        engine
-            .submit(request(
-                "stop",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop.clone()],
-                    ..greedy(2000)
-                },
-            ))
-            .expect("submit"),
+    let stopped = run(
+        &engine,
+        request("stop", prompt, stopping_at(vec![stop.clone()], 2000)),
     );
     assert_eq!(stopped.reason, FinishReason::Stop);
     assert_eq!(

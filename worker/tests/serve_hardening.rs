@@ -170,11 +170,8 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
 async fn an_idle_grpc_stream_does_not_hold_shutdown() {
     let mut worker = Worker::start(&["--drain-timeout", "30"]).await;
     let mut client = worker.grpc_client().await;
-    let (requests, mut responses) = open_stream(&mut client).await;
-    requests
-        .send(text_request("idle-1", b"hello", 3))
-        .await
-        .unwrap();
+    let (requests, mut responses) =
+        open_stream(&mut client, text_request("idle-1", b"hello", 3)).await;
     // Read the one request's responses to its final one; the stream then stays open, idle.
     loop {
         let response: ModelStreamInferResponse = responses.message().await.unwrap().unwrap();
@@ -235,11 +232,8 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
         })
         .collect();
     let mut grpc = worker.grpc_client().await;
-    let (requests, mut grpc_responses) = open_stream(&mut grpc).await;
-    requests
-        .send(text_request("long", b"hello world", 2000))
-        .await
-        .unwrap();
+    let (requests, mut grpc_responses) =
+        open_stream(&mut grpc, text_request("long", b"hello world", 2000)).await;
     let http = worker.http.clone();
     poll_until(
         Duration::from_secs(30),
@@ -347,8 +341,7 @@ async fn an_oversized_grpc_message_names_the_limit() {
         "{status:?}"
     );
 
-    let (requests, mut responses) = open_stream(&mut client).await;
-    requests.send(text_request("big", &big, 4)).await.unwrap();
+    let (_requests, mut responses) = open_stream(&mut client, text_request("big", &big, 4)).await;
     let status = responses.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(

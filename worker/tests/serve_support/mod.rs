@@ -257,9 +257,11 @@ pub fn error_message(body: &Value) -> &str {
         .unwrap_or_else(|| panic!("no error message in {body}"))
 }
 
-/// Opens an Open Inference Protocol stream; requests go in through the sender.
+/// Opens an Open Inference Protocol stream with `first` on it; later requests go in through
+/// the sender.
 pub async fn open_stream(
     client: &mut GrpcInferenceServiceClient<tonic::transport::Channel>,
+    first: ModelInferRequest,
 ) -> (
     tokio::sync::mpsc::Sender<ModelInferRequest>,
     tonic::Streaming<ModelStreamInferResponse>,
@@ -270,6 +272,7 @@ pub async fn open_stream(
         .await
         .unwrap()
         .into_inner();
+    requests.send(first).await.unwrap();
     (requests, responses)
 }
 
