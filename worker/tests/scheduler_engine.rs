@@ -118,6 +118,14 @@ fn stopping_at(stop: Vec<String>, max_tokens: u32) -> SamplingParams {
     }
 }
 
+/// Greedy, ending on the token `stop_id`.
+fn ending_on(stop_id: u32, max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        stop_token_ids: vec![stop_id],
+        ..greedy(max_tokens)
+    }
+}
+
 fn sampled(max_tokens: u32, seed: u64) -> SamplingParams {
     SamplingParams {
         max_tokens: Some(max_tokens),
@@ -387,17 +395,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
 
     // A stop token id: generation ends on it and its text is not returned.
     let stop_id = free.tokens[3];
-    let by_token = run(
-        &engine,
-        request(
-            "stop-id",
-            prompt,
-            SamplingParams {
-                stop_token_ids: vec![stop_id],
-                ..greedy(24)
-            },
-        ),
-    );
+    let by_token = run(&engine, request("stop-id", prompt, ending_on(stop_id, 24)));
     let first_at = free
         .tokens
         .iter()
@@ -474,9 +472,8 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
             "held-id",
             prompt,
             SamplingParams {
-                stop_token_ids: vec![stop_id],
                 min_tokens: 10,
-                ..greedy(24)
+                ..ending_on(stop_id, 24)
             },
         ),
     );
