@@ -45,12 +45,11 @@ async fn a_tp2_service_scales_by_whole_groups_and_every_group_serves() -> Result
     npufleet_tests::on_shared_cluster(|c, client| async move {
         let bed = Testbed::start(c, &client, "autoscaling-tp", 42, MANAGER).await?;
         let ns = bed.namespace.clone();
-        let worker = paths::workspace_bin("npufleet-worker")?;
         // A random-weight model whose 8 heads and 4 KV heads split over 2 ranks.
         let model = c.scratch().join("tp-model.gguf");
-        let mut generate = std::process::Command::new(&worker);
+        let mut generate = std::process::Command::new(paths::workspace_bin("npufleet-gen-test-model")?);
         generate
-            .args(["gen-test-model", "--layers", "2", "--dim", "128", "--heads", "8"])
+            .args(["--layers", "2", "--dim", "128", "--heads", "8"])
             .args(["--kv-heads", "4", "--context", "2048", "--out"])
             .arg(&model);
         process::stdout_of(generate)?;

@@ -16,8 +16,6 @@ enum Command {
     Bench(npufleet_worker::tools::bench::BenchArgs),
     /// Measure ring all-reduce bus bandwidth for the in-process and TCP transports.
     CollectiveBench(npufleet_worker::tools::collective_bench::CollectiveBenchArgs),
-    /// Write a small deterministic random-weight model (GGUF or safetensors) for tests.
-    GenTestModel(npufleet_worker::tools::testmodel::GenTestModelArgs),
     /// Run an HCCL all-reduce self-test across the ranks of a rank table (Ascend hosts).
     HcclSelftest(npufleet_worker::tools::ascend_selftest::SelftestArgs),
 }
@@ -28,7 +26,6 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => npufleet_worker::startup::run(args),
         Command::Bench(args) => npufleet_worker::tools::bench::run(args),
         Command::CollectiveBench(args) => npufleet_worker::tools::collective_bench::run(args),
-        Command::GenTestModel(args) => npufleet_worker::tools::testmodel::run(args),
         Command::HcclSelftest(args) => npufleet_worker::tools::ascend_selftest::run(args),
     };
     match result {

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use npufleet_test_support::net::free_addr;
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_npufleet-worker");
 const DEFAULT_CANN_LIB64: &str = "/usr/local/Ascend/ascend-toolkit/latest/lib64";
@@ -49,14 +50,11 @@ fn text(out: &Output) -> String {
 }
 
 fn test_model(dir: &Path) -> PathBuf {
-    let path = dir.join("tiny.gguf");
-    let out = Command::new(WORKER)
-        .args(["gen-test-model", "--out"])
-        .arg(&path)
-        .output()
-        .expect("running gen-test-model");
-    assert!(out.status.success(), "gen-test-model: {}", text(&out));
-    path
+    write_test_model(&GenTestModelArgs::new(
+        dir.join("tiny.gguf"),
+        TestModelFormat::Gguf,
+    ))
+    .expect("writing the test model")
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod model_support;
 use std::process::Command;
 
 use half::f16;
-use model_support::setup_path;
+use model_support::{run_ok, setup_path};
 use npufleet_worker::backend::kquant::{self, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K};
 use npufleet_worker::backend::quant::{self, Q5_0_BYTES, Q5_1_BYTES, QK};
 
@@ -45,18 +45,14 @@ fn gguf_dequantize(name: &str, bytes: &[u8], type_name: &str) -> Vec<f32> {
         from gguf import GGMLQuantizationType as T\n\
         raw = np.fromfile(sys.argv[1], dtype=np.uint8)\n\
         dequantize(raw, T[sys.argv[2]]).astype(np.float32).tofile(sys.argv[3])\n";
-    let out = Command::new(setup_path("python-env.sh"))
-        .arg("-c")
-        .arg(script)
-        .arg(&input)
-        .arg(type_name)
-        .arg(&output)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "gguf dequantize failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        Command::new(setup_path("python-env.sh"))
+            .arg("-c")
+            .arg(script)
+            .arg(&input)
+            .arg(type_name)
+            .arg(&output),
+        "gguf dequantize",
     );
     std::fs::read(&output)
         .unwrap()
@@ -78,28 +74,41 @@ fn assert_bit_equal(name: &str, ours: &[f32], theirs: &[f32]) {
 
 const BLOCKS: usize = 64;
 
+/// `BLOCKS` random super-blocks of `type_name` (seeded by `seed`, with f16 fields at
+/// `f16_at`) dequantise through `ours` bit for bit as through the gguf package.
+fn assert_k_quant_matches(
+    seed: u64,
+    block_bytes: usize,
+    f16_at: &[usize],
+    type_name: &str,
+    ours: impl Fn(&[u8], &mut [f32]),
+) {
+    let bytes = random_blocks(seed, BLOCKS, block_bytes, f16_at);
+    let mut values = vec![0f32; BLOCKS * QK_K];
+    ours(&bytes, &mut values);
+    let name = type_name.to_lowercase();
+    assert_bit_equal(&name, &values, &gguf_dequantize(&name, &bytes, type_name));
+}
+
 #[test]
 fn q4_k_dequantises_as_the_gguf_package_does() {
-    let bytes = random_blocks(1, BLOCKS, Q4_K_BYTES, &[0, 2]);
-    let mut ours = vec![0f32; BLOCKS * QK_K];
-    kquant::dequantize_q4_k(&kquant::parse_q4_k(&bytes), &mut ours);
-    assert_bit_equal("q4_k", &ours, &gguf_dequantize("q4_k", &bytes, "Q4_K"));
+    assert_k_quant_matches(1, Q4_K_BYTES, &[0, 2], "Q4_K", |bytes, out| {
+        kquant::dequantize_q4_k(&kquant::parse_q4_k(bytes), out)
+    });
 }
 
 #[test]
 fn q5_k_dequantises_as_the_gguf_package_does() {
-    let bytes = random_blocks(2, BLOCKS, Q5_K_BYTES, &[0, 2]);
-    let mut ours = vec![0f32; BLOCKS * QK_K];
-    kquant::dequantize_q5_k(&kquant::parse_q5_k(&bytes), &mut ours);
-    assert_bit_equal("q5_k", &ours, &gguf_dequantize("q5_k", &bytes, "Q5_K"));
+    assert_k_quant_matches(2, Q5_K_BYTES, &[0, 2], "Q5_K", |bytes, out| {
+        kquant::dequantize_q5_k(&kquant::parse_q5_k(bytes), out)
+    });
 }
 
 #[test]
 fn q6_k_dequantises_as_the_gguf_package_does() {
-    let bytes = random_blocks(3, BLOCKS, Q6_K_BYTES, &[208]);
-    let mut ours = vec![0f32; BLOCKS * QK_K];
-    kquant::dequantize_q6_k(&kquant::parse_q6_k(&bytes), &mut ours);
-    assert_bit_equal("q6_k", &ours, &gguf_dequantize("q6_k", &bytes, "Q6_K"));
+    assert_k_quant_matches(3, Q6_K_BYTES, &[208], "Q6_K", |bytes, out| {
+        kquant::dequantize_q6_k(&kquant::parse_q6_k(bytes), out)
+    });
 }
 
 /// The fallback types of k-quant files, `Q5_0` and `Q5_1`.

@@ -89,6 +89,29 @@ fn kernel_sets() -> (Kernels, Vec<Kernels>) {
     (sets.remove(0), simd)
 }
 
+/// Runs `check` with the scalar reference against each SIMD set, each from a fresh `Rng(seed)`.
+fn against_scalar(seed: u64, mut check: impl FnMut(&Kernels, &Kernels, &mut Rng)) {
+    let (scalar, simd) = kernel_sets();
+    for fast in &simd {
+        check(&scalar, fast, &mut Rng(seed));
+    }
+}
+
+/// `dot`, a quantised dot product of weights `w` (dequantised) with `x` quantised as `xq`,
+/// is the exact product but for activation rounding: at most half a step per element.
+fn assert_within_rounding(dot: f32, w: &[f32], x: &[f32], xq: &[BlockQ8Act], what: &str) {
+    let exact = scalar::dot_f32_scalar(w, x);
+    let bound: f32 = w
+        .chunks(QK)
+        .zip(xq)
+        .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
+        .sum();
+    assert!(
+        (dot - exact).abs() <= bound * 1.01 + 1e-4,
+        "{what}: {dot} vs exact {exact} (bound {bound})"
+    );
+}
+
 fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
     let mut out = vec![BlockQ8Act::default(); x.len() / QK];
     (k.quantize_act)(x, &mut out);
@@ -97,35 +120,31 @@ fn quantize(k: &Kernels, x: &[f32]) -> Vec<BlockQ8Act> {
 
 #[test]
 fn activation_quantisation_matches_scalar_exactly() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(7);
+    against_scalar(7, |scalar, fast, rng| {
         for blocks in [1, 3, 18, 49] {
             let mut x = rng.vec(blocks * QK, 3.0);
             x[5] = 0.0;
             let zeros = [0f32; QK];
             for input in [&x[..], &zeros[..]] {
                 assert_eq!(
-                    quantize(&scalar, input),
+                    quantize(scalar, input),
                     quantize(fast, input),
                     "{blocks} blocks"
                 );
             }
         }
-    }
+    });
 }
 
 #[test]
 fn quantised_dot_products_match_scalar() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(11);
+    against_scalar(11, |scalar, fast, rng| {
         // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
         // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
         for blocks in [1, 2, 7, 18, 33, 48] {
             let w = rng.vec(blocks * QK, 0.5);
             let x = rng.vec(blocks * QK, 2.0);
-            let xq = quantize(&scalar, &x);
+            let xq = quantize(scalar, &x);
             let q40 = quant::quantize_q4_0(&w);
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
@@ -156,21 +175,10 @@ fn quantised_dot_products_match_scalar() {
                     "q4_1" => quant::dequantize_q4_1(&q41, &mut deq),
                     _ => quant::dequantize_q8_0(&q80, &mut deq),
                 }
-                // Against the exact product with the same weights, only activation rounding
-                // (at most half a step per element) remains.
-                let exact = scalar::dot_f32_scalar(&deq, &x);
-                let bound: f32 = deq
-                    .chunks(QK)
-                    .zip(&xq)
-                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
-                    .sum();
-                assert!(
-                    (s - exact).abs() <= bound * 1.01 + 1e-4,
-                    "{name}: {s} vs exact {exact} (bound {bound})"
-                );
+                assert_within_rounding(s, &deq, &x, &xq, name);
             }
         }
-    }
+    });
 }
 
 /// One weight-row group against every activation row of `x`.
@@ -182,9 +190,9 @@ fn group<B>(kernel: GroupKernel<B>, w: &[B], x: &[BlockQ8Act]) -> Vec<[f32; GROU
 
 #[test]
 fn grouped_kernels_match_scalar_for_every_batch_size() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(17);
+    // Every SIMD set is also checked against the first.
+    let simd = kernel_sets().1;
+    against_scalar(17, |scalar, fast, rng| {
         // Past one kernel pass (8 rows) a group is expanded once in spans of at most 16
         // blocks: 18, 33 and 48 blocks split into 2 × 9, 3 × 11 and 3 × 16.
         for blocks in [1, 2, 7, 18, 33, 48] {
@@ -193,7 +201,7 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
             let x = rng.vec(32 * cols, 2.0);
-            let xq = quantize(&scalar, &x);
+            let xq = quantize(scalar, &x);
             for n in (1..=9).chain([16, 17, 32]) {
                 let xq = &xq[..n * blocks];
                 let q41_scalar = group(scalar.gemm_q4_1_group, &q41, xq);
@@ -242,7 +250,7 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
                 );
             }
         }
-    }
+    });
 }
 
 #[test]
@@ -291,9 +299,7 @@ fn exponential_kernels_match_the_standard_library() {
 
 #[test]
 fn float_kernels_match_scalar() {
-    let (scalar, simd) = kernel_sets();
-    for fast in &simd {
-        let mut rng = Rng(3);
+    against_scalar(3, |scalar, fast, rng| {
         for n in [1, 7, 8, 15, 16, 17, 63, 64, 577] {
             let a = rng.vec(n, 1.0);
             let b = rng.vec(n, 1.0);
@@ -309,7 +315,7 @@ fn float_kernels_match_scalar() {
                     let (p, q) = (o1[j * 9 + r], o2[j * 9 + r]);
                     assert!(close(p, q, 1e-5), "dot_f32_rows n={n} [{j}][{r}]");
                     // A product is the same bits alone as inside a block.
-                    for (k, got) in [(&scalar, p), (fast, q)] {
+                    for (k, got) in [(scalar, p), (fast, q)] {
                         let mut one = [0f32];
                         let (wr, xj) = (&w[r * n..(r + 1) * n], &x[j * n..(j + 1) * n]);
                         (k.dot_f32_rows)(wr, xj, n, &mut one, 1);
@@ -363,7 +369,7 @@ fn float_kernels_match_scalar() {
                 assert!(close(*p, *q, 1e-5), "axpy_strided n={n}");
             }
         }
-    }
+    });
 }
 
 /// Keys and values rounded to f16, and the same values widened back to f32.
@@ -458,27 +464,16 @@ fn block_formats_round_trip() {
     let mut rng = Rng(5);
     let x = rng.vec(5 * QK, 1.0);
     let mut out = vec![0f32; x.len()];
+    let within = |out: &[f32], step: f32| x.iter().zip(out).all(|(a, b)| (a - b).abs() <= step);
     let q8 = quant::quantize_q8_0(&x);
     quant::dequantize_q8_0(&q8, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 1.0 / 127.0 + 1e-3)
-    );
+    assert!(within(&out, 1.0 / 127.0 + 1e-3));
     let q41 = quant::quantize_q4_1(&x);
     quant::dequantize_q4_1(&q41, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 2.0 / 15.0 * 0.5 + 2e-3)
-    );
+    assert!(within(&out, 2.0 / 15.0 * 0.5 + 2e-3));
     let q40 = quant::quantize_q4_0(&x);
     quant::dequantize_q4_0(&q40, &mut out);
-    assert!(
-        x.iter()
-            .zip(&out)
-            .all(|(a, b)| (a - b).abs() <= 1.0 / 8.0 + 2e-3)
-    );
+    assert!(within(&out, 1.0 / 8.0 + 2e-3));
     // The GGUF byte encodings parse back to the same blocks.
     assert_eq!(quant::parse_q8_0(&quant::q8_0_bytes(&q8)), q8);
     assert_eq!(quant::parse_q4_1(&quant::q4_1_bytes(&q41)), q41);
@@ -921,20 +916,9 @@ fn gguf_block_dot_products_match_scalar_and_the_dequantised_weights() {
         for case in gguf_block_cases(&mut rng, 3, supers) {
             for r in 0..3 {
                 let s = (case.dot)(&scalar, r, &xq);
-                // Against the exact product with the same weights, only activation rounding
-                // (at most half a step per element) remains.
                 let w = &case.dequantized[r * cols..(r + 1) * cols];
-                let exact = scalar::dot_f32_scalar(w, &x);
-                let bound: f32 = w
-                    .chunks(QK)
-                    .zip(&xq)
-                    .map(|(w, b)| w.iter().map(|v| v.abs()).sum::<f32>() * b.d * 0.5)
-                    .sum();
-                assert!(
-                    (s - exact).abs() <= bound * 1.01 + 1e-4,
-                    "{} {supers} super-blocks: {s} vs exact {exact} (bound {bound})",
-                    case.name
-                );
+                let what = format!("{} {supers} super-blocks", case.name);
+                assert_within_rounding(s, w, &x, &xq, &what);
                 for fast in &simd {
                     let f = (case.dot)(fast, r, &xq);
                     assert!(

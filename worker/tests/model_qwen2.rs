@@ -96,16 +96,9 @@ fn assert_matches_reference(path: &Path, policy: PrecisionPolicy) -> f32 {
             &forced,
             WeightPrecision::Full,
         )) {
-            for (&id, &want) in s.top_ids.iter().zip(&s.top_logits) {
-                let diff = (logits[id as usize] - want).abs();
-                max_diff = max_diff.max(diff);
-                assert!(
-                    diff <= LOGIT_TOLERANCE,
-                    "{}: logit of token {id}: {} vs numpy {want}",
-                    path.display(),
-                    logits[id as usize]
-                );
-            }
+            let what = path.display().to_string();
+            let diff = top_logits_diff(&logits, s, LOGIT_TOLERANCE, &what);
+            max_diff = max_diff.max(diff);
         }
         let distinct: std::collections::HashSet<_> = forced.iter().collect();
         assert!(

@@ -11,7 +11,7 @@ use npufleet_worker::api::ChatMessage;
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::collective::{Collective, CollectiveError};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy, SequenceChunk, WeightPrecision};
-use npufleet_worker::tools::testmodel::{
+use npufleet_worker_testkit::testmodel::{
     GenTestModelArgs, TestModelFormat, TestWeightType, write_into,
 };
 
@@ -161,18 +161,27 @@ fn every_weight_storage_loads_and_tracks_f32() {
     }
 }
 
+/// Both models give `text` exactly the same prompt logits at `precision`.
+fn assert_same_logits(a: &Model, b: &Model, text: &str, precision: WeightPrecision) {
+    let ids = a.tokenizer().encode(text);
+    assert_eq!(
+        prompt_logits(a, &ids, precision),
+        prompt_logits(b, &ids, precision)
+    );
+}
+
+/// `auto` with prompts of up to 4 tokens at int8, so longer ones take the full-precision path.
+const INT8_UP_TO_4: PrecisionPolicy = PrecisionPolicy::Auto {
+    int8_max_prompt_tokens: 4,
+};
+
 /// Under `auto`, a block-quantised file is held once: full-precision chunks widen its blocks
 /// per tile instead of keeping an f32 copy, with exactly the results of the f32 copy.
 #[test]
 fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     let d = tempfile::tempdir().unwrap();
     let path = gguf_model(d.path(), TestWeightType::Q4_1);
-    let auto = load(
-        &path,
-        PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: 4,
-        },
-    );
+    let auto = load(&path, INT8_UP_TO_4);
     let int8 = load(&path, PrecisionPolicy::Int8);
     let fp32 = load(&path, PrecisionPolicy::Fp32);
     assert_eq!(auto.weight_bytes(), int8.weight_bytes());
@@ -181,13 +190,8 @@ fn auto_holds_quantised_weights_once_and_widens_them_exactly() {
     assert_eq!(auto.decode_weight_bytes(), int8.decode_weight_bytes());
     assert!(auto.decode_weight_bytes() < auto.weight_bytes());
     assert!(fp32.decode_weight_bytes() > 3 * auto.decode_weight_bytes());
-    let ids = auto
-        .tokenizer()
-        .encode("once upon a time there was a little model");
-    assert_eq!(
-        prompt_logits(&auto, &ids, WeightPrecision::Full),
-        prompt_logits(&fp32, &ids, WeightPrecision::Full)
-    );
+    let text = "once upon a time there was a little model";
+    assert_same_logits(&auto, &fp32, text, WeightPrecision::Full);
 }
 
 /// Under the default `auto`, every prompt runs at int8, so a float file's layers that have
@@ -202,67 +206,14 @@ fn default_auto_holds_no_float_copy_it_never_reads() {
     };
     assert_eq!(every_prompt_int8.precisions(), [WeightPrecision::Int8]);
     let default = load(&path, every_prompt_int8);
-    let limited = load(
-        &path,
-        PrecisionPolicy::Auto {
-            int8_max_prompt_tokens: 4,
-        },
-    );
+    let limited = load(&path, INT8_UP_TO_4);
     assert!(default.weight_bytes() < limited.weight_bytes());
-    let ids = default.tokenizer().encode("once upon a time");
-    assert_eq!(
-        prompt_logits(&default, &ids, WeightPrecision::Int8),
-        prompt_logits(&limited, &ids, WeightPrecision::Int8)
+    assert_same_logits(
+        &default,
+        &limited,
+        "once upon a time",
+        WeightPrecision::Int8,
     );
-}
-
-#[test]
-fn command_line_writes_a_loadable_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("tiny.gguf");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-        .args([
-            "gen-test-model",
-            "--format",
-            "gguf",
-            "--layers",
-            "1",
-            "--dim",
-            "32",
-            "--heads",
-            "2",
-            "--kv-heads",
-            "1",
-        ])
-        .args(["--vocab", "300", "--seed", "3", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        status.status.success(),
-        "{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&status.stdout).trim(),
-        out.display().to_string()
-    );
-    let model = load(&out, PrecisionPolicy::Fp32);
-    assert_eq!(
-        (
-            model.config().n_layers,
-            model.config().dim,
-            model.config().vocab_size
-        ),
-        (1, 32, 300)
-    );
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_npufleet-worker"))
-        .args(["gen-test-model", "--vocab", "10", "--out"])
-        .arg(dir.path().join("x.gguf"))
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("vocab must be at least"));
 }
 
 #[test]

@@ -2,47 +2,27 @@
 //! change results, the prefix cache is reused, the queue bound, cancellation, preemption,
 //! stop conditions, drain and input validation behave as the `Engine` contract says.
 
+mod model_support;
+
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use npufleet_worker::api::{
-    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
-    RequestTimings, SamplingParams, SubmitError, Usage,
+    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream,
+    LoadSnapshot, Prompt, SamplingParams, SubmitError,
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
+
+use model_support::{Outcome, collect_within, smollm2_path};
 
 const DEADLINE: Duration = Duration::from_secs(180);
 
 /// SmolLM2-135M-Instruct (Q4_1 GGUF), fetched into the cache by the set-up script.
 fn model_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let script = PathBuf::from(
-            std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
-        )
-        .join("../tests/setup/model.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .output()
-            .expect("running tests/setup/model.sh");
-        assert!(
-            out.status.success(),
-            "model.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).expect("model.sh prints a path");
-        PathBuf::from(
-            stdout
-                .lines()
-                .last()
-                .expect("model.sh prints a path")
-                .trim(),
-        )
-    })
-    .clone()
+    PATH.get_or_init(smollm2_path).clone()
 }
 
 fn start(cfg: EngineConfig) -> Arc<EngineHandle> {
@@ -68,6 +48,11 @@ fn config() -> EngineConfig {
     }
 }
 
+/// Waits until the engine's load report satisfies `done`.
+fn wait_load(engine: &EngineHandle, done: impl Fn(&LoadSnapshot) -> bool, what: &str) {
+    wait_for(engine, |e| done(&e.load()), what);
+}
+
 fn wait_for(engine: &EngineHandle, done: impl Fn(&EngineHandle) -> bool, what: &str) {
     let deadline = Instant::now() + DEADLINE;
     while !done(engine) {
@@ -76,55 +61,38 @@ fn wait_for(engine: &EngineHandle, done: impl Fn(&EngineHandle) -> bool, what: &
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-struct Outcome {
-    tokens: Vec<u32>,
-    text: String,
-    reason: FinishReason,
-    usage: Usage,
-    timings: RequestTimings,
-}
-
 /// Reads a stream to its end; panics on a failure event or a stream that ends early.
 fn collect(stream: GenerationStream) -> Outcome {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        let mut stream = stream;
-        let mut tokens = Vec::new();
-        let mut text = String::new();
-        loop {
-            let event = tokio::time::timeout(DEADLINE, stream.recv())
-                .await
-                .expect("timed out waiting for an event")
-                .expect("the stream ended without a final event");
-            match event {
-                GenerationEvent::Token {
-                    token_id,
-                    text: piece,
-                } => {
-                    tokens.push(token_id);
-                    text.push_str(&piece);
-                }
-                GenerationEvent::Finished {
-                    reason,
-                    usage,
-                    timings,
-                } => {
-                    return Outcome {
-                        tokens,
-                        text,
-                        reason,
-                        usage,
-                        timings,
-                    };
-                }
-                GenerationEvent::Failed { message } => panic!("request failed: {message}"),
-            }
-        }
-    })
+    collect_within(stream, DEADLINE)
+}
+
+/// Three characters from the middle of `text`, to stop a generation at.
+fn middle_piece(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
+    chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect()
+}
+
+/// Submits `request` and reads its answer to the end.
+fn run(engine: &EngineHandle, request: GenerateRequest) -> Outcome {
+    collect(engine.submit(request).expect("submit"))
+}
+
+/// The field a refused submit blames and the message.
+fn invalid_param<T: std::fmt::Debug>(result: Result<T, SubmitError>) -> (&'static str, String) {
+    match result {
+        Err(SubmitError::Invalid {
+            message,
+            param: Some(param),
+        }) => (param, message),
+        other => panic!("expected Invalid naming a field, got {other:?}"),
+    }
+}
+
+/// The message of a submit refused as invalid, checked to blame `param`.
+fn refused(engine: &EngineHandle, request: GenerateRequest, param: &str) -> String {
+    let (blamed, message) = invalid_param(engine.submit(request));
+    assert_eq!(blamed, param, "{message}");
+    message
 }
 
 fn request(id: &str, prompt: &str, params: SamplingParams) -> GenerateRequest {
@@ -142,6 +110,22 @@ fn greedy(max_tokens: u32) -> SamplingParams {
     }
 }
 
+/// Greedy, ending at any of `stop`.
+fn stopping_at(stop: Vec<String>, max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        stop,
+        ..greedy(max_tokens)
+    }
+}
+
+/// Greedy, ending on the token `stop_id`.
+fn ending_on(stop_id: u32, max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        stop_token_ids: vec![stop_id],
+        ..greedy(max_tokens)
+    }
+}
+
 fn sampled(max_tokens: u32, seed: u64) -> SamplingParams {
     SamplingParams {
         max_tokens: Some(max_tokens),
@@ -154,10 +138,7 @@ fn sampled(max_tokens: u32, seed: u64) -> SamplingParams {
 }
 
 fn run_alone(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
-    requests
-        .iter()
-        .map(|r| collect(engine.submit(r.clone()).expect("submit")))
-        .collect()
+    requests.iter().map(|r| run(engine, r.clone())).collect()
 }
 
 fn run_together(engine: &EngineHandle, requests: &[GenerateRequest]) -> Vec<Outcome> {
@@ -218,10 +199,9 @@ fn batched_results_equal_unbatched_results() {
     }
     // Seeds matter: "b" and "e" share a seed but not a prompt; the same seed and prompt
     // with another seed gives another continuation.
-    let reseeded = collect(
-        start(config())
-            .submit(request("b", "Once upon a time", sampled(16, 8)))
-            .expect("submit"),
+    let reseeded = run(
+        &start(config()),
+        request("b", "Once upon a time", sampled(16, 8)),
     );
     assert_ne!(reseeded.tokens, alone[1].tokens);
     assert!(
@@ -235,20 +215,11 @@ fn batched_results_equal_unbatched_results() {
 fn prefix_cache_serves_a_repeated_system_prompt() {
     let engine = start(config());
     let prompt = chat("Name a large desert.");
-    let first = collect(
-        engine
-            .submit(request("1", &prompt, greedy(8)))
-            .expect("submit"),
-    );
-    let second = collect(
-        engine
-            .submit(request("2", &prompt, greedy(8)))
-            .expect("submit"),
-    );
-    let other = collect(
-        engine
-            .submit(request("3", &chat("Name a long river."), greedy(8)))
-            .expect("submit"),
+    let first = run(&engine, request("1", &prompt, greedy(8)));
+    let second = run(&engine, request("2", &prompt, greedy(8)));
+    let other = run(
+        &engine,
+        request("3", &chat("Name a long river."), greedy(8)),
     );
 
     assert_eq!(first.usage.cached_prompt_tokens, 0);
@@ -289,10 +260,9 @@ fn prefix_templates_are_computed_during_warm_up() {
     assert!(engine.load().kv_cache_usage > 0.0);
     let template_tokens = engine.tokenize(SYSTEM).expect("tokenize").len();
     assert!(template_tokens >= 16, "{template_tokens}");
-    let outcome = collect(
-        engine
-            .submit(request("t", &chat("Name a tall mountain."), greedy(4)))
-            .expect("submit"),
+    let outcome = run(
+        &engine,
+        request("t", &chat("Name a tall mountain."), greedy(4)),
     );
     // Every full block of the template is served from the cache on the first request.
     assert_eq!(
@@ -331,12 +301,9 @@ fn a_full_queue_refuses_at_once() {
     // Dropping the streams cancels everything, queued or running.
     drop(running);
     drop(waiting);
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.waiting == 0
-        },
+        |load| load.running == 0 && load.waiting == 0,
         "cancelled requests to leave",
     );
 }
@@ -358,12 +325,9 @@ fn cancelling_a_running_request_frees_its_blocks() {
         "the running request's blocks to show",
     );
     drop(stream);
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.kv_cache_usage == 0.0
-        },
+        |load| load.running == 0 && load.kv_cache_usage == 0.0,
         "the cancelled request's blocks to be freed",
     );
     let generated = engine.load().generation_tokens_total;
@@ -411,28 +375,19 @@ fn preemption_under_a_tiny_kv_cache_still_completes_every_request() {
 fn stop_strings_and_stop_tokens_end_generation() {
     let engine = start(config());
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
+    let free = run(&engine, request("free", prompt, greedy(24)));
     assert!(free.text.len() > 12, "{:?}", free.text);
 
     // A stop string taken from the middle of the free-running text.
-    let chars: Vec<char> = free.text.chars().collect();
-    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let stop = middle_piece(&free.text);
     let cut = &free.text[..free.text.find(&stop).expect("stop string occurs")];
-    let stopped = collect(
-        engine
-            .submit(request(
-                "stop",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop.clone(), "\u{1F600}never".into()],
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let stopped = run(
+        &engine,
+        request(
+            "stop",
+            prompt,
+            stopping_at(vec![stop.clone(), "\u{1F600}never".into()], 24),
+        ),
     );
     assert_eq!(stopped.reason, FinishReason::Stop);
     assert_eq!(stopped.text, cut, "stop string {stop:?}");
@@ -440,18 +395,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
 
     // A stop token id: generation ends on it and its text is not returned.
     let stop_id = free.tokens[3];
-    let by_token = collect(
-        engine
-            .submit(request(
-                "stop-id",
-                prompt,
-                SamplingParams {
-                    stop_token_ids: vec![stop_id],
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
-    );
+    let by_token = run(&engine, request("stop-id", prompt, ending_on(stop_id, 24)));
     let first_at = free
         .tokens
         .iter()
@@ -464,11 +408,7 @@ fn stop_strings_and_stop_tokens_end_generation() {
     assert!(by_token.text.len() < free.text.len());
 
     // The model's end-of-sequence token ends a chat answer.
-    let answer = collect(
-        engine
-            .submit(request("eos", &chat("Say hello."), greedy(200)))
-            .expect("submit"),
-    );
+    let answer = run(&engine, request("eos", &chat("Say hello."), greedy(200)));
     assert_eq!(answer.reason, FinishReason::Stop);
     assert!(!answer.text.contains("<|im_end|>"), "{:?}", answer.text);
 }
@@ -477,28 +417,23 @@ fn stop_strings_and_stop_tokens_end_generation() {
 fn min_tokens_and_ignore_eos_hold_off_the_end() {
     let engine = start(config());
     let question = chat("Say hello.");
-    let answer = collect(
-        engine
-            .submit(request("eos", &question, greedy(200)))
-            .expect("submit"),
-    );
+    let answer = run(&engine, request("eos", &question, greedy(200)));
     assert_eq!(answer.reason, FinishReason::Stop);
     let answered = answer.tokens.len();
 
     // The end-of-sequence id is never sampled before min_tokens: the answer goes on past it
     // and agrees with the free answer up to where that one ended.
     let min_tokens = answered as u32 + 10;
-    let longer = collect(
-        engine
-            .submit(request(
-                "min",
-                &question,
-                SamplingParams {
-                    min_tokens,
-                    ..greedy(200)
-                },
-            ))
-            .expect("submit"),
+    let longer = run(
+        &engine,
+        request(
+            "min",
+            &question,
+            SamplingParams {
+                min_tokens,
+                ..greedy(200)
+            },
+        ),
     );
     assert!(
         longer.usage.completion_tokens >= min_tokens,
@@ -510,17 +445,16 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
     assert!(!longer.text.contains("<|im_"), "{:?}", longer.text);
 
     // ignore_eos: exactly max_tokens, and the special tokens it passes are no text.
-    let all = collect(
-        engine
-            .submit(request(
-                "ignore",
-                &question,
-                SamplingParams {
-                    ignore_eos: true,
-                    ..greedy(40)
-                },
-            ))
-            .expect("submit"),
+    let all = run(
+        &engine,
+        request(
+            "ignore",
+            &question,
+            SamplingParams {
+                ignore_eos: true,
+                ..greedy(40)
+            },
+        ),
     );
     assert_eq!(all.reason, FinishReason::Length);
     assert_eq!(all.usage.completion_tokens, 40);
@@ -530,40 +464,33 @@ fn min_tokens_and_ignore_eos_hold_off_the_end() {
 
     // A stop id and a stop string are held off the same way.
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
+    let free = run(&engine, request("free", prompt, greedy(24)));
     let stop_id = free.tokens[3];
-    let held = collect(
-        engine
-            .submit(request(
-                "held-id",
-                prompt,
-                SamplingParams {
-                    stop_token_ids: vec![stop_id],
-                    min_tokens: 10,
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let held = run(
+        &engine,
+        request(
+            "held-id",
+            prompt,
+            SamplingParams {
+                min_tokens: 10,
+                ..ending_on(stop_id, 24)
+            },
+        ),
     );
     assert!(held.tokens.len() > 10, "{:?}", held.tokens);
     assert!(!held.tokens[..10].contains(&stop_id));
     let stop: String = free.text.chars().skip(4).take(3).collect();
-    let held = collect(
-        engine
-            .submit(request(
-                "held-string",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop],
-                    min_tokens: 24,
-                    ..greedy(24)
-                },
-            ))
-            .expect("submit"),
+    let held = run(
+        &engine,
+        request(
+            "held-string",
+            prompt,
+            SamplingParams {
+                stop: vec![stop],
+                min_tokens: 24,
+                ..greedy(24)
+            },
+        ),
     );
     assert_eq!(held.reason, FinishReason::Length);
     assert_eq!(held.text, free.text);
@@ -578,25 +505,12 @@ fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
         ..config()
     });
     let prompt = "Here is a list of fruits: apple, banana,";
-    let free = collect(
-        engine
-            .submit(request("free", prompt, greedy(24)))
-            .expect("submit"),
-    );
-    let chars: Vec<char> = free.text.chars().collect();
-    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let free = run(&engine, request("free", prompt, greedy(24)));
+    let stop = middle_piece(&free.text);
     let generated_before = engine.load().generation_tokens_total;
-    let stopped = collect(
-        engine
-            .submit(request(
-                "stop",
-                prompt,
-                SamplingParams {
-                    stop: vec![stop.clone()],
-                    ..greedy(2000)
-                },
-            ))
-            .expect("submit"),
+    let stopped = run(
+        &engine,
+        request("stop", prompt, stopping_at(vec![stop.clone()], 2000)),
     );
     assert_eq!(stopped.reason, FinishReason::Stop);
     assert_eq!(
@@ -608,12 +522,9 @@ fn a_stop_string_cancels_its_sequence_in_the_engine_core() {
         stopped.usage.completion_tokens as usize,
         stopped.tokens.len()
     );
-    wait_for(
+    wait_load(
         &engine,
-        |e| {
-            let load = e.load();
-            load.running == 0 && load.kv_cache_usage == 0.0
-        },
+        |load| load.running == 0 && load.kv_cache_usage == 0.0,
         "the stopped sequence to leave the core",
     );
     let generated = engine.load().generation_tokens_total - generated_before;
@@ -652,38 +563,32 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
     assert!(outcome.timings.queued <= outcome.timings.first_token);
 
     // Asking for more than the room left is a mistake the client hears about.
-    let too_many = engine.submit(GenerateRequest {
-        id: "too-many".into(),
-        prompt: Prompt::Tokens(prompt.clone()),
-        params: SamplingParams {
-            max_tokens: Some(23),
-            ..SamplingParams::default()
+    let message = refused(
+        &engine,
+        GenerateRequest {
+            id: "too-many".into(),
+            prompt: Prompt::Tokens(prompt.clone()),
+            params: SamplingParams {
+                max_tokens: Some(23),
+                ..SamplingParams::default()
+            },
         },
-    });
-    let Err(SubmitError::Invalid {
-        message,
-        param: Some("max_tokens"),
-    }) = too_many
-    else {
-        panic!("expected Invalid, got {too_many:?}");
-    };
+        "max_tokens",
+    );
     assert!(
         message.contains("max_tokens is 23") && message.contains("at most 22"),
         "{message}"
     );
 
-    let too_long = engine.submit(GenerateRequest {
-        id: "long".into(),
-        prompt: Prompt::Tokens((0..32).collect()),
-        params: SamplingParams::default(),
-    });
-    let Err(SubmitError::Invalid {
-        message,
-        param: Some("prompt"),
-    }) = too_long
-    else {
-        panic!("expected Invalid, got {too_long:?}");
-    };
+    let message = refused(
+        &engine,
+        GenerateRequest {
+            id: "long".into(),
+            prompt: Prompt::Tokens((0..32).collect()),
+            params: SamplingParams::default(),
+        },
+        "prompt",
+    );
     assert!(
         message.contains("32") && message.contains("KV cache"),
         "{message}"
@@ -750,20 +655,13 @@ fn bad_requests_are_rejected_with_the_problem_named() {
     let context = engine.model_info().context_length;
     // The message, checked to name the field it blames.
     let invalid = |params: SamplingParams, prompt: Prompt| -> String {
-        match engine.submit(GenerateRequest {
+        let (param, message) = invalid_param(engine.submit(GenerateRequest {
             id: "bad".into(),
             prompt,
             params,
-        }) {
-            Err(SubmitError::Invalid {
-                message,
-                param: Some(param),
-            }) => {
-                assert!(message.contains(param), "{param}: {message}");
-                message
-            }
-            other => panic!("expected Invalid naming a field, got {other:?}"),
-        }
+        }));
+        assert!(message.contains(param), "{param}: {message}");
+        message
     };
     let text = || Prompt::Text("Hello".into());
 
@@ -858,10 +756,6 @@ fn bad_requests_are_rejected_with_the_problem_named() {
 
     // Nothing was queued, and a good request still works.
     assert_eq!(engine.load().waiting, 0);
-    let ok = collect(
-        engine
-            .submit(request("ok", "Hello", greedy(2)))
-            .expect("submit"),
-    );
+    let ok = run(&engine, request("ok", "Hello", greedy(2)));
     assert_eq!(ok.tokens.len(), 2);
 }

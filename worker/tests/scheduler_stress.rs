@@ -2,16 +2,19 @@
 //! once (queueing behind a full batch, chunked prefill, preemption, both weight precisions,
 //! the prefix cache), must give each request exactly what it gives when run alone.
 
+mod model_support;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use npufleet_worker::api::{
-    Engine, EngineState, FinishReason, GenerateRequest, GenerationEvent, GenerationStream, Prompt,
-    SamplingParams,
+    Engine, EngineState, FinishReason, GenerateRequest, GenerationStream, Prompt, SamplingParams,
 };
 use npufleet_worker::engine::{self, EngineConfig, EngineHandle, KvCacheSize};
 use npufleet_worker::model::{LoadOptions, Model, PrecisionPolicy};
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+
+use model_support::collect_within;
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -48,28 +51,12 @@ fn start(model_dir: &std::path::Path, cfg: EngineConfig) -> Arc<EngineHandle> {
 
 /// Token ids and finish reason of one request.
 fn collect(stream: GenerationStream) -> (Vec<u32>, FinishReason) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        let mut stream = stream;
-        let mut tokens = Vec::new();
-        loop {
-            match tokio::time::timeout(DEADLINE, stream.recv())
-                .await
-                .expect("timed out")
-                .expect("stream ended early")
-            {
-                GenerationEvent::Token { token_id, .. } => tokens.push(token_id),
-                GenerationEvent::Finished { reason, usage, .. } => {
-                    assert_eq!(usage.completion_tokens as usize, tokens.len());
-                    return (tokens, reason);
-                }
-                GenerationEvent::Failed { message } => panic!("failed: {message}"),
-            }
-        }
-    })
+    let outcome = collect_within(stream, DEADLINE);
+    assert_eq!(
+        outcome.usage.completion_tokens as usize,
+        outcome.tokens.len()
+    );
+    (outcome.tokens, outcome.reason)
 }
 
 fn requests() -> Vec<GenerateRequest> {

@@ -50,10 +50,10 @@ fn an_unreadable_model_is_named() {
 #[test]
 fn bad_prefix_templates_are_named() {
     let dir = tempfile::tempdir().unwrap();
-    let model = npufleet_worker::tools::testmodel::write_test_model(
-        &npufleet_worker::tools::testmodel::GenTestModelArgs::new(
+    let model = npufleet_worker_testkit::testmodel::write_test_model(
+        &npufleet_worker_testkit::testmodel::GenTestModelArgs::new(
             dir.path().join("m.gguf"),
-            npufleet_worker::tools::testmodel::TestModelFormat::Gguf,
+            npufleet_worker_testkit::testmodel::TestModelFormat::Gguf,
         ),
     )
     .unwrap();

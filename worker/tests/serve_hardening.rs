@@ -13,15 +13,9 @@ use npufleet_contract::proto::inference::ModelInferRequest;
 use npufleet_contract::proto::inference::ModelStreamInferResponse;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_worker::server::oip;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker, poll_until};
-
-async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let response = client.post(url).json(&body).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
+use serve_support::{MODEL_NAME, Worker, error_message, get_text, open_stream, poll_until, post};
 
 fn text_request(id: &str, text: &[u8], max_tokens: i64) -> ModelInferRequest {
     let mut request = oip::text_request(
@@ -44,14 +38,7 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
 }
 
 async fn scrape(client: &reqwest::Client, worker: &Worker) -> String {
-    client
-        .get(format!("{}/metrics", worker.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    get_text(client, &format!("{}/metrics", worker.http)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,10 +161,7 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("GET is not allowed on /v1/completions"),
+        error_message(&body).contains("GET is not allowed on /v1/completions"),
         "{body}"
     );
 }
@@ -186,16 +170,8 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
 async fn an_idle_grpc_stream_does_not_hold_shutdown() {
     let mut worker = Worker::start(&["--drain-timeout", "30"]).await;
     let mut client = worker.grpc_client().await;
-    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
-    let mut responses = client
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
-    requests
-        .send(text_request("idle-1", b"hello", 3))
-        .await
-        .unwrap();
+    let (requests, mut responses) =
+        open_stream(&mut client, text_request("idle-1", b"hello", 3)).await;
     // Read the one request's responses to its final one; the stream then stays open, idle.
     loop {
         let response: ModelStreamInferResponse = responses.message().await.unwrap().unwrap();
@@ -256,16 +232,8 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
         })
         .collect();
     let mut grpc = worker.grpc_client().await;
-    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
-    let mut grpc_responses = grpc
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
-    requests
-        .send(text_request("long", b"hello world", 2000))
-        .await
-        .unwrap();
+    let (requests, mut grpc_responses) =
+        open_stream(&mut grpc, text_request("long", b"hello world", 2000)).await;
     let http = worker.http.clone();
     poll_until(
         Duration::from_secs(30),
@@ -354,11 +322,7 @@ async fn a_drain_that_gives_up_tells_every_client_and_exits_non_zero() {
     assert!(told >= 1, "every request finished inside the drain timeout");
     let status = worker.wait_exit(Duration::from_secs(10)).await;
     assert!(!status.success(), "exit status {status:?}");
-    assert!(
-        worker.log().contains("requests unanswered"),
-        "{}",
-        worker.log()
-    );
+    worker.assert_logged("requests unanswered");
     drop(requests);
 }
 
@@ -377,13 +341,7 @@ async fn an_oversized_grpc_message_names_the_limit() {
         "{status:?}"
     );
 
-    let (requests, outgoing) = tokio::sync::mpsc::channel(1);
-    let mut responses = client
-        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
-        .await
-        .unwrap()
-        .into_inner();
-    requests.send(text_request("big", &big, 4)).await.unwrap();
+    let (_requests, mut responses) = open_stream(&mut client, text_request("big", &big, 4)).await;
     let status = responses.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(
@@ -763,6 +721,11 @@ async fn greedy_answer(client: &reqwest::Client, worker: &Worker, question: &str
     (text.to_string(), hits)
 }
 
+/// At least one block of the prompt came from the prefix cache.
+fn assert_hit(hits: f64, what: &str) {
+    assert!(hits >= 16.0, "{what} hit only {hits} cached tokens");
+}
+
 /// Temperature 0 gives the same text whether the prompt's prefix came from the cache or was
 /// computed, on the real model at the default precision policy: the same chat request twice
 /// (the second a full hit), and two requests sharing only their first blocks, each checked
@@ -784,7 +747,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
     let (computed, hits) = greedy_answer(&client, &warm, long).await;
     assert_eq!(hits, 0.0, "a fresh worker had {hits} cached tokens");
     let (cached, hits) = greedy_answer(&client, &warm, long).await;
-    assert!(hits >= 16.0, "the repeat hit only {hits} cached tokens");
+    assert_hit(hits, "the repeat");
     assert_eq!(
         cached, computed,
         "a full prefix-cache hit changed the answer"
@@ -792,10 +755,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
 
     // `short` shares the chat template and the question's first words with `long`.
     let (partly_cached, hits) = greedy_answer(&client, &warm, short).await;
-    assert!(
-        hits >= 16.0,
-        "the shared prefix hit only {hits} cached tokens"
-    );
+    assert_hit(hits, "the shared prefix");
     let (short_computed, hits) = greedy_answer(&client, &fresh, short).await;
     assert_eq!(hits, 0.0);
     assert_eq!(
@@ -804,10 +764,7 @@ async fn a_prefix_cache_hit_does_not_change_a_greedy_answer() {
     );
     // And the other way round: `long` after `short` on the second worker.
     let (long_partly_cached, hits) = greedy_answer(&client, &fresh, long).await;
-    assert!(
-        hits >= 16.0,
-        "the shared prefix hit only {hits} cached tokens"
-    );
+    assert_hit(hits, "the shared prefix");
     assert_eq!(
         long_partly_cached, computed,
         "a partial hit changed the answer"

@@ -6,20 +6,16 @@ mod serve_support;
 
 use serde_json::{Value, json};
 use serve_support::in_process::InProcessWorker;
-use serve_support::{MODEL_NAME, Worker, sse_data};
-
-async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let response = client.post(url).json(&body).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
-}
+use serve_support::{
+    MODEL_NAME, Worker, error_message, get_json, get_text, post, post_raw, post_stream,
+};
 
 #[tokio::test]
 async fn openai_endpoints_generate_and_stream() {
     let worker = Worker::start(&[]).await;
     let client = reqwest::Client::new();
 
-    let (status, models) = post_get(&client, &format!("{}/v1/models", worker.http)).await;
+    let (status, models) = get_json(&client, &format!("{}/v1/models", worker.http)).await;
     assert_eq!(status, 200);
     assert_eq!(models["data"][0]["id"], MODEL_NAME);
 
@@ -46,21 +42,16 @@ async fn openai_endpoints_generate_and_stream() {
         .to_string();
 
     // Streaming the same greedy request gives the same text, chunk by chunk.
-    let body = client
-        .post(format!("{}/v1/completions", worker.http))
-        .json(&json!({
+    let events = post_stream(
+        &client,
+        &format!("{}/v1/completions", worker.http),
+        &json!({
             "model": MODEL_NAME, "prompt": "hello world", "max_tokens": 8, "temperature": 0,
             "stream": true, "stream_options": {"include_usage": true},
-        }))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let events = sse_data(&body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    let chunks: Vec<Value> = events[..events.len() - 1]
+        }),
+    )
+    .await;
+    let chunks: Vec<Value> = events
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
         .collect();
@@ -87,24 +78,17 @@ async fn openai_endpoints_generate_and_stream() {
     assert_eq!(status, 200, "{chat}");
     assert_eq!(chat["object"], "chat.completion");
     assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
-    let body = client
-        .post(format!("{}/v1/chat/completions", worker.http))
-        .json(
-            &json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 4, "temperature": 0, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let events = sse_data(&body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let events = post_stream(
+        &client,
+        &format!("{}/v1/chat/completions", worker.http),
+        &json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "temperature": 0, "stream": true}),
+    )
+    .await;
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(first["object"], "chat.completion.chunk");
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
-    let streamed: String = events[..events.len() - 1]
+    let streamed: String = events
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).unwrap())
         .filter_map(|c| {
@@ -119,51 +103,25 @@ async fn openai_endpoints_generate_and_stream() {
     );
 }
 
-async fn post_get(client: &reqwest::Client, url: &str) -> (u16, Value) {
-    let response = client.get(url).send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
 #[tokio::test]
 async fn bad_requests_get_clear_errors() {
     let worker = InProcessWorker::with(|config| config.max_body_bytes = 65536).await;
     let client = reqwest::Client::new();
     let completions = format!("{}/v1/completions", worker.http);
 
-    let response = client
-        .post(&completions)
-        .header("content-type", "application/json")
-        .body("{\"prompt\": ")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
+    let (status, body) = post_raw(&client, &completions, "{\"prompt\": ").await;
+    assert_eq!(status, 400);
     assert_eq!(body["error"]["type"], "invalid_request_error");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("not valid JSON")
-    );
+    assert!(error_message(&body).contains("not valid JSON"));
 
-    let response = client
-        .post(&completions)
-        .header("content-type", "application/json")
-        .body(b"{\"prompt\": \"\xff\xfe\"}".to_vec())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("invalid unicode"),
-        "{body}"
-    );
+    let (status, body) = post_raw(
+        &client,
+        &completions,
+        b"{\"prompt\": \"\xff\xfe\"}".to_vec(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(error_message(&body).contains("invalid unicode"), "{body}");
 
     let (status, body) = post(
         &client,
@@ -173,7 +131,7 @@ async fn bad_requests_get_clear_errors() {
     .await;
     assert_eq!(status, 404);
     assert_eq!(body["error"]["code"], "model_not_found");
-    assert!(body["error"]["message"].as_str().unwrap().contains("gpt-4"));
+    assert!(error_message(&body).contains("gpt-4"));
 
     let (status, body) = post(&client, &completions, json!({"prompt": "x", "n": 3})).await;
     assert_eq!(status, 400);
@@ -186,12 +144,7 @@ async fn bad_requests_get_clear_errors() {
     let huge = "a".repeat(100_000);
     let (status, body) = post(&client, &completions, json!({"prompt": huge})).await;
     assert_eq!(status, 413);
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("65536-byte limit")
-    );
+    assert!(error_message(&body).contains("65536-byte limit"));
 
     let (status, body) = post(
         &client,
@@ -202,14 +155,9 @@ async fn bad_requests_get_clear_errors() {
     assert_eq!(status, 400);
     assert_eq!(body["error"]["param"], "messages");
 
-    let (status, body) = post_get(&client, &format!("{}/v1/nothing", worker.http)).await;
+    let (status, body) = get_json(&client, &format!("{}/v1/nothing", worker.http)).await;
     assert_eq!(status, 404);
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("/v1/nothing")
-    );
+    assert!(error_message(&body).contains("/v1/nothing"));
 }
 
 #[tokio::test]
@@ -219,14 +167,14 @@ async fn rest_protocol_serves_and_validates() {
     let infer = format!("{}/v2/models/{MODEL_NAME}/infer", worker.http);
 
     for path in ["/v2/health/live", "/v2/health/ready", "/health"] {
-        let (status, _) = post_get(&client, &format!("{}{path}", worker.http)).await;
+        let (status, _) = get_json(&client, &format!("{}{path}", worker.http)).await;
         assert_eq!(status, 200, "{path}");
     }
     let (status, metadata) =
-        post_get(&client, &format!("{}/v2/models/{MODEL_NAME}", worker.http)).await;
+        get_json(&client, &format!("{}/v2/models/{MODEL_NAME}", worker.http)).await;
     assert_eq!(status, 200);
     assert_eq!(metadata["inputs"][0]["name"], "text_input");
-    let (status, server) = post_get(&client, &format!("{}/v2", worker.http)).await;
+    let (status, server) = get_json(&client, &format!("{}/v2", worker.http)).await;
     assert_eq!(status, 200);
     assert_eq!(server["name"], "npufleet-worker");
 
@@ -288,14 +236,7 @@ async fn metrics_expose_the_standard_names() {
     )
     .await;
     assert_eq!(status, 200);
-    let text = client
-        .get(format!("{}/metrics", worker.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = get_text(&client, &format!("{}/metrics", worker.http)).await;
     for name in [
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",

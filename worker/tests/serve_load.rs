@@ -10,7 +10,7 @@ use std::time::Duration;
 use npufleet_worker::server::oip;
 use serde_json::{Value, json};
 use serve_support::in_process::{EchoEngine, InProcessWorker, default_config};
-use serve_support::{MODEL_NAME, Worker, poll_until, sse_data};
+use serve_support::{MODEL_NAME, Worker, error_message, poll_until, send_json, sse_data};
 
 /// Flags that make every request generate exactly its `max_tokens`, one at a time.
 const ONE_AT_A_TIME: &[&str] = &["--ignore-eos", "--max-batch-size", "1"];
@@ -48,41 +48,21 @@ async fn a_full_queue_is_refused_at_once() {
     let url = format!("{}/v1/completions", worker.http);
 
     // One request runs, one waits; the queue is then full.
-    let mut running = client
-        .post(&url)
-        .json(&long_request(1500))
-        .send()
-        .await
-        .unwrap();
+    let mut running = send_json(&client, &url, &long_request(1500)).await;
     assert_eq!(running.status(), 200);
     assert!(
         running.chunk().await.unwrap().is_some(),
         "the running request streams"
     );
-    let waiting = client
-        .post(&url)
-        .json(&long_request(4))
-        .send()
-        .await
-        .unwrap();
+    let waiting = send_json(&client, &url, &long_request(4)).await;
     assert_eq!(waiting.status(), 200);
 
-    let refused = client
-        .post(&url)
-        .json(&long_request(4))
-        .send()
-        .await
-        .unwrap();
+    let refused = send_json(&client, &url, &long_request(4)).await;
     assert_eq!(refused.status(), 429);
     assert_eq!(refused.headers()["retry-after"], "1");
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["type"], "rate_limit_error");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("queue is full")
-    );
+    assert!(error_message(&body).contains("queue is full"));
 
     let mut grpc = worker.grpc_client().await;
     let status = grpc
@@ -109,12 +89,7 @@ async fn sigterm_answers_every_accepted_request_then_exits_zero() {
     // Eight requests, run one after another, so work is left when the signal comes.
     let mut accepted = Vec::new();
     for _ in 0..8 {
-        let response = client
-            .post(&url)
-            .json(&long_request(300))
-            .send()
-            .await
-            .unwrap();
+        let response = send_json(&client, &url, &long_request(300)).await;
         assert_eq!(response.status(), 200);
         accepted.push(tokio::spawn(finish_reason(response)));
     }
@@ -127,20 +102,10 @@ async fn sigterm_answers_every_accepted_request_then_exits_zero() {
         async move { request.await.ok().filter(|r| r.status() == 503) }
     })
     .await;
-    let refused = client
-        .post(&url)
-        .json(&long_request(4))
-        .send()
-        .await
-        .unwrap();
+    let refused = send_json(&client, &url, &long_request(4)).await;
     assert_eq!(refused.status(), 503);
     let body: Value = refused.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("draining")
-    );
+    assert!(error_message(&body).contains("draining"));
     let still_running = accepted.iter().filter(|task| !task.is_finished()).count();
     assert!(
         still_running > 0,
@@ -196,12 +161,7 @@ async fn a_drain_answers_every_held_request_over_both_protocols() {
 
     worker.shut_down();
     wait_not_ready(&client, &worker.http).await;
-    let refused = client
-        .post(&url)
-        .json(&json!({"prompt": "late"}))
-        .send()
-        .await
-        .unwrap();
+    let refused = send_json(&client, &url, &json!({"prompt": "late"})).await;
     assert_eq!(refused.status(), 503);
     let mut late_grpc = worker.grpc_client().await;
     let status = late_grpc
@@ -236,12 +196,12 @@ async fn a_drain_that_times_out_tells_each_client() {
     let mut worker = InProcessWorker::start(config, EchoEngine::new(8)).await;
     worker.engine.hold();
     let client = reqwest::Client::new();
-    let stream = client
-        .post(format!("{}/v1/completions", worker.http))
-        .json(&json!({"prompt": "never answered", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let stream = send_json(
+        &client,
+        &format!("{}/v1/completions", worker.http),
+        &json!({"prompt": "never answered", "stream": true}),
+    )
+    .await;
     assert_eq!(stream.status(), 200);
     worker.shut_down();
 
@@ -257,10 +217,7 @@ async fn a_drain_that_times_out_tells_each_client() {
         .expect("an event before the stream ends");
     assert_eq!(error["error"]["type"], "server_error", "{events:?}");
     assert!(
-        error["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("the drain timeout of 200ms passed"),
+        error_message(&error).contains("the drain timeout of 200ms passed"),
         "the client is told why: {events:?}"
     );
     let error = worker

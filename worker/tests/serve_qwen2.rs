@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use model_support::{greedy, load, messages, reference_script, write_qwen2_model};
 use npufleet_worker::model::{ChatMessage, PrecisionPolicy, WeightPrecision};
 use serde_json::{Value, json};
-use serve_support::{MODEL_NAME, Worker, sse_data};
+use serve_support::{MODEL_NAME, Worker, post, post_stream};
 
 const MAX_TOKENS: usize = 12;
 
@@ -63,30 +63,17 @@ fn request(messages: &[ChatMessage], stream: bool) -> Value {
 }
 
 async fn chat(worker: &Worker, body: Value) -> Value {
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", worker.http))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.json().await.unwrap()
+    let url = format!("{}/v1/chat/completions", worker.http);
+    let (status, answer) = post(&reqwest::Client::new(), &url, body).await;
+    assert_eq!(status, 200, "{answer}");
+    answer
 }
 
 /// The chunks of a streamed chat answer, without the closing `[DONE]`.
 async fn chat_stream(worker: &Worker, messages: &[ChatMessage]) -> Vec<Value> {
-    let body = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", worker.http))
-        .json(&request(messages, true))
-        .send()
+    let url = format!("{}/v1/chat/completions", worker.http);
+    post_stream(&reqwest::Client::new(), &url, &request(messages, true))
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let events = sse_data(&body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
         .collect()

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use npufleet_test_support::net::free_port;
 use npufleet_worker::tools::collective_bench::{loopback_rank_env, loopback_rank_table};
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, write_into};
 use serde_json::{Value, json};
 use serve_support::{MODEL_NAME, Worker};
 
@@ -17,13 +17,7 @@ const PROMPT: &str = "the quick brown fox jumps over the lazy dog";
 
 /// 8 heads and 4 KV heads, so the model splits over 2 ranks.
 fn model(dir: &Path) -> PathBuf {
-    let mut spec = GenTestModelArgs::new(PathBuf::new(), TestModelFormat::Gguf);
-    spec.layers = 2;
-    spec.dim = 128;
-    spec.heads = 8;
-    spec.kv_heads = 4;
-    spec.seed = 11;
-    write_into(dir, spec).unwrap()
+    write_into(dir, GenTestModelArgs::splittable(2, 11)).unwrap()
 }
 
 /// Starts `serve` on `model` with `env`, at full precision so every split agrees exactly.
@@ -79,11 +73,7 @@ async fn a_two_pod_group_answers_like_one_worker_and_stops_together() {
     leader.wait_ready().await;
     follower.wait_ready().await;
     assert_eq!(complete(&leader).await, expected);
-    assert!(
-        leader.log().contains("\"world_size\":2"),
-        "{}",
-        leader.log()
-    );
+    leader.assert_logged("\"world_size\":2");
 
     let refused = reqwest::Client::new()
         .post(format!("{}/v1/completions", follower.http))
@@ -113,11 +103,7 @@ async fn losing_a_rank_stops_the_leader_with_an_error_naming_it() {
     follower.signal("-KILL");
     let status = leader.wait_exit(Duration::from_secs(30)).await;
     assert!(!status.success());
-    assert!(
-        leader.log().contains("lost tensor-parallel rank 1"),
-        "{}",
-        leader.log()
-    );
+    leader.assert_logged("lost tensor-parallel rank 1");
 }
 
 /// A rank that hangs rather than dies (SIGSTOP): the next collective gives up after the
@@ -154,11 +140,7 @@ async fn a_hung_rank_stops_the_group_within_the_execution_timeout_naming_it() {
     assert!(status.is_server_error(), "{status}: {body}");
     assert!(body.contains("waiting for rank 1"), "{body}");
     assert!(!exit.success());
-    assert!(
-        leader.log().contains("waiting for rank 1"),
-        "{}",
-        leader.log()
-    );
+    leader.assert_logged("waiting for rank 1");
     assert!(
         answered_in >= EXEC_TIMEOUT && answered_in < EXEC_TIMEOUT * 4,
         "the client waited {answered_in:?}"
@@ -189,11 +171,7 @@ async fn a_one_pod_group_runs_its_ranks_as_threads() {
     let mut worker = start(&model, &env);
     worker.wait_ready().await;
     assert_eq!(complete(&worker).await, expected);
-    assert!(
-        worker.log().contains("\"local_followers\":\"[1]\""),
-        "{}",
-        worker.log()
-    );
+    worker.assert_logged("\"local_followers\":\"[1]\"");
     worker.signal("-TERM");
     let status = worker.wait_exit(Duration::from_secs(60)).await;
     assert!(status.success(), "{status}: {}", worker.log());

@@ -1,43 +1,21 @@
 //! Tensor-parallel greedy generation is token-for-token the same as TP 1, with ranks as
 //! threads (in-process ring) and as separate processes (TCP ring from a real rank table).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod model_support;
 
+use std::path::{Path, PathBuf};
+
+use model_support::smollm2_path as smollm2;
 use npufleet_worker::model::PrecisionPolicy;
 use npufleet_worker::tools::collective_bench;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_into};
 use npufleet_worker::tools::tp_bench::generate_in_process;
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, write_into};
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog";
 
 /// A random-weight model whose 8 heads and 4 KV heads split over 1, 2 and 4 ranks.
 fn random_model(dir: &Path) -> PathBuf {
-    let mut spec = GenTestModelArgs::new(PathBuf::new(), TestModelFormat::Gguf);
-    spec.layers = 3;
-    spec.dim = 128;
-    spec.heads = 8;
-    spec.kv_heads = 4;
-    spec.seed = 7;
-    write_into(dir, spec).unwrap()
-}
-
-fn smollm2() -> PathBuf {
-    let manifest_dir = PathBuf::from(
-        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
-    );
-    let root = manifest_dir.parent().unwrap();
-    let out = Command::new("bash")
-        .arg(root.join("tests/setup/model.sh"))
-        .current_dir(root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "model.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    write_into(dir, GenTestModelArgs::splittable(3, 7)).unwrap()
 }
 
 fn generate_in_processes(model: &Path, world_size: usize, tokens: usize) -> Vec<u32> {

@@ -4,7 +4,7 @@
 //! The model works on host slices, so each call stages its data into device memory, runs the
 //! HCCL collective on this rank's stream, waits for it, and copies the result back.
 
-use std::ffi::CString;
+use std::ffi::{CString, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr;
 use std::sync::{Arc, Mutex};
@@ -214,6 +214,32 @@ impl HcclPlan {
 }
 
 /// Element counts as HCCL takes them, with buffer sizes in bytes.
+/// Where a collective reads its host values from and writes its result to.
+enum Exchange<'a> {
+    /// The result replaces the values.
+    InPlace(&'a mut [f32]),
+    Into {
+        input: &'a [f32],
+        out: &'a mut [f32],
+    },
+}
+
+impl Exchange<'_> {
+    fn input(&self) -> &[f32] {
+        match self {
+            Exchange::InPlace(buf) => buf,
+            Exchange::Into { input, .. } => input,
+        }
+    }
+
+    fn out(&mut self) -> &mut [f32] {
+        match self {
+            Exchange::InPlace(buf) => buf,
+            Exchange::Into { out, .. } => out,
+        }
+    }
+}
+
 fn staged_bytes(elements: usize, element_bytes: usize) -> Result<(u64, usize), AscendError> {
     let bytes = elements.checked_mul(element_bytes).ok_or_else(|| {
         AscendError::Config(format!("{elements} elements overflow a device buffer"))
@@ -288,28 +314,26 @@ impl HcclCollective {
         if count == 0 {
             return Ok(());
         }
-        let mut staging = self.lock()?;
-        self.acl.bind_thread(self.plan.device)?;
-        let Staging { send, recv } = &mut *staging;
-        let send = send.at_least(bytes)?;
-        let recv = recv.at_least(bytes)?;
-        send.write(buf)?;
-        // SAFETY: both device buffers hold at least `count` f32 values and stay alive until the
-        // stream has been synchronised below.
-        let code = unsafe {
-            self.acl.cann.hccl.HcclAllReduce(
-                send.as_ptr(),
-                recv.as_ptr(),
-                count,
-                HCCL_DATA_TYPE_FP32,
-                HCCL_REDUCE_SUM,
-                self.comm,
-                self.stream.raw(),
-            )
-        };
-        hccl_result(self.acl, "HcclAllReduce", code)?;
-        self.stream.synchronize()?;
-        recv.read(buf)
+        self.staged(
+            "HcclAllReduce",
+            Exchange::InPlace(buf),
+            bytes,
+            |send, recv| {
+                // SAFETY: both device buffers hold at least `count` f32 values and stay alive until
+                // the stream has been synchronised after this call.
+                unsafe {
+                    self.acl.cann.hccl.HcclAllReduce(
+                        send,
+                        recv,
+                        count,
+                        HCCL_DATA_TYPE_FP32,
+                        HCCL_REDUCE_SUM,
+                        self.comm,
+                        self.stream.raw(),
+                    )
+                }
+            },
+        )
     }
 
     fn gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), AscendError> {
@@ -322,32 +346,47 @@ impl HcclCollective {
                 local.len()
             )));
         }
-        let (count, send_bytes) = staged_bytes(local.len(), size_of::<f32>())?;
+        let (count, _) = staged_bytes(local.len(), size_of::<f32>())?;
         if count == 0 {
             return Ok(());
         }
         let (_, recv_bytes) = staged_bytes(out.len(), size_of::<f32>())?;
+        let exchange = Exchange::Into { input: local, out };
+        self.staged("HcclAllGather", exchange, recv_bytes, |send, recv| {
+            // SAFETY: `send` holds `count` values and `recv` world_size × `count`; both outlive
+            // the stream synchronisation after this call.
+            unsafe {
+                self.acl.cann.hccl.HcclAllGather(
+                    send,
+                    recv,
+                    count,
+                    HCCL_DATA_TYPE_FP32,
+                    self.comm,
+                    self.stream.raw(),
+                )
+            }
+        })
+    }
+
+    /// Copies the exchange's input into the device send buffer, runs `call` (given the send
+    /// and receive buffers) on this rank's stream, waits for the stream, and copies the
+    /// receive buffer to the exchange's output.
+    fn staged(
+        &self,
+        name: &'static str,
+        mut exchange: Exchange<'_>,
+        recv_bytes: usize,
+        call: impl FnOnce(*mut c_void, *mut c_void) -> HcclResult,
+    ) -> Result<(), AscendError> {
         let mut staging = self.lock()?;
         self.acl.bind_thread(self.plan.device)?;
         let Staging { send, recv } = &mut *staging;
-        let send = send.at_least(send_bytes)?;
+        let send = send.at_least(size_of_val(exchange.input()))?;
         let recv = recv.at_least(recv_bytes)?;
-        send.write(local)?;
-        // SAFETY: `send` holds `count` values and `recv` world_size × `count`; both outlive the
-        // stream synchronisation below.
-        let code = unsafe {
-            self.acl.cann.hccl.HcclAllGather(
-                send.as_ptr(),
-                recv.as_ptr(),
-                count,
-                HCCL_DATA_TYPE_FP32,
-                self.comm,
-                self.stream.raw(),
-            )
-        };
-        hccl_result(self.acl, "HcclAllGather", code)?;
+        send.write(exchange.input())?;
+        hccl_result(self.acl, name, call(send.as_ptr(), recv.as_ptr()))?;
         self.stream.synchronize()?;
-        recv.read(out)
+        recv.read(exchange.out())
     }
 
     fn broadcast(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), AscendError> {

@@ -656,8 +656,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), n * w.cols, "matmul input shape");
-        assert_eq!(out.len(), n * w.rows, "matmul output shape");
+        w.check_matmul_shapes(x, n, out);
         if n == 0 {
             return;
         }
@@ -668,8 +667,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_f32(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), n * w.cols, "matmul input shape");
-        assert_eq!(out.len(), n * w.rows, "matmul output shape");
+        w.check_matmul_shapes(x, n, out);
         if n > 0 {
             self.matmul_float(w, x, n, out)
         }

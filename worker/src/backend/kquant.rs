@@ -7,7 +7,7 @@
 
 use half::f16;
 
-use super::quant::{BlockQ8Act, GROUP_ROWS, QK, WeightGroup, gemm_group_scalar};
+use super::quant::{BlockQ8Act, GROUP_ROWS, QK, WeightGroup, gemm_group_scalar, le};
 
 /// Values per super-block.
 pub const QK_K: usize = 256;
@@ -101,37 +101,24 @@ pub fn parse_q6_k(bytes: &[u8]) -> Vec<BlockQ6K> {
 
 /// Serialises blocks back to their GGUF bytes (used when writing test models).
 pub fn q4_k_bytes(blocks: &[BlockQ4K]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q4_K_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.dmin.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.scales);
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &le(b.dmin), &b.scales, &b.qs].concat())
+        .collect()
 }
 
 pub fn q5_k_bytes(blocks: &[BlockQ5K]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q5_K_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.dmin.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.scales);
-        out.extend_from_slice(&b.qh);
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &le(b.dmin), &b.scales, &b.qh, &b.qs].concat())
+        .collect()
 }
 
 pub fn q6_k_bytes(blocks: &[BlockQ6K]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q6_K_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.ql);
-        out.extend_from_slice(&b.qh);
-        out.extend(b.scales.iter().map(|&s| s as u8));
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&b.ql[..], &b.qh, bytemuck::cast_slice(&b.scales), &le(b.d)].concat())
+        .collect()
 }
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and minimum of sub-block `j` (0..8). The

@@ -71,6 +71,14 @@ impl Matrix {
         }
     }
 
+    /// Panics unless `x` holds `n` input rows and `out` room for `n` output rows of this
+    /// matrix.
+    #[inline]
+    pub fn check_matmul_shapes(&self, x: &[f32], n: usize, out: &[f32]) {
+        assert_eq!(x.len(), n * self.cols, "matmul input shape");
+        assert_eq!(out.len(), n * self.rows, "matmul output shape");
+    }
+
     pub fn is_quantized(&self) -> bool {
         matches!(
             self.data,
@@ -308,6 +316,15 @@ pub struct StridedRows<'a, T = f32> {
 }
 
 impl<'a, T> StridedRows<'a, T> {
+    #[inline]
+    pub fn new(data: &'a [T], stride: usize, count: usize) -> Self {
+        StridedRows {
+            data,
+            stride,
+            count,
+        }
+    }
+
     /// The first `len` values of row `i`.
     #[inline]
     pub fn row(&self, i: usize, len: usize) -> &'a [T] {

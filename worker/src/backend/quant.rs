@@ -108,6 +108,11 @@ pub const Q8_0_BYTES: usize = 34;
 pub const Q5_0_BYTES: usize = 22;
 pub const Q5_1_BYTES: usize = 24;
 
+/// An f16 field's GGUF bytes.
+pub(crate) fn le(x: f16) -> [u8; 2] {
+    x.to_bits().to_le_bytes()
+}
+
 fn f16_at(b: &[u8], at: usize) -> f16 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]]))
 }
@@ -183,52 +188,38 @@ pub fn parse_q5_1(bytes: &[u8]) -> Vec<BlockQ5_1> {
 
 /// Serialises blocks back to their GGUF bytes (used when writing test models).
 pub fn q4_0_bytes(blocks: &[BlockQ4_0]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q4_0_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &b.qs].concat())
+        .collect()
 }
 
 pub fn q4_1_bytes(blocks: &[BlockQ4_1]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q4_1_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.m.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &le(b.m), &b.qs].concat())
+        .collect()
 }
 
 pub fn q5_0_bytes(blocks: &[BlockQ5_0]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q5_0_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.qh);
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &b.qh, &b.qs].concat())
+        .collect()
 }
 
 pub fn q5_1_bytes(blocks: &[BlockQ5_1]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q5_1_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.m.to_bits().to_le_bytes());
-        out.extend_from_slice(&b.qh);
-        out.extend_from_slice(&b.qs);
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], &le(b.m), &b.qh, &b.qs].concat())
+        .collect()
 }
 
 pub fn q8_0_bytes(blocks: &[BlockQ8_0]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks.len() * Q8_0_BYTES);
-    for b in blocks {
-        out.extend_from_slice(&b.d.to_bits().to_le_bytes());
-        out.extend(b.qs.iter().map(|&q| q as u8));
-    }
-    out
+    blocks
+        .iter()
+        .flat_map(|b| [&le(b.d)[..], bytemuck::cast_slice(&b.qs)].concat())
+        .collect()
 }
 
 pub fn dequantize_q4_0(blocks: &[BlockQ4_0], out: &mut [f32]) {

@@ -267,6 +267,50 @@ struct Sequence {
     first_token: Option<Instant>,
 }
 
+/// The checks of a request's parameters that need neither its prompt nor the KV cache.
+fn check_params(params: &SamplingParams, vocab: usize) -> Result<(), SubmitError> {
+    sampler::check(params)?;
+    if let Some(max) = params.max_tokens
+        && max < SamplingParams::MIN_MAX_TOKENS
+    {
+        return Err(SubmitError::invalid(
+            "max_tokens",
+            format!(
+                "max_tokens must be at least {}, got {max}",
+                SamplingParams::MIN_MAX_TOKENS
+            ),
+        ));
+    }
+    if let Some(max) = params.max_tokens
+        && params.min_tokens > max
+    {
+        return Err(SubmitError::invalid(
+            "min_tokens",
+            format!(
+                "min_tokens must not exceed max_tokens, got min_tokens {} and max_tokens {max}",
+                params.min_tokens
+            ),
+        ));
+    }
+    if params.stop.iter().any(String::is_empty) {
+        return Err(SubmitError::invalid(
+            "stop",
+            "stop must not contain an empty string",
+        ));
+    }
+    if let Some(&bad) = params
+        .stop_token_ids
+        .iter()
+        .find(|&&id| id as usize >= vocab)
+    {
+        return Err(SubmitError::invalid(
+            "stop_token_ids",
+            format!("stop_token_ids holds {bad}, outside the vocabulary (size {vocab})"),
+        ));
+    }
+    Ok(())
+}
+
 impl EngineHandle {
     /// Turns a request into a sequence, or says what is wrong with it.
     fn validate(
@@ -275,48 +319,38 @@ impl EngineHandle {
         outputs: mpsc::UnboundedSender<SequenceOutput>,
     ) -> Result<Sequence, SubmitError> {
         let params = &request.params;
-        sampler::check(params)?;
-        if let Some(max) = params.max_tokens
-            && max < SamplingParams::MIN_MAX_TOKENS
-        {
-            return Err(SubmitError::invalid(
-                "max_tokens",
-                format!(
-                    "max_tokens must be at least {}, got {max}",
-                    SamplingParams::MIN_MAX_TOKENS
-                ),
-            ));
-        }
-        if let Some(max) = params.max_tokens
-            && params.min_tokens > max
-        {
-            return Err(SubmitError::invalid(
-                "min_tokens",
-                format!(
-                    "min_tokens must not exceed max_tokens, got min_tokens {} and max_tokens {max}",
-                    params.min_tokens
-                ),
-            ));
-        }
-        if params.stop.iter().any(String::is_empty) {
-            return Err(SubmitError::invalid(
-                "stop",
-                "stop must not contain an empty string",
-            ));
-        }
+        check_params(params, self.model.config().vocab_size)?;
+        let tokens = self.prompt_tokens(&request.prompt)?;
+        let prompt_len = tokens.len();
+        let max_new = self.generation_room(params, prompt_len)?;
+        let precision = self.precision.for_prompt(prompt_len);
+        let stop_ids = self.stop_ids(params);
+        let sampler = Sampler::new(params, &tokens, &stop_ids);
+        Ok(Sequence {
+            order: 0,
+            request_id: request.id.clone(),
+            prompt_len,
+            max_len: prompt_len + max_new,
+            min_len: prompt_len + params.min_tokens as usize,
+            tokens,
+            num_computed: 0,
+            blocks: SequenceBlocks::in_namespace(core::precision_namespace(precision)),
+            precision,
+            sampler,
+            stop_ids,
+            outputs,
+            cached_prompt_tokens: None,
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+        })
+    }
+
+    /// The prompt in token ids, refused when empty, outside the vocabulary or too long.
+    fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>, SubmitError> {
         let config = self.model.config();
         let vocab = config.vocab_size;
-        if let Some(&bad) = params
-            .stop_token_ids
-            .iter()
-            .find(|&&id| id as usize >= vocab)
-        {
-            return Err(SubmitError::invalid(
-                "stop_token_ids",
-                format!("stop_token_ids holds {bad}, outside the vocabulary (size {vocab})"),
-            ));
-        }
-        let tokens = match &request.prompt {
+        let tokens = match prompt {
             Prompt::Text(text) => {
                 if text.is_empty() {
                     return Err(SubmitError::invalid("prompt", "the prompt is empty"));
@@ -356,16 +390,25 @@ impl EngineHandle {
                 tokens.clone()
             }
         };
-        let prompt_len = tokens.len();
-        if prompt_len >= self.max_sequence_tokens {
+        if tokens.len() >= self.max_sequence_tokens {
             return Err(SubmitError::invalid(
                 "prompt",
                 format!(
-                    "the prompt has {prompt_len} tokens but {}; it must be shorter to leave room for at least one generated token",
+                    "the prompt has {} tokens but {}; it must be shorter to leave room for at least one generated token",
+                    tokens.len(),
                     self.sequence_limit()
                 ),
             ));
         }
+        Ok(tokens)
+    }
+
+    /// How many tokens the sequence may generate after a prompt of `prompt_len` tokens.
+    fn generation_room(
+        &self,
+        params: &SamplingParams,
+        prompt_len: usize,
+    ) -> Result<usize, SubmitError> {
         let room = self.max_sequence_tokens - prompt_len;
         let max_new = match params.max_tokens {
             None => room,
@@ -381,7 +424,7 @@ impl EngineHandle {
                 ));
             }
         };
-        // Only reachable without max_tokens, which is checked against min_tokens above.
+        // Only reachable without max_tokens, which is checked against min_tokens before.
         if params.min_tokens as usize > max_new {
             return Err(SubmitError::invalid(
                 "min_tokens",
@@ -393,7 +436,12 @@ impl EngineHandle {
                 ),
             ));
         }
-        let precision = self.precision.for_prompt(prompt_len);
+        Ok(max_new)
+    }
+
+    /// The sorted token ids that end the sequence: the model's (unless `ignore_eos`) and the
+    /// request's own.
+    fn stop_ids(&self, params: &SamplingParams) -> Vec<u32> {
         let mut stop_ids = if params.ignore_eos {
             Vec::new()
         } else {
@@ -402,25 +450,7 @@ impl EngineHandle {
         stop_ids.extend(&params.stop_token_ids);
         stop_ids.sort_unstable();
         stop_ids.dedup();
-        let sampler = Sampler::new(params, &tokens, &stop_ids);
-        Ok(Sequence {
-            order: 0,
-            request_id: request.id.clone(),
-            prompt_len,
-            max_len: prompt_len + max_new,
-            min_len: prompt_len + params.min_tokens as usize,
-            tokens,
-            num_computed: 0,
-            blocks: SequenceBlocks::in_namespace(core::precision_namespace(precision)),
-            precision,
-            sampler,
-            stop_ids,
-            outputs,
-            cached_prompt_tokens: None,
-            submitted: Instant::now(),
-            admitted: None,
-            first_token: None,
-        })
+        stop_ids
     }
 
     /// What bounds a sequence's length, for error messages.

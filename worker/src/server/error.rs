@@ -4,6 +4,13 @@ use npufleet_contract::auth;
 
 use crate::api::SubmitError;
 
+/// What an error is called in the OpenAI API (`type`, `code`) and in the rejection metric.
+struct ErrorNames {
+    openai_type: &'static str,
+    openai_code: &'static str,
+    kind: &'static str,
+}
+
 /// Why a request was not served.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ServeError {
@@ -59,26 +66,12 @@ impl ServeError {
 
     /// The OpenAI error `type` string.
     pub fn openai_type(&self) -> &'static str {
-        match self {
-            ServeError::BadRequest { .. } => "invalid_request_error",
-            ServeError::ModelNotFound { .. } => "invalid_request_error",
-            ServeError::Unauthenticated => "invalid_request_error",
-            ServeError::QueueFull { .. } => "rate_limit_error",
-            ServeError::Unavailable(_) => "service_unavailable",
-            ServeError::Internal(_) => "server_error",
-        }
+        self.names().openai_type
     }
 
     /// The OpenAI error `code` string.
     pub fn openai_code(&self) -> &'static str {
-        match self {
-            ServeError::BadRequest { .. } => "invalid_request",
-            ServeError::ModelNotFound { .. } => "model_not_found",
-            ServeError::Unauthenticated => auth::INVALID_API_KEY_CODE,
-            ServeError::QueueFull { .. } => "queue_full",
-            ServeError::Unavailable(_) => "unavailable",
-            ServeError::Internal(_) => "internal_error",
-        }
+        self.names().openai_code
     }
 
     pub fn param(&self) -> Option<&str> {
@@ -90,13 +83,33 @@ impl ServeError {
 
     /// A short name of the error kind, used as a metric label.
     pub fn kind(&self) -> &'static str {
-        match self {
-            ServeError::BadRequest { .. } => "invalid_argument",
-            ServeError::ModelNotFound { .. } => "not_found",
-            ServeError::Unauthenticated => "unauthenticated",
-            ServeError::QueueFull { .. } => "queue_full",
-            ServeError::Unavailable(_) => "unavailable",
-            ServeError::Internal(_) => "internal",
+        self.names().kind
+    }
+
+    /// Every name of this kind of error, side by side so that one kind reads as one row.
+    fn names(&self) -> ErrorNames {
+        let (openai_type, openai_code, kind) = match self {
+            ServeError::BadRequest { .. } => (
+                "invalid_request_error",
+                "invalid_request",
+                "invalid_argument",
+            ),
+            ServeError::ModelNotFound { .. } => {
+                ("invalid_request_error", "model_not_found", "not_found")
+            }
+            ServeError::Unauthenticated => (
+                "invalid_request_error",
+                auth::INVALID_API_KEY_CODE,
+                "unauthenticated",
+            ),
+            ServeError::QueueFull { .. } => ("rate_limit_error", "queue_full", "queue_full"),
+            ServeError::Unavailable(_) => ("service_unavailable", "unavailable", "unavailable"),
+            ServeError::Internal(_) => ("server_error", "internal_error", "internal"),
+        };
+        ErrorNames {
+            openai_type,
+            openai_code,
+            kind,
         }
     }
 }

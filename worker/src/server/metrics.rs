@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
     Registry, TextEncoder,
 };
 
@@ -35,16 +35,10 @@ pub struct Metrics {
     registry: Registry,
     running: IntGauge,
     waiting: IntGauge,
-    kv_cache_usage: prometheus::Gauge,
-    gpu_cache_usage: prometheus::Gauge,
+    kv_cache_usage: Gauge,
+    gpu_cache_usage: Gauge,
     cache_config_info: GaugeVec,
-    time_to_first_token: Histogram,
-    inter_token_latency: Histogram,
-    time_per_output_token: Histogram,
-    request_prompt_tokens: Histogram,
-    request_generation_tokens: Histogram,
-    e2e_latency: Histogram,
-    queue_time: Histogram,
+    latency: RequestHistograms,
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
     request_success: IntCounterVec,
@@ -55,215 +49,232 @@ pub struct Metrics {
     warmup_complete: IntGauge,
     requests_rejected: IntCounterVec,
     thermal_zone_temperature: GaugeVec,
-    npu_temperature: GaugeVec,
-    npu_utilization: GaugeVec,
-    npu_hbm_used: GaugeVec,
-    npu_hbm_total: GaugeVec,
-    npu_power: GaugeVec,
-    npu_health: GaugeVec,
+    npu: NpuChipGauges,
     npu_chips: Mutex<Vec<NpuChip>>,
 }
 
-fn model_opts(name: &str, help: &str, model_name: &str) -> Opts {
-    Opts::new(name, help).const_label("model_name", model_name)
+/// The per-request histograms, observed as a request's tokens go out and when it finishes.
+struct RequestHistograms {
+    time_to_first_token: Histogram,
+    inter_token_latency: Histogram,
+    time_per_output_token: Histogram,
+    request_prompt_tokens: Histogram,
+    request_generation_tokens: Histogram,
+    e2e_latency: Histogram,
+    queue_time: Histogram,
 }
 
-fn histogram(name: &str, help: &str, model_name: &str, buckets: &[f64]) -> Histogram {
-    Histogram::with_opts(
-        HistogramOpts::new(name, help)
-            .const_label("model_name", model_name)
-            .buckets(buckets.to_vec()),
-    )
-    .expect("valid histogram options")
+/// npu-exporter's per-chip series, refreshed from the latest `npu-smi` reading.
+struct NpuChipGauges {
+    temperature: GaugeVec,
+    utilization: GaugeVec,
+    hbm_used: GaugeVec,
+    hbm_total: GaugeVec,
+    power: GaugeVec,
+    health: GaugeVec,
+}
+
+/// Creates each series and registers it at once, so no series can be left unregistered.
+struct Registrar<'a> {
+    registry: Registry,
+    model_name: &'a str,
+}
+
+impl Registrar<'_> {
+    fn register<C: prometheus::core::Collector + Clone + 'static>(&self, collector: C) -> C {
+        self.registry
+            .register(Box::new(collector.clone()))
+            .expect("metric names are unique");
+        collector
+    }
+
+    fn opts(&self, name: &str, help: &str) -> Opts {
+        Opts::new(name, help).const_label("model_name", self.model_name)
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.register(IntCounter::with_opts(self.opts(name, help)).expect("valid counter"))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.register(IntGauge::with_opts(self.opts(name, help)).expect("valid gauge"))
+    }
+
+    fn fraction(&self, name: &str, help: &str) -> Gauge {
+        self.register(Gauge::with_opts(self.opts(name, help)).expect("valid gauge"))
+    }
+
+    fn labelled_gauge(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.register(GaugeVec::new(self.opts(name, help), labels).expect("valid gauge"))
+    }
+
+    fn labelled_counter(&self, name: &str, help: &str, label: &str) -> IntCounterVec {
+        self.register(IntCounterVec::new(self.opts(name, help), &[label]).expect("valid counter"))
+    }
+
+    /// A series without the model label: the labels name the zone or chip instead.
+    fn gauge_without_model_label(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.register(GaugeVec::new(Opts::new(name, help), labels).expect("valid gauge"))
+    }
+
+    fn chip_gauge(&self, name: &str, help: &str) -> GaugeVec {
+        self.gauge_without_model_label(name, help, &["id", "model_name"])
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+        let opts = HistogramOpts::new(name, help)
+            .const_label("model_name", self.model_name)
+            .buckets(buckets.to_vec());
+        self.register(Histogram::with_opts(opts).expect("valid histogram options"))
+    }
+}
+
+impl RequestHistograms {
+    fn register(r: &Registrar) -> Self {
+        RequestHistograms {
+            time_to_first_token: r.histogram(
+                "vllm:time_to_first_token_seconds",
+                "Time from receiving a request to handing its first generated token to the connection.",
+                TTFT_BUCKETS,
+            ),
+            inter_token_latency: r.histogram(
+                "vllm:inter_token_latency_seconds",
+                "Time between consecutive generated tokens of a request.",
+                INTER_TOKEN_BUCKETS,
+            ),
+            time_per_output_token: r.histogram(
+                "vllm:time_per_output_token_seconds",
+                "Time between consecutive generated tokens of a request (the older name of \
+                 vllm:inter_token_latency_seconds).",
+                INTER_TOKEN_BUCKETS,
+            ),
+            request_prompt_tokens: r.histogram(
+                "vllm:request_prompt_tokens",
+                "Prompt tokens of each finished request.",
+                TOKEN_COUNT_BUCKETS,
+            ),
+            request_generation_tokens: r.histogram(
+                "vllm:request_generation_tokens",
+                "Generated tokens of each finished request.",
+                TOKEN_COUNT_BUCKETS,
+            ),
+            e2e_latency: r.histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Time from submission to the end of a request.",
+                REQUEST_BUCKETS,
+            ),
+            queue_time: r.histogram(
+                "vllm:request_queue_time_seconds",
+                "Time a request waited before entering the running batch.",
+                REQUEST_BUCKETS,
+            ),
+        }
+    }
+}
+
+impl NpuChipGauges {
+    fn register(r: &Registrar) -> Self {
+        NpuChipGauges {
+            temperature: r.chip_gauge(
+                "npu_chip_info_temperature",
+                "NPU chip temperature in degrees Celsius.",
+            ),
+            utilization: r.chip_gauge(
+                "npu_chip_info_utilization",
+                "NPU AI core utilisation in percent.",
+            ),
+            hbm_used: r.chip_gauge(
+                "npu_chip_info_hbm_used_memory",
+                "NPU device memory in use, MB.",
+            ),
+            hbm_total: r.chip_gauge("npu_chip_info_hbm_total_memory", "NPU device memory, MB."),
+            power: r.chip_gauge("npu_chip_info_power", "NPU chip power draw in watts."),
+            health: r.chip_gauge(
+                "npu_chip_info_health_status",
+                "1 when the NPU chip reports healthy, else 0.",
+            ),
+        }
+    }
+
+    fn all(&self) -> [&GaugeVec; 6] {
+        [
+            &self.temperature,
+            &self.utilization,
+            &self.hbm_used,
+            &self.hbm_total,
+            &self.power,
+            &self.health,
+        ]
+    }
 }
 
 impl Metrics {
     pub fn new(model_name: &str) -> Self {
-        let counter = |name: &str, help: &str| {
-            IntCounter::with_opts(model_opts(name, help, model_name)).expect("valid counter")
-        };
-        let gauge = |name: &str, help: &str| {
-            IntGauge::with_opts(model_opts(name, help, model_name)).expect("valid gauge")
-        };
-        let chip_gauge = |name: &str, help: &str| {
-            GaugeVec::new(Opts::new(name, help), &["id", "model_name"]).expect("valid gauge")
-        };
-        let metrics = Metrics {
+        let r = Registrar {
             registry: Registry::new(),
-            running: gauge(
+            model_name,
+        };
+        Metrics {
+            running: r.gauge(
                 "vllm:num_requests_running",
                 "Requests in the running batch.",
             ),
-            waiting: gauge(
+            waiting: r.gauge(
                 "vllm:num_requests_waiting",
                 "Requests accepted and waiting to run.",
             ),
-            kv_cache_usage: prometheus::Gauge::with_opts(model_opts(
+            kv_cache_usage: r.fraction(
                 "vllm:kv_cache_usage_perc",
                 "Fraction of KV-cache blocks in use (1 means 100 percent).",
-                model_name,
-            ))
-            .expect("valid gauge"),
-            gpu_cache_usage: prometheus::Gauge::with_opts(model_opts(
+            ),
+            gpu_cache_usage: r.fraction(
                 "vllm:gpu_cache_usage_perc",
                 "Fraction of KV-cache blocks in use (the older name of vllm:kv_cache_usage_perc).",
-                model_name,
-            ))
-            .expect("valid gauge"),
-            cache_config_info: GaugeVec::new(
-                model_opts(
-                    "vllm:cache_config_info",
-                    "The KV cache's configuration in labels (value 1).",
-                    model_name,
-                ),
+            ),
+            cache_config_info: r.labelled_gauge(
+                "vllm:cache_config_info",
+                "The KV cache's configuration in labels (value 1).",
                 &["block_size", "num_gpu_blocks"],
-            )
-            .expect("valid gauge"),
-            time_to_first_token: histogram(
-                "vllm:time_to_first_token_seconds",
-                "Time from receiving a request to handing its first generated token to the connection.",
-                model_name,
-                TTFT_BUCKETS,
             ),
-            inter_token_latency: histogram(
-                "vllm:inter_token_latency_seconds",
-                "Time between consecutive generated tokens of a request.",
-                model_name,
-                INTER_TOKEN_BUCKETS,
+            latency: RequestHistograms::register(&r),
+            prompt_tokens: r.counter("vllm:prompt_tokens_total", "Prompt tokens processed."),
+            generation_tokens: r.counter("vllm:generation_tokens_total", "Tokens generated."),
+            request_success: r.labelled_counter(
+                "vllm:request_success_total",
+                "Requests that finished successfully, by finish reason.",
+                "finished_reason",
             ),
-            time_per_output_token: histogram(
-                "vllm:time_per_output_token_seconds",
-                "Time between consecutive generated tokens of a request (the older name of \
-                 vllm:inter_token_latency_seconds).",
-                model_name,
-                INTER_TOKEN_BUCKETS,
-            ),
-            request_prompt_tokens: histogram(
-                "vllm:request_prompt_tokens",
-                "Prompt tokens of each finished request.",
-                model_name,
-                TOKEN_COUNT_BUCKETS,
-            ),
-            request_generation_tokens: histogram(
-                "vllm:request_generation_tokens",
-                "Generated tokens of each finished request.",
-                model_name,
-                TOKEN_COUNT_BUCKETS,
-            ),
-            e2e_latency: histogram(
-                "vllm:e2e_request_latency_seconds",
-                "Time from submission to the end of a request.",
-                model_name,
-                REQUEST_BUCKETS,
-            ),
-            queue_time: histogram(
-                "vllm:request_queue_time_seconds",
-                "Time a request waited before entering the running batch.",
-                model_name,
-                REQUEST_BUCKETS,
-            ),
-            prompt_tokens: counter("vllm:prompt_tokens_total", "Prompt tokens processed."),
-            generation_tokens: counter("vllm:generation_tokens_total", "Tokens generated."),
-            request_success: IntCounterVec::new(
-                model_opts(
-                    "vllm:request_success_total",
-                    "Requests that finished successfully, by finish reason.",
-                    model_name,
-                ),
-                &["finished_reason"],
-            )
-            .expect("valid counter"),
-            preemptions: counter(
+            preemptions: r.counter(
                 "vllm:num_preemptions_total",
                 "Requests preempted to free KV-cache blocks.",
             ),
-            batch_size: gauge("npufleet_batch_size", "Sequences in the last engine step."),
-            prefix_cache_hits: counter(
+            batch_size: r.gauge("npufleet_batch_size", "Sequences in the last engine step."),
+            prefix_cache_hits: r.counter(
                 "vllm:prefix_cache_hits_total",
                 "Prompt tokens served from the prefix cache.",
             ),
-            prefix_cache_queries: counter(
+            prefix_cache_queries: r.counter(
                 "vllm:prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
             ),
-            warmup_complete: gauge(
+            warmup_complete: r.gauge(
                 "npufleet_warmup_complete",
                 "1 once warm-up has finished, else 0.",
             ),
-            requests_rejected: IntCounterVec::new(
-                model_opts(
-                    "npufleet_requests_rejected_total",
-                    "Requests refused or failed, by reason.",
-                    model_name,
-                ),
-                &["reason"],
-            )
-            .expect("valid counter"),
-            thermal_zone_temperature: GaugeVec::new(
-                Opts::new(
-                    "npufleet_thermal_zone_temperature_celsius",
-                    "Temperature of a Linux thermal zone.",
-                ),
+            requests_rejected: r.labelled_counter(
+                "npufleet_requests_rejected_total",
+                "Requests refused or failed, by reason.",
+                "reason",
+            ),
+            thermal_zone_temperature: r.gauge_without_model_label(
+                "npufleet_thermal_zone_temperature_celsius",
+                "Temperature of a Linux thermal zone.",
                 &["zone", "type"],
-            )
-            .expect("valid gauge"),
-            npu_temperature: chip_gauge(
-                "npu_chip_info_temperature",
-                "NPU chip temperature in degrees Celsius.",
             ),
-            npu_utilization: chip_gauge(
-                "npu_chip_info_utilization",
-                "NPU AI core utilisation in percent.",
-            ),
-            npu_hbm_used: chip_gauge(
-                "npu_chip_info_hbm_used_memory",
-                "NPU device memory in use, MB.",
-            ),
-            npu_hbm_total: chip_gauge("npu_chip_info_hbm_total_memory", "NPU device memory, MB."),
-            npu_power: chip_gauge("npu_chip_info_power", "NPU chip power draw in watts."),
-            npu_health: chip_gauge(
-                "npu_chip_info_health_status",
-                "1 when the NPU chip reports healthy, else 0.",
-            ),
+            npu: NpuChipGauges::register(&r),
             npu_chips: Mutex::new(Vec::new()),
-        };
-        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(metrics.running.clone()),
-            Box::new(metrics.waiting.clone()),
-            Box::new(metrics.kv_cache_usage.clone()),
-            Box::new(metrics.gpu_cache_usage.clone()),
-            Box::new(metrics.cache_config_info.clone()),
-            Box::new(metrics.time_to_first_token.clone()),
-            Box::new(metrics.inter_token_latency.clone()),
-            Box::new(metrics.time_per_output_token.clone()),
-            Box::new(metrics.request_prompt_tokens.clone()),
-            Box::new(metrics.request_generation_tokens.clone()),
-            Box::new(metrics.e2e_latency.clone()),
-            Box::new(metrics.queue_time.clone()),
-            Box::new(metrics.prompt_tokens.clone()),
-            Box::new(metrics.generation_tokens.clone()),
-            Box::new(metrics.request_success.clone()),
-            Box::new(metrics.preemptions.clone()),
-            Box::new(metrics.batch_size.clone()),
-            Box::new(metrics.prefix_cache_hits.clone()),
-            Box::new(metrics.prefix_cache_queries.clone()),
-            Box::new(metrics.warmup_complete.clone()),
-            Box::new(metrics.requests_rejected.clone()),
-            Box::new(metrics.thermal_zone_temperature.clone()),
-            Box::new(metrics.npu_temperature.clone()),
-            Box::new(metrics.npu_utilization.clone()),
-            Box::new(metrics.npu_hbm_used.clone()),
-            Box::new(metrics.npu_hbm_total.clone()),
-            Box::new(metrics.npu_power.clone()),
-            Box::new(metrics.npu_health.clone()),
-        ];
-        for collector in collectors {
-            metrics
-                .registry
-                .register(collector)
-                .expect("metric names are unique");
+            registry: r.registry,
         }
-        metrics
     }
 
     /// Records the engine's timings and token counts of one successful request.
@@ -271,24 +282,33 @@ impl Metrics {
         self.request_success
             .with_label_values(&[reason.as_openai()])
             .inc();
-        self.queue_time.observe(timings.queued.as_secs_f64());
-        self.e2e_latency.observe(timings.total.as_secs_f64());
-        self.request_prompt_tokens
+        self.latency
+            .queue_time
+            .observe(timings.queued.as_secs_f64());
+        self.latency
+            .e2e_latency
+            .observe(timings.total.as_secs_f64());
+        self.latency
+            .request_prompt_tokens
             .observe(f64::from(usage.prompt_tokens));
-        self.request_generation_tokens
+        self.latency
+            .request_generation_tokens
             .observe(f64::from(usage.completion_tokens));
     }
 
     /// Records a request's first token as it is handed on, so a long or cancelled request's
     /// time to first token counts as soon as the client sees it.
     pub fn observe_first_token(&self, since_received: Duration) {
-        self.time_to_first_token
+        self.latency
+            .time_to_first_token
             .observe(since_received.as_secs_f64());
     }
 
     pub fn observe_inter_token(&self, gap: Duration) {
-        self.inter_token_latency.observe(gap.as_secs_f64());
-        self.time_per_output_token.observe(gap.as_secs_f64());
+        self.latency.inter_token_latency.observe(gap.as_secs_f64());
+        self.latency
+            .time_per_output_token
+            .observe(gap.as_secs_f64());
     }
 
     pub fn count_rejected(&self, reason: &str) {
@@ -344,38 +364,26 @@ impl Metrics {
 
     fn render_npu_chips(&self) {
         let chips = self.npu_chips.lock().unwrap_or_else(|e| e.into_inner());
-        for gauge in [
-            &self.npu_temperature,
-            &self.npu_utilization,
-            &self.npu_hbm_used,
-            &self.npu_hbm_total,
-            &self.npu_power,
-            &self.npu_health,
-        ] {
+        for gauge in self.npu.all() {
             gauge.reset();
         }
         for chip in chips.iter() {
             // npu-exporter numbers chips by NPU id and labels them with the chip model.
             let id = chip.npu_id.to_string();
             let labels = [id.as_str(), chip.name.as_str()];
-            self.npu_temperature
-                .with_label_values(&labels)
-                .set(chip.temperature_celsius);
-            self.npu_utilization
-                .with_label_values(&labels)
-                .set(chip.aicore_percent);
-            self.npu_hbm_used
-                .with_label_values(&labels)
-                .set(chip.memory_used_mb);
-            self.npu_hbm_total
-                .with_label_values(&labels)
-                .set(chip.memory_total_mb);
-            if let Some(watts) = chip.power_watts {
-                self.npu_power.with_label_values(&labels).set(watts);
+            let readings = [
+                (&self.npu.temperature, Some(chip.temperature_celsius)),
+                (&self.npu.utilization, Some(chip.aicore_percent)),
+                (&self.npu.hbm_used, Some(chip.memory_used_mb)),
+                (&self.npu.hbm_total, Some(chip.memory_total_mb)),
+                (&self.npu.power, chip.power_watts),
+                (&self.npu.health, Some(f64::from(u8::from(chip.healthy)))),
+            ];
+            for (gauge, value) in readings {
+                if let Some(value) = value {
+                    gauge.with_label_values(&labels).set(value);
+                }
             }
-            self.npu_health
-                .with_label_values(&labels)
-                .set(f64::from(u8::from(chip.healthy)));
         }
     }
 }

@@ -99,33 +99,72 @@ pub async fn serve(
         config.warmup_iterations,
         config.stalled_reader_timeout,
     ));
-    let Listeners {
-        grpc: grpc_listener,
-        http: http_listener,
-    } = listeners;
     tracing::info!(
-        grpc = %grpc_listener.local_addr()?,
-        http = %http_listener.local_addr()?,
+        grpc = %listeners.grpc.local_addr()?,
+        http = %listeners.http.local_addr()?,
         model = %shared.model_name,
         "serving"
     );
+    let health_service = start_background_tasks(&shared).await;
+    let mut tasks = ServerTasks::start(&config, &shared, listeners, health_service)?;
 
-    let (stop_tx, stop_rx) = watch::channel(false);
+    // A listener that stops by itself is fatal; otherwise serve until a signal.
+    let signal: Result<&'static str, String> = tokio::select! {
+        signal = shutdown => Ok(signal?),
+        result = &mut tasks.grpc => {
+            result.context("the gRPC server task failed")?;
+            anyhow::bail!("the gRPC server stopped unexpectedly");
+        }
+        result = &mut tasks.http => {
+            result.context("the HTTP server task failed")?;
+            anyhow::bail!("the HTTP server stopped unexpectedly");
+        }
+        failure = engine_failure(&shared) => Err(failure),
+    };
+    match signal {
+        Ok(signal) => drain_and_close(&shared, tasks, signal, config.drain_timeout).await,
+        Err(failure) => {
+            // The engine has failed every request it held; those answers reach their clients
+            // before the process exits, rather than a connection that just closes.
+            wait_answered(&shared, Instant::now() + ABANDON_GRACE).await;
+            shared.close();
+            let _ = tasks.close().await;
+            anyhow::bail!("the engine stopped: {failure}");
+        }
+    }
+}
+
+/// Starts what runs beside the listeners: readiness reporting and NPU sampling. Returns the
+/// health service, which already has a status for every service.
+async fn start_background_tasks(
+    shared: &Arc<Shared>,
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     // Every service has a status before the first connection is accepted: a probe that comes
     // early must read NOT_SERVING, never "service not registered".
-    let initial = report_readiness(&shared, &health_reporter, None).await;
+    let initial = report_readiness(shared, &health_reporter, None).await;
     tokio::spawn(track_readiness(shared.clone(), health_reporter, initial));
     if let Some(tool) = telemetry::find_npu_smi() {
         tokio::spawn(sample_npus(shared.clone(), tool));
     }
+    health_service
+}
 
+/// The gRPC services: health, reflection, the Open Inference Protocol and the load service.
+fn grpc_app<H>(
+    config: &ServerConfig,
+    shared: &Arc<Shared>,
+    health_service: tonic_health::pb::health_server::HealthServer<H>,
+) -> anyhow::Result<axum::Router>
+where
+    H: tonic_health::pb::health_server::Health,
+{
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(npufleet_contract::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("cannot build the gRPC reflection service")?;
-    let grpc_app = tonic::service::Routes::new(health_service)
+    Ok(tonic::service::Routes::new(health_service)
         .add_service(reflection)
         .add_service(
             GrpcInferenceServiceServer::new(grpc::InferenceService::new(
@@ -141,107 +180,107 @@ pub async fn serve(
         .into_axum_router()
         .layer(tower::util::MapResponseLayer::new(
             grpc::name_message_limit::<axum::body::Body>,
+        )))
+}
+
+/// The two listeners' tasks and the flag that stops them.
+struct ServerTasks {
+    grpc: tokio::task::JoinHandle<()>,
+    http: tokio::task::JoinHandle<()>,
+    stop: watch::Sender<bool>,
+}
+
+impl ServerTasks {
+    fn start<H>(
+        config: &ServerConfig,
+        shared: &Arc<Shared>,
+        listeners: Listeners,
+        health_service: tonic_health::pb::health_server::HealthServer<H>,
+    ) -> anyhow::Result<ServerTasks>
+    where
+        H: tonic_health::pb::health_server::Health,
+    {
+        let (stop, stop_rx) = watch::channel(false);
+        let grpc = tokio::spawn(listener::serve(
+            listeners.grpc,
+            grpc_app(config, shared, health_service)?,
+            Protocol::Grpc,
+            config.connections,
+            |_| {},
+            stopped(stop_rx.clone()),
         ));
-    let mut grpc_task = tokio::spawn(listener::serve(
-        grpc_listener,
-        grpc_app,
-        Protocol::Grpc,
-        config.connections,
-        |_| {},
-        stopped(stop_rx.clone()),
-    ));
+        let router = router::router(http::HttpState {
+            shared: shared.clone(),
+            api_key: config.api_key.clone(),
+            max_body_bytes: config.max_body_bytes,
+            thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
+            reasoning_parser: config.reasoning_parser,
+        });
+        let send_buffer_bytes = config.http_send_buffer_bytes;
+        let http = tokio::spawn(listener::serve(
+            listeners.http,
+            router,
+            Protocol::Http,
+            config.connections,
+            move |connection| {
+                if let Err(error) =
+                    socket2::SockRef::from(connection).set_send_buffer_size(send_buffer_bytes)
+                {
+                    tracing::warn!(%error, "cannot bound a connection's send buffer");
+                }
+            },
+            stopped(stop_rx),
+        ));
+        Ok(ServerTasks { grpc, http, stop })
+    }
 
-    let router = router::router(http::HttpState {
-        shared: shared.clone(),
-        api_key: config.api_key.clone(),
-        max_body_bytes: config.max_body_bytes,
-        thermal_root: Arc::new(PathBuf::from("/sys/class/thermal")),
-        reasoning_parser: config.reasoning_parser,
-    });
-    let send_buffer_bytes = config.http_send_buffer_bytes;
-    let mut http_task = tokio::spawn(listener::serve(
-        http_listener,
-        router,
-        Protocol::Http,
-        config.connections,
-        move |connection| {
-            if let Err(error) =
-                socket2::SockRef::from(connection).set_send_buffer_size(send_buffer_bytes)
-            {
-                tracing::warn!(%error, "cannot bound a connection's send buffer");
-            }
-        },
-        stopped(stop_rx.clone()),
-    ));
+    /// Stops both listeners and waits up to [`CLOSE_GRACE`] for their connections to close;
+    /// `None` when they did not.
+    async fn close(
+        self,
+    ) -> Option<(
+        Result<(), tokio::task::JoinError>,
+        Result<(), tokio::task::JoinError>,
+    )> {
+        let _ = self.stop.send(true);
+        tokio::time::timeout(CLOSE_GRACE, async {
+            let grpc = self.grpc.await;
+            let http = self.http.await;
+            (grpc, http)
+        })
+        .await
+        .ok()
+    }
+}
 
-    // A listener that stops by itself is fatal; otherwise serve until a signal.
-    let signal: Result<&'static str, String> = tokio::select! {
-        signal = shutdown => Ok(signal?),
-        result = &mut grpc_task => {
-            result.context("the gRPC server task failed")?;
-            anyhow::bail!("the gRPC server stopped unexpectedly");
-        }
-        result = &mut http_task => {
-            result.context("the HTTP server task failed")?;
-            anyhow::bail!("the HTTP server stopped unexpectedly");
-        }
-        failure = engine_failure(&shared) => Err(failure),
-    };
-    let signal = match signal {
-        Ok(signal) => signal,
-        Err(failure) => {
-            // The engine has failed every request it held; those answers reach their clients
-            // before the process exits, rather than a connection that just closes.
-            wait_answered(&shared, Instant::now() + ABANDON_GRACE).await;
-            shared.close();
-            let _ = stop_tx.send(true);
-            let _ = tokio::time::timeout(CLOSE_GRACE, async {
-                let _ = grpc_task.await;
-                let _ = http_task.await;
-            })
-            .await;
-            anyhow::bail!("the engine stopped: {failure}");
-        }
-    };
+/// After the shutdown signal: refuses new requests, waits for accepted ones up to
+/// `drain_timeout` (then answers the rest with an error), and closes the listeners.
+async fn drain_and_close(
+    shared: &Shared,
+    tasks: ServerTasks,
+    signal: &'static str,
+    drain_timeout: Duration,
+) -> anyhow::Result<()> {
     tracing::info!(signal, "draining");
     shared.begin_shutdown();
-    let drain_timeout = config.drain_timeout;
     let deadline = Instant::now() + drain_timeout;
-    let drained = wait_drained(&shared, deadline).await;
+    let drained = wait_drained(shared, deadline).await;
     let unanswered = shared.in_flight();
     if drained {
         tracing::info!("drained; every accepted request was answered");
     } else {
-        tracing::warn!(
-            in_flight = unanswered,
-            "drain timeout of {:?} passed; closing with requests unanswered",
-            drain_timeout
-        );
-        // Each unanswered client gets an error (an SSE error event, a gRPC status, a 500)
-        // rather than a connection that just closes.
-        shared.abandon_in_flight(&format!(
-            "the worker shut down before this request finished: the drain timeout of {:?} passed",
-            drain_timeout
-        ));
-        wait_answered(&shared, Instant::now() + ABANDON_GRACE).await;
+        abandon_unanswered(shared, unanswered, drain_timeout).await;
     }
     if let Some(failure) = shared.engine.failure() {
         anyhow::bail!("the engine stopped while draining: {failure}");
     }
     shared.close();
-    let _ = stop_tx.send(true);
-    let closed = tokio::time::timeout(CLOSE_GRACE, async {
-        let grpc = grpc_task.await;
-        let http = http_task.await;
-        (grpc, http)
-    })
-    .await;
-    match closed {
-        Ok((grpc, http)) => {
+    match tasks.close().await {
+        Some((grpc, http)) => {
             grpc.context("the gRPC server task failed")?;
             http.context("the HTTP server task failed")?;
         }
-        Err(_) => tracing::warn!("connections still open after the drain; closing them"),
+        None => tracing::warn!("connections still open after the drain; closing them"),
     }
     if !drained {
         anyhow::bail!(
@@ -249,6 +288,21 @@ pub async fn serve(
         );
     }
     Ok(())
+}
+
+async fn abandon_unanswered(shared: &Shared, unanswered: usize, drain_timeout: Duration) {
+    tracing::warn!(
+        in_flight = unanswered,
+        "drain timeout of {:?} passed; closing with requests unanswered",
+        drain_timeout
+    );
+    // Each unanswered client gets an error (an SSE error event, a gRPC status, a 500)
+    // rather than a connection that just closes.
+    shared.abandon_in_flight(&format!(
+        "the worker shut down before this request finished: the drain timeout of {:?} passed",
+        drain_timeout
+    ));
+    wait_answered(shared, Instant::now() + ABANDON_GRACE).await;
 }
 
 /// How long clients whose requests a timed-out drain gave up on get to receive the error.

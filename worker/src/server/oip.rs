@@ -285,39 +285,32 @@ pub fn join_raw_bytes<'a>(elements: impl IntoIterator<Item = &'a [u8]>) -> Vec<u
     raw
 }
 
+/// The little-endian integers of `N` bytes each in the raw contents of the token-id input.
+fn raw_ints<const N: usize>(
+    raw: &[u8],
+    datatype: &str,
+    decode: impl Fn([u8; N]) -> i64,
+) -> Result<Vec<i64>, ServeError> {
+    let chunks = raw.chunks_exact(N);
+    if !chunks.remainder().is_empty() {
+        return Err(ServeError::bad_param(
+            INPUT_IDS,
+            format!(
+                "raw contents of '{INPUT_IDS}' are {} bytes, not a multiple of {N} ({datatype})",
+                raw.len()
+            ),
+        ));
+    }
+    Ok(chunks
+        .map(|c| decode(c.try_into().expect("chunks of N bytes")))
+        .collect())
+}
+
 fn decode_input_ids(input: &InferInputTensor, raw: Option<&[u8]>) -> Result<Vec<u32>, ServeError> {
     let expected = element_count(input)?;
     let values: Vec<i64> = match (input.datatype.as_str(), raw) {
-        ("INT64", Some(raw)) => {
-            let chunks = raw.chunks_exact(8);
-            if !chunks.remainder().is_empty() {
-                return Err(ServeError::bad_param(
-                    INPUT_IDS,
-                    format!(
-                        "raw contents of '{INPUT_IDS}' are {} bytes, not a multiple of 8 (INT64)",
-                        raw.len()
-                    ),
-                ));
-            }
-            chunks
-                .map(|c| i64::from_le_bytes(c.try_into().expect("8-byte chunk")))
-                .collect()
-        }
-        ("INT32", Some(raw)) => {
-            let chunks = raw.chunks_exact(4);
-            if !chunks.remainder().is_empty() {
-                return Err(ServeError::bad_param(
-                    INPUT_IDS,
-                    format!(
-                        "raw contents of '{INPUT_IDS}' are {} bytes, not a multiple of 4 (INT32)",
-                        raw.len()
-                    ),
-                ));
-            }
-            chunks
-                .map(|c| i32::from_le_bytes(c.try_into().expect("4-byte chunk")).into())
-                .collect()
-        }
+        ("INT64", Some(raw)) => raw_ints(raw, "INT64", i64::from_le_bytes)?,
+        ("INT32", Some(raw)) => raw_ints(raw, "INT32", |b| i32::from_le_bytes(b).into())?,
         ("INT64", None) => input
             .contents
             .as_ref()
@@ -596,20 +589,7 @@ mod tests {
     use super::*;
 
     fn text_request(text: &[u8]) -> ModelInferRequest {
-        ModelInferRequest {
-            model_name: "m".into(),
-            inputs: vec![InferInputTensor {
-                name: TEXT_INPUT.into(),
-                datatype: "BYTES".into(),
-                shape: vec![1],
-                contents: Some(InferTensorContents {
-                    bytes_contents: vec![text.to_vec()],
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
+        super::text_request("m", text, [])
     }
 
     fn raw_text_request(text: &[u8]) -> ModelInferRequest {

@@ -98,13 +98,7 @@ struct Figures {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let policy = args.precision.policy();
-    if args.prompt_tokens == 0 || args.short_prompt_tokens == 0 || args.decode_tokens < 2 {
-        bail!("prompt lengths must be positive and --decode-tokens at least 2");
-    }
-    if args.repeats == 0 || args.batch_sizes.contains(&0) {
-        bail!("--repeats and every batch size must be at least 1");
-    }
+    check_args(&args)?;
     let file_bytes = std::fs::metadata(&args.model)
         .with_context(|| format!("reading {}", args.model.display()))?
         .len();
@@ -114,7 +108,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let model = Model::load(
         &args.model,
         LoadOptions {
-            policy,
+            policy: args.precision.policy(),
             threads: args.threads,
             collective: None,
             backend: None,
@@ -126,92 +120,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let backend = model.backend_name();
     let prompts = Prompts::new(&model, &args)?;
 
-    let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1).max(1);
-    let block_size = 16;
-    // Enough KV cache for the largest run and no more, so peak RSS is comparable.
-    let per_sequence = args.short_prompt_tokens + args.decode_tokens + block_size;
-    let kv_tokens = (max_batch * per_sequence)
-        .max(args.short_prompt_tokens + args.decode_tokens * 2 + block_size)
-        .max(args.prompt_tokens + block_size);
-    let kv_blocks = kv_tokens.div_ceil(block_size) + max_batch;
-    let kv_dtype = args.kv_cache.dtype();
-    let config = EngineConfig {
-        model_name: "bench".into(),
-        max_batch_size: max_batch,
-        queue_limit: max_batch,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        block_size,
-        kv_cache: KvCacheSize::Blocks(kv_blocks),
-        kv_dtype,
-        warmup_iterations: 10,
-        ignore_eos: true,
-        ..EngineConfig::default()
-    };
-    let kv_bytes = engine::kv_block_bytes(&model, &config) * kv_blocks;
+    let cache = CacheSizing::for_runs(&args);
+    let config = cache.engine_config(&args);
+    let kv_bytes = engine::kv_block_bytes(&model, &config) * cache.blocks;
     let engine = engine::start(model, config)?;
     wait_ready(&engine)?;
-
-    eprintln!("npufleet: prefill ...");
-    // The first long prompt pages in the prefill path's weights; it is not timed.
-    finish(&engine, Prompt::Tokens(prompts.warmup.clone()), 1)?;
-    let mut prefill_prompts = prompts.prefill.iter();
-    let ttft_s = median_of(prompts.prefill.len(), || {
-        let prompt = prefill_prompts.next().expect("one prompt per run");
-        let timings = finish(&engine, Prompt::Tokens(prompt.clone()), 1)?;
-        Ok(timings.first_token.as_secs_f64())
-    })?;
-
-    eprintln!("npufleet: decode at batch 1 ...");
-    let decode_tok_s = median_of(args.repeats, || {
-        let times = run_concurrent(&engine, &prompts.short[..1], args.decode_tokens * 2)?;
-        let tokens = &times[0];
-        let span = tokens[tokens.len() - 1].duration_since(tokens[0]);
-        Ok((tokens.len() - 1) as f64 / span.as_secs_f64())
-    })?;
-
-    let mut aggregate = std::collections::BTreeMap::new();
-    let mut peak_rss_by_sequences = std::collections::BTreeMap::new();
-    let mut batch_sizes = args.batch_sizes.clone();
-    batch_sizes.sort_unstable();
-    for n in batch_sizes {
-        eprintln!("npufleet: aggregate decode with {n} sequences ...");
-        let rate = median_of(args.repeats, || {
-            let times = run_concurrent(&engine, &prompts.short[..n], args.decode_tokens)?;
-            Ok(steady_rate(&times))
-        })?;
-        aggregate.insert(n.to_string(), rate);
-        peak_rss_by_sequences.insert(n.to_string(), peak_rss_bytes()?);
-    }
+    let mut worker = measure(&engine, &args, &prompts)?;
+    worker.load_s = load_time.as_secs_f64();
     let load = engine.load();
     drop(engine);
-    let worker = Figures {
-        load_s: load_time.as_secs_f64(),
-        prefill_tok_s: args.prompt_tokens as f64 / ttft_s,
-        ttft_ms: ttft_s * 1000.0,
-        decode_tok_s,
-        aggregate_tok_s: aggregate,
-        skipped: std::collections::BTreeMap::new(),
-        peak_rss_bytes: peak_rss_bytes()?,
-        peak_rss_bytes_by_sequences: peak_rss_by_sequences,
-    };
+    worker.peak_rss_bytes = peak_rss_bytes()?;
 
     // Measured after the peak RSS was read: the probe's buffer would dominate it.
     eprintln!("measuring memory bandwidth ...");
     let bandwidth = memory_bandwidth(args.threads)?;
-
-    let reference = match args.reference {
-        Some(Reference::LlamaCpp) => {
-            eprintln!("llama.cpp: running {} ...", args.reference_script.display());
-            match run_llama_cpp(&args, &prompts) {
-                Ok(figures) => Some(figures),
-                Err(err) => {
-                    eprintln!("llama.cpp reference failed: {err:#}");
-                    None
-                }
-            }
-        }
-        None => None,
-    };
+    let reference = run_reference(&args, &prompts);
 
     println!(
         "model {} ({:.1} MiB file, {:.1} MiB resident weights, policy {}), {} threads, backend {backend}, loaded in {:.2} s",
@@ -223,15 +146,125 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         load_time.as_secs_f64()
     );
     println!(
-        "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB ({}, {kv_blocks} blocks of {block_size} positions, sized for {max_batch} sequences)",
+        "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB ({}, {} blocks of {} positions, sized for {} sequences)",
         load.steps_total,
         load.preemptions_total,
         load.last_batch_size,
         mib(kv_bytes as u64),
-        kv_dtype.name()
+        args.kv_cache.dtype().name(),
+        cache.blocks,
+        cache.block_size,
+        cache.max_batch
     );
     print_table(&args, &worker, reference.as_ref(), bandwidth, decode_bytes);
     Ok(())
+}
+
+fn check_args(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.prompt_tokens == 0 || args.short_prompt_tokens == 0 || args.decode_tokens < 2 {
+        bail!("prompt lengths must be positive and --decode-tokens at least 2");
+    }
+    if args.repeats == 0 || args.batch_sizes.contains(&0) {
+        bail!("--repeats and every batch size must be at least 1");
+    }
+    Ok(())
+}
+
+/// Enough KV cache for the largest run and no more, so peak RSS is comparable.
+struct CacheSizing {
+    max_batch: usize,
+    block_size: usize,
+    blocks: usize,
+}
+
+impl CacheSizing {
+    fn for_runs(args: &BenchArgs) -> Self {
+        let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1).max(1);
+        let block_size = 16;
+        let per_sequence = args.short_prompt_tokens + args.decode_tokens + block_size;
+        let kv_tokens = (max_batch * per_sequence)
+            .max(args.short_prompt_tokens + args.decode_tokens * 2 + block_size)
+            .max(args.prompt_tokens + block_size);
+        CacheSizing {
+            max_batch,
+            block_size,
+            blocks: kv_tokens.div_ceil(block_size) + max_batch,
+        }
+    }
+
+    fn engine_config(&self, args: &BenchArgs) -> EngineConfig {
+        EngineConfig {
+            model_name: "bench".into(),
+            max_batch_size: self.max_batch,
+            queue_limit: self.max_batch,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            block_size: self.block_size,
+            kv_cache: KvCacheSize::Blocks(self.blocks),
+            kv_dtype: args.kv_cache.dtype(),
+            warmup_iterations: 10,
+            ignore_eos: true,
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// This engine's speed figures; load time and overall peak RSS are the caller's to fill in.
+fn measure(
+    engine: &Arc<EngineHandle>,
+    args: &BenchArgs,
+    prompts: &Prompts,
+) -> anyhow::Result<Figures> {
+    eprintln!("npufleet: prefill ...");
+    // The first long prompt pages in the prefill path's weights; it is not timed.
+    finish(engine, Prompt::Tokens(prompts.warmup.clone()), 1)?;
+    let mut prefill_prompts = prompts.prefill.iter();
+    let ttft_s = median_of(prompts.prefill.len(), || {
+        let prompt = prefill_prompts.next().expect("one prompt per run");
+        let timings = finish(engine, Prompt::Tokens(prompt.clone()), 1)?;
+        Ok(timings.first_token.as_secs_f64())
+    })?;
+
+    eprintln!("npufleet: decode at batch 1 ...");
+    let decode_tok_s = median_of(args.repeats, || {
+        let times = run_concurrent(engine, &prompts.short[..1], args.decode_tokens * 2)?;
+        let tokens = &times[0];
+        let span = tokens[tokens.len() - 1].duration_since(tokens[0]);
+        Ok((tokens.len() - 1) as f64 / span.as_secs_f64())
+    })?;
+
+    let mut figures = Figures {
+        prefill_tok_s: args.prompt_tokens as f64 / ttft_s,
+        ttft_ms: ttft_s * 1000.0,
+        decode_tok_s,
+        ..Figures::default()
+    };
+    let mut batch_sizes = args.batch_sizes.clone();
+    batch_sizes.sort_unstable();
+    for n in batch_sizes {
+        eprintln!("npufleet: aggregate decode with {n} sequences ...");
+        let rate = median_of(args.repeats, || {
+            let times = run_concurrent(engine, &prompts.short[..n], args.decode_tokens)?;
+            Ok(steady_rate(&times))
+        })?;
+        figures.aggregate_tok_s.insert(n.to_string(), rate);
+        figures
+            .peak_rss_bytes_by_sequences
+            .insert(n.to_string(), peak_rss_bytes()?);
+    }
+    Ok(figures)
+}
+
+/// The reference engine's figures, or `None` (said on stderr) when none was asked for or it
+/// failed.
+fn run_reference(args: &BenchArgs, prompts: &Prompts) -> Option<Figures> {
+    match args.reference? {
+        Reference::LlamaCpp => {
+            eprintln!("llama.cpp: running {} ...", args.reference_script.display());
+            run_llama_cpp(args, prompts)
+                .inspect_err(|err| eprintln!("llama.cpp reference failed: {err:#}"))
+                .ok()
+        }
+    }
 }
 
 /// Token ids shared by both engines, cut from one long text at different offsets so no two
@@ -563,18 +596,38 @@ fn print_table(
         Some(Reference::LlamaCpp) => "llama.cpp",
         None => "-",
     };
+    let table = Table { reference };
+    table.header(reference_name);
+    table.speed_rows(args, worker);
+    table.memory_rows(worker);
+    for (n, reason) in reference.map(|f| &f.skipped).into_iter().flatten() {
+        println!("{reference_name} at {n} sequences: not measured ({reason})");
+    }
     println!();
-    // The advantage column is above 1 where npufleet does better: ours ÷ theirs for
-    // throughput, theirs ÷ ours for latency and memory.
-    println!(
-        "| {:<44} | {:>10} | {:>10} | {:>9} | {:<20} |",
-        "metric", "npufleet", reference_name, "advantage", "target"
-    );
-    println!(
-        "|{:-<46}|{:->12}|{:->12}|{:->11}|{:-<22}|",
-        "", "", "", "", ""
-    );
-    let row = |name: &str, ours: f64, theirs: Option<f64>, lower_is_better: bool, target: &str| {
+    print_roofline(args, worker, reference, bandwidth, decode_bytes);
+}
+
+/// The comparison table: one row a figure, the reference's beside ours when it ran.
+struct Table<'a> {
+    reference: Option<&'a Figures>,
+}
+
+impl Table<'_> {
+    fn header(&self, reference_name: &str) {
+        println!();
+        // The advantage column is above 1 where npufleet does better: ours ÷ theirs for
+        // throughput, theirs ÷ ours for latency and memory.
+        println!(
+            "| {:<44} | {:>10} | {:>10} | {:>9} | {:<20} |",
+            "metric", "npufleet", reference_name, "advantage", "target"
+        );
+        println!(
+            "|{:-<46}|{:->12}|{:->12}|{:->11}|{:-<22}|",
+            "", "", "", "", ""
+        );
+    }
+
+    fn row(&self, name: &str, ours: f64, theirs: Option<f64>, lower_is_better: bool, target: &str) {
         let (theirs_text, advantage_text) = match theirs {
             Some(value) if value > 0.0 && ours > 0.0 => {
                 let advantage = if lower_is_better {
@@ -589,89 +642,104 @@ fn print_table(
         println!(
             "| {name:<44} | {ours:>10.1} | {theirs_text:>10} | {advantage_text:>9} | {target:<20} |"
         );
-    };
-    let theirs = |pick: fn(&Figures) -> f64| reference.map(pick);
-    row("load s", worker.load_s, theirs(|f| f.load_s), true, "");
-    row(
-        &format!("prefill tok/s ({}-token prompt)", args.prompt_tokens),
-        worker.prefill_tok_s,
-        theirs(|f| f.prefill_tok_s),
-        false,
-        "≥ 2× llama.cpp",
-    );
-    row(
-        &format!("TTFT ms ({}-token prompt)", args.prompt_tokens),
-        worker.ttft_ms,
-        theirs(|f| f.ttft_ms),
-        true,
-        "",
-    );
-    row(
-        "decode tok/s, batch 1",
-        worker.decode_tok_s,
-        theirs(|f| f.decode_tok_s),
-        false,
-        "≥ 1× llama.cpp",
-    );
-    for n in &args.batch_sizes {
-        let key = n.to_string();
-        row(
-            &format!("aggregate decode tok/s, {n} sequences"),
-            worker.aggregate_tok_s.get(&key).copied().unwrap_or(0.0),
-            reference.and_then(|f| f.aggregate_tok_s.get(&key).copied()),
+    }
+
+    fn theirs(&self, pick: impl Fn(&Figures) -> f64) -> Option<f64> {
+        self.reference.map(pick)
+    }
+
+    fn speed_rows(&self, args: &BenchArgs, worker: &Figures) {
+        self.row("load s", worker.load_s, self.theirs(|f| f.load_s), true, "");
+        self.row(
+            &format!("prefill tok/s ({}-token prompt)", args.prompt_tokens),
+            worker.prefill_tok_s,
+            self.theirs(|f| f.prefill_tok_s),
             false,
+            "≥ 2× llama.cpp",
+        );
+        self.row(
+            &format!("TTFT ms ({}-token prompt)", args.prompt_tokens),
+            worker.ttft_ms,
+            self.theirs(|f| f.ttft_ms),
+            true,
             "",
         );
-    }
-    if let Some(at_32) = worker.aggregate_tok_s.get("32") {
-        let scaling =
-            |f: &Figures| f.aggregate_tok_s.get("32").copied().unwrap_or(0.0) / f.decode_tok_s;
-        row(
-            "aggregate at 32 ÷ own batch 1",
-            at_32 / worker.decode_tok_s,
-            reference.map(scaling),
+        self.row(
+            "decode tok/s, batch 1",
+            worker.decode_tok_s,
+            self.theirs(|f| f.decode_tok_s),
             false,
-            "≥ 4",
+            "≥ 1× llama.cpp",
         );
-    }
-    // Compared where both engines ran the same sequences: the reference's largest run.
-    let compared = reference
-        .and_then(|f| {
-            f.aggregate_tok_s
-                .keys()
-                .filter_map(|n| n.parse::<usize>().ok())
-                .max()
-        })
-        .and_then(|n| Some((n, *worker.peak_rss_bytes_by_sequences.get(&n.to_string())?)));
-    match compared {
-        Some((n, ours)) => {
-            row(
-                &format!("peak RSS MiB (VmHWM), up to {n} sequences"),
-                mib(ours),
-                theirs(|f| mib(f.peak_rss_bytes)),
-                true,
-                "≤ 1.5× llama.cpp",
-            );
-            row(
-                "peak RSS MiB (VmHWM), every run",
-                mib(worker.peak_rss_bytes),
-                None,
-                true,
+        for n in &args.batch_sizes {
+            let key = n.to_string();
+            self.row(
+                &format!("aggregate decode tok/s, {n} sequences"),
+                worker.aggregate_tok_s.get(&key).copied().unwrap_or(0.0),
+                self.reference
+                    .and_then(|f| f.aggregate_tok_s.get(&key).copied()),
+                false,
                 "",
             );
         }
-        None => row(
-            "peak RSS MiB (VmHWM)",
+        if let Some(at_32) = worker.aggregate_tok_s.get("32") {
+            let scaling =
+                |f: &Figures| f.aggregate_tok_s.get("32").copied().unwrap_or(0.0) / f.decode_tok_s;
+            self.row(
+                "aggregate at 32 ÷ own batch 1",
+                at_32 / worker.decode_tok_s,
+                self.theirs(scaling),
+                false,
+                "≥ 4",
+            );
+        }
+    }
+
+    fn memory_rows(&self, worker: &Figures) {
+        // Compared where both engines ran the same sequences: the reference's largest run.
+        let compared = self
+            .reference
+            .and_then(|f| {
+                f.aggregate_tok_s
+                    .keys()
+                    .filter_map(|n| n.parse::<usize>().ok())
+                    .max()
+            })
+            .and_then(|n| Some((n, *worker.peak_rss_bytes_by_sequences.get(&n.to_string())?)));
+        let Some((n, ours)) = compared else {
+            self.row(
+                "peak RSS MiB (VmHWM)",
+                mib(worker.peak_rss_bytes),
+                self.theirs(|f| mib(f.peak_rss_bytes)),
+                true,
+                "",
+            );
+            return;
+        };
+        self.row(
+            &format!("peak RSS MiB (VmHWM), up to {n} sequences"),
+            mib(ours),
+            self.theirs(|f| mib(f.peak_rss_bytes)),
+            true,
+            "≤ 1.5× llama.cpp",
+        );
+        self.row(
+            "peak RSS MiB (VmHWM), every run",
             mib(worker.peak_rss_bytes),
-            theirs(|f| mib(f.peak_rss_bytes)),
+            None,
             true,
             "",
-        ),
+        );
     }
-    for (n, reason) in reference.map(|f| &f.skipped).into_iter().flatten() {
-        println!("{reference_name} at {n} sequences: not measured ({reason})");
-    }
-    println!();
+}
+
+fn print_roofline(
+    args: &BenchArgs,
+    worker: &Figures,
+    reference: Option<&Figures>,
+    bandwidth: f64,
+    decode_bytes: u64,
+) {
     println!(
         "memory bandwidth (vectorised read of 1 GiB, {} threads): {:.2} GB/s",
         args.threads,

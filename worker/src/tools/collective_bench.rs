@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+use super::join_ranks;
 use super::tp_bench::{self, Generation};
 use crate::collective::transport::{inproc, tcp};
 use crate::collective::{Collective, RingCollective, collective_from_env, hccl_env, setup};
@@ -314,13 +315,7 @@ fn bench_inproc(world_size: usize, sizes: &[usize], seconds: f64) -> anyhow::Res
                 scope.spawn(move || sizes.iter().map(|&b| measure(ring, b, seconds)).collect())
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank thread panicked")))
-            })
-            .collect()
+        join_ranks(handles)
     });
     per_rank.into_iter().next().expect("at least one rank")
 }

@@ -335,13 +335,7 @@ pub fn generate_in_process(
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank thread panicked")))
-            })
-            .collect()
+        super::join_ranks(handles)
     });
     let mut leader = None;
     for (rank, result) in results.into_iter().enumerate() {

@@ -3,6 +3,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
+
+use npufleet_worker::api::{
+    FinishReason, GenerationEvent, GenerationStream, RequestTimings, Usage,
+};
 
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::model::{
@@ -81,18 +86,28 @@ pub fn setup_path(script: &str) -> PathBuf {
 /// As [`setup_path`], with arguments.
 pub fn setup_path_with(script: &str, args: &[&str]) -> PathBuf {
     let root = repo_root();
-    let out = Command::new("bash")
-        .arg(root.join("tests/setup").join(script))
-        .args(args)
-        .current_dir(&root)
+    let out = run_ok(
+        Command::new("bash")
+            .arg(root.join("tests/setup").join(script))
+            .args(args)
+            .current_dir(&root),
+        script,
+    );
+    PathBuf::from(String::from_utf8(out).expect("utf-8 path").trim())
+}
+
+/// Runs `command` to its end and returns its standard output; fails the test, showing the
+/// standard error, when `what` does not succeed.
+pub fn run_ok(command: &mut Command, what: &str) -> Vec<u8> {
+    let out = command
         .output()
-        .unwrap_or_else(|e| panic!("running {script}: {e}"));
+        .unwrap_or_else(|e| panic!("running {what}: {e}"));
     assert!(
         out.status.success(),
-        "{script} failed: {}",
+        "{what} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+    out.stdout
 }
 
 pub fn smollm2_path() -> PathBuf {
@@ -199,16 +214,12 @@ pub fn reference_script(name: &str) -> PathBuf {
 /// Writes the random Qwen2 GGUF file `out` with `tests/reference/qwen2_model.py` and its
 /// `args` (`--weights`, `--tied`, `--template`, `--hf-dir`).
 pub fn write_qwen2_model(out: &Path, args: &[&str]) -> PathBuf {
-    let result = Command::new(python())
-        .arg(reference_script("qwen2_model.py"))
-        .arg(out)
-        .args(args)
-        .output()
-        .expect("running qwen2_model.py");
-    assert!(
-        result.status.success(),
-        "qwen2_model.py failed: {}",
-        String::from_utf8_lossy(&result.stderr)
+    run_ok(
+        Command::new(python())
+            .arg(reference_script("qwen2_model.py"))
+            .arg(out)
+            .args(args),
+        "qwen2_model.py",
     );
     out.to_path_buf()
 }
@@ -220,26 +231,38 @@ pub struct RefStep {
     pub top_logits: Vec<f32>,
 }
 
+/// Checks each of the reference's top logits at one step against `logits`, within
+/// `tolerance` (`what` names the model in a failure); returns the largest difference.
+pub fn top_logits_diff(logits: &[f32], step: &RefStep, tolerance: f32, what: &str) -> f32 {
+    let mut max_diff = 0f32;
+    for (&id, &want) in step.top_ids.iter().zip(&step.top_logits) {
+        let diff = (logits[id as usize] - want).abs();
+        max_diff = max_diff.max(diff);
+        assert!(
+            diff <= tolerance,
+            "{what}: logit of token {id}: {} vs numpy {want}",
+            logits[id as usize]
+        );
+    }
+    max_diff
+}
+
 /// Greedy decoding of `n_gen` tokens after each prompt by `tests/reference/llama_numpy.py`.
 pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<Vec<RefStep>> {
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let dir = tempfile::tempdir_in(&tmp).expect("temporary directory");
     let prompts_file = dir.path().join("prompts.json");
     std::fs::write(&prompts_file, serde_json::to_string(prompts).unwrap()).unwrap();
-    let out = Command::new(python())
-        .arg(reference_script("llama_numpy.py"))
-        .arg(model)
-        .arg(&prompts_file)
-        .arg(n_gen.to_string())
-        .arg(tmp.join("llama-numpy-cache"))
-        .output()
-        .expect("running llama_numpy.py");
-    assert!(
-        out.status.success(),
-        "numpy reference failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        Command::new(python())
+            .arg(reference_script("llama_numpy.py"))
+            .arg(model)
+            .arg(&prompts_file)
+            .arg(n_gen.to_string())
+            .arg(tmp.join("llama-numpy-cache")),
+        "the numpy reference",
     );
-    let path = String::from_utf8(out.stdout).unwrap();
+    let path = String::from_utf8(out).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path.trim()).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -271,4 +294,57 @@ pub fn numpy_reference(model: &Path, prompts: &[Vec<u32>], n_gen: usize) -> Vec<
                 .collect()
         })
         .collect()
+}
+
+/// What one request's stream carried.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: RequestTimings,
+}
+
+/// Reads a stream to its end; panics on a failure event, a stream that ends early, or no
+/// event within `deadline`.
+pub fn collect_within(stream: GenerationStream, deadline: Duration) -> Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let mut stream = stream;
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        loop {
+            let event = tokio::time::timeout(deadline, stream.recv())
+                .await
+                .expect("timed out waiting for an event")
+                .expect("the stream ended without a final event");
+            match event {
+                GenerationEvent::Token {
+                    token_id,
+                    text: piece,
+                } => {
+                    tokens.push(token_id);
+                    text.push_str(&piece);
+                }
+                GenerationEvent::Finished {
+                    reason,
+                    usage,
+                    timings,
+                } => {
+                    return Outcome {
+                        tokens,
+                        text,
+                        reason,
+                        usage,
+                        timings,
+                    };
+                }
+                GenerationEvent::Failed { message } => panic!("request failed: {message}"),
+            }
+        }
+    })
 }

@@ -15,8 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use npufleet_contract::proto::inference::{ModelInferRequest, ModelStreamInferResponse};
 use npufleet_test_support::wait;
-use npufleet_worker::tools::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use npufleet_worker_testkit::testmodel::{GenTestModelArgs, TestModelFormat, write_test_model};
+use serde_json::Value;
 
 pub const MODEL_NAME: &str = "tiny";
 
@@ -187,6 +189,12 @@ impl Worker {
         self.log.lock().unwrap().clone()
     }
 
+    /// Fails the test, showing the log, unless the log contains `needle`.
+    pub fn assert_logged(&self, needle: &str) {
+        let log = self.log();
+        assert!(log.contains(needle), "{needle:?} is not in the log:\n{log}");
+    }
+
     pub fn log(&self) -> String {
         self.log_lines().join("\n")
     }
@@ -207,4 +215,80 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .filter_map(|event| event.trim().strip_prefix("data:"))
         .map(|data| data.trim().to_string())
         .collect()
+}
+
+/// Posts `body` as JSON to `url` and returns the response unread.
+pub async fn send_json(client: &reqwest::Client, url: &str, body: &Value) -> reqwest::Response {
+    client.post(url).json(body).send().await.unwrap()
+}
+
+/// Posts `body` as JSON; the status and the JSON answer.
+pub async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let response = send_json(client, url, &body).await;
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+/// Gets `url`; the status and the JSON answer (`Null` when the body is not JSON).
+pub async fn get_json(client: &reqwest::Client, url: &str) -> (u16, Value) {
+    let response = client.get(url).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// Gets `url` and returns its body.
+pub async fn get_text(client: &reqwest::Client, url: &str) -> String {
+    client.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// Posts a streaming request and returns its `data:` payloads before the closing `[DONE]`,
+/// which it checks is there.
+pub async fn post_stream(client: &reqwest::Client, url: &str, body: &Value) -> Vec<String> {
+    let body = send_json(client, url, body).await.text().await.unwrap();
+    let mut events = sse_data(&body);
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{body}");
+    events
+}
+
+/// The message of an OpenAI-shaped error answer.
+pub fn error_message(body: &Value) -> &str {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error message in {body}"))
+}
+
+/// Opens an Open Inference Protocol stream with `first` on it; later requests go in through
+/// the sender.
+pub async fn open_stream(
+    client: &mut GrpcInferenceServiceClient<tonic::transport::Channel>,
+    first: ModelInferRequest,
+) -> (
+    tokio::sync::mpsc::Sender<ModelInferRequest>,
+    tonic::Streaming<ModelStreamInferResponse>,
+) {
+    let (requests, outgoing) = tokio::sync::mpsc::channel(4);
+    let responses = client
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    requests.send(first).await.unwrap();
+    (requests, responses)
+}
+
+/// Posts `body` as it is, labelled JSON; the status and the JSON answer.
+pub async fn post_raw(
+    client: &reqwest::Client,
+    url: &str,
+    body: impl Into<reqwest::Body>,
+) -> (u16, Value) {
+    let response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
 }

@@ -126,19 +126,11 @@ fn attend_block(
         let out = &mut scratch.scores[t0 * group * max_len + range.start..];
         match kv.k {
             KvData::F32(keys) => {
-                let keys = StridedRows {
-                    data: &keys[first..],
-                    stride,
-                    count: range.len(),
-                };
+                let keys = StridedRows::new(&keys[first..], stride, range.len());
                 (k.dot_strided)(qs, heads, keys, shape.scale, out, max_len)
             }
             KvData::F16(keys) => {
-                let keys = StridedRows {
-                    data: &keys[first..],
-                    stride,
-                    count: range.len(),
-                };
+                let keys = StridedRows::new(&keys[first..], stride, range.len());
                 (k.dot_strided_f16)(qs, heads, keys, shape.scale, out, max_len)
             }
         }

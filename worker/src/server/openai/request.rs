@@ -104,11 +104,7 @@ pub fn validate_chat_body(body: &[u8], served_model: &str) -> Result<ValidatedRe
         i64::from(SamplingParams::MIN_MAX_TOKENS),
         i64::from(u32::MAX),
     )?;
-    fields.only(
-        "logprobs",
-        |v| v == false,
-        "log probabilities are not supported",
-    )?;
+    fields.only("logprobs", is_false, "log probabilities are not supported")?;
     fields.only(
         "top_logprobs",
         |v| v.as_f64() == Some(0.0),
@@ -142,14 +138,10 @@ pub fn validate_chat_body(body: &[u8], served_model: &str) -> Result<ValidatedRe
         |_| false,
         "audio output is not supported: this model produces text only",
     )?;
-    fields.only(
-        "store",
-        |v| v == false,
-        "stored completions are not supported",
-    )?;
+    fields.only("store", is_false, "stored completions are not supported")?;
     fields.only(
         "metadata",
-        |v| v.as_object().is_some_and(Map::is_empty),
+        is_empty_object,
         "metadata is kept with stored completions, and this server stores none",
     )?;
     fields.only(
@@ -159,12 +151,12 @@ pub fn validate_chat_body(body: &[u8], served_model: &str) -> Result<ValidatedRe
     )?;
     fields.only(
         "add_generation_prompt",
-        |v| v == true,
+        is_true,
         "the chat template is always applied with the generation prompt",
     )?;
     fields.only(
         "continue_final_message",
-        |v| v == false,
+        is_false,
         "continuing the final message is not supported",
     )?;
     fields.string("safety_identifier")?;
@@ -187,6 +179,24 @@ fn read_common(
     input: RequestInput,
     default_max_tokens: Option<u32>,
 ) -> Result<ValidatedRequest, ServeError> {
+    let params = read_sampling(fields, default_max_tokens)?;
+    refuse_unsupported_options(fields)?;
+    fields.string("user")?;
+    let stream = fields.boolean("stream")?.unwrap_or(false);
+    let include_usage = read_stream_options(fields, stream)?;
+    Ok(ValidatedRequest {
+        input,
+        params,
+        stream,
+        include_usage,
+        renamed: Vec::new(),
+    })
+}
+
+fn read_sampling(
+    fields: &mut Fields,
+    default_max_tokens: Option<u32>,
+) -> Result<SamplingParams, ServeError> {
     let count = |fields: &mut Fields, field: &str| {
         fields
             .integer(field, 0, i64::from(u32::MAX))
@@ -200,7 +210,7 @@ fn read_common(
         )?
         .map(|v| v as u32);
     let defaults = SamplingParams::default();
-    let params = SamplingParams {
+    Ok(SamplingParams {
         max_tokens: max_tokens.or(default_max_tokens),
         // OpenAI's default temperature, where the engine's own default is greedy.
         temperature: fields.float("temperature")?.unwrap_or(1.0),
@@ -227,88 +237,88 @@ fn read_common(
         stop_token_ids: token_ids(fields.take("stop_token_ids"), "stop_token_ids")?,
         min_tokens: count(fields, "min_tokens")?.unwrap_or(defaults.min_tokens),
         ignore_eos: fields.boolean("ignore_eos")?.unwrap_or(defaults.ignore_eos),
-    };
-    fields.only(
+    })
+}
+
+/// Whether a field's value is the one this server supports.
+type Accepts = fn(&Value) -> bool;
+
+/// Options this server accepts only at the value that means its one behaviour, each with
+/// why another value is refused.
+const FIXED_OPTIONS: &[(&str, Accepts, &str)] = &[
+    (
         "n",
         is_one,
         "only one choice per request is supported (n = 1)",
-    )?;
-    fields.only("best_of", is_one, "only best_of = 1 is supported")?;
-    fields.only(
-        "echo",
-        |v| v == false,
-        "echoing the prompt is not supported",
-    )?;
-    fields.only(
-        "use_beam_search",
-        |v| v == false,
-        "beam search is not supported",
-    )?;
-    fields.only(
+    ),
+    ("best_of", is_one, "only best_of = 1 is supported"),
+    ("echo", is_false, "echoing the prompt is not supported"),
+    ("use_beam_search", is_false, "beam search is not supported"),
+    (
         "length_penalty",
         is_one,
         "the length penalty applies to beam search, which is not supported; only 1",
-    )?;
-    fields.only(
+    ),
+    (
         "logit_bias",
-        |v| v.as_object().is_some_and(Map::is_empty),
+        is_empty_object,
         "logit biases are not supported",
-    )?;
-    fields.only(
+    ),
+    (
         "skip_special_tokens",
-        |v| v == true,
+        is_true,
         "special tokens are always left out of the text",
-    )?;
-    fields.only(
+    ),
+    (
         "spaces_between_special_tokens",
-        |v| v == true,
+        is_true,
         "only true is supported",
-    )?;
-    fields.only(
+    ),
+    (
         "include_stop_str_in_output",
-        |v| v == false,
+        is_false,
         "the stop string is never part of the output",
-    )?;
-    fields.only(
+    ),
+    (
         "priority",
         |v| v.as_f64() == Some(0.0),
         "requests are served in arrival order; only 0",
-    )?;
-    fields.only(
+    ),
+    (
         "response_format",
         |v| v.get("type").is_some_and(|t| *t == "text"),
         "only {\"type\": \"text\"} is supported; structured output (JSON mode, JSON \
          schema) is not implemented",
-    )?;
-    fields.string("user")?;
-    let stream = fields.boolean("stream")?.unwrap_or(false);
-    let include_usage = match fields.take("stream_options") {
-        None => false,
-        Some(_) if !stream => {
-            return Err(ServeError::bad_param(
-                "stream_options",
-                "stream_options is only allowed when stream is true",
-            ));
-        }
+    ),
+];
+
+fn refuse_unsupported_options(fields: &mut Fields) -> Result<(), ServeError> {
+    for (field, allowed, why) in FIXED_OPTIONS {
+        fields.only(field, allowed, why)?;
+    }
+    Ok(())
+}
+
+/// Whether usage is sent at the end of the stream; `stream_options` needs `stream`.
+fn read_stream_options(fields: &mut Fields, stream: bool) -> Result<bool, ServeError> {
+    match fields.take("stream_options") {
+        None => Ok(false),
+        Some(_) if !stream => Err(ServeError::bad_param(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        )),
         Some(options) => {
             let mut options = Fields::object(options, "stream_options")?;
             let include_usage = options.boolean("include_usage")?.unwrap_or(false);
             options.only(
                 "continuous_usage_stats",
-                |v| v == false,
+                is_false,
                 "usage is reported once, at the end of the stream",
             )?;
             options.finish()?;
-            include_usage
+            Ok(include_usage)
         }
-    };
-    Ok(ValidatedRequest {
-        input,
-        params,
-        stream,
-        include_usage,
-        renamed: Vec::new(),
-    })
+    }
 }
 
 /// A request for another model than the one served is refused by name; a request naming
@@ -346,6 +356,18 @@ fn shown(value: &Value) -> String {
 
 fn is_one(value: &Value) -> bool {
     value.as_f64() == Some(1.0)
+}
+
+fn is_true(value: &Value) -> bool {
+    value == true
+}
+
+fn is_false(value: &Value) -> bool {
+    value == false
+}
+
+fn is_empty_object(value: &Value) -> bool {
+    value.as_object().is_some_and(Map::is_empty)
 }
 
 fn is_empty_list(value: &Value) -> bool {

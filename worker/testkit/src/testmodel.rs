@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use crate::backend::{Matrix, quant};
-use crate::model::gguf::{self, TensorType, Value, WriteTensor};
-use crate::model::tokenizer::byte_level_bpe;
-use crate::model::weights::rotary_half_to_adjacent;
+use npufleet_worker::backend::{Matrix, quant};
+use npufleet_worker::model::gguf::{self, TensorType, Value, WriteTensor};
+use npufleet_worker::model::tokenizer::byte_level_bpe;
+use npufleet_worker::model::weights::rotary_half_to_adjacent;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TestModelFormat {
@@ -84,6 +84,19 @@ impl GenTestModelArgs {
         }
     }
 
+    /// A GGUF spec of `layers` layers whose 8 heads and 4 KV heads split over 1, 2 and 4
+    /// tensor-parallel ranks; `write_into` names the file.
+    pub fn splittable(layers: usize, seed: u64) -> Self {
+        GenTestModelArgs {
+            layers,
+            dim: 128,
+            heads: 8,
+            kv_heads: 4,
+            seed,
+            ..GenTestModelArgs::new(PathBuf::new(), TestModelFormat::Gguf)
+        }
+    }
+
     fn ffn_dim(&self) -> usize {
         if self.ffn > 0 {
             self.ffn
@@ -133,18 +146,24 @@ pub fn write_test_model(args: &GenTestModelArgs) -> Result<PathBuf> {
         args.vocab >= min_vocab,
         "vocab must be at least {min_vocab} (specials + 256 bytes)"
     );
-    let (tokens, merges, types) = vocabulary(args.vocab);
+    let vocab = vocabulary(args.vocab);
     let w = random_weights(args);
     match args.format {
-        TestModelFormat::Gguf => write_gguf(args, &w, &tokens, &merges, &types)?,
-        TestModelFormat::Safetensors => write_safetensors(args, &w, &tokens, &merges, &types)?,
+        TestModelFormat::Gguf => write_gguf(args, &w, &vocab)?,
+        TestModelFormat::Safetensors => write_safetensors(args, &w, &vocab)?,
     }
     Ok(args.out.clone())
 }
 
-/// Tokens (specials, the 256 byte symbols, learnt merges, reserved padding), merges, and
-/// GGUF token types.
-fn vocabulary(size: usize) -> (Vec<String>, Vec<String>, Vec<i32>) {
+/// A byte-level BPE vocabulary: tokens (specials, the 256 byte symbols, learnt merges,
+/// reserved padding), merges, and GGUF token types.
+struct Vocabulary {
+    tokens: Vec<String>,
+    merges: Vec<String>,
+    types: Vec<i32>,
+}
+
+fn vocabulary(size: usize) -> Vocabulary {
     let byte_chars = byte_chars();
     let mut tokens: Vec<String> = SPECIAL_TOKENS.iter().map(|s| s.to_string()).collect();
     let mut types = vec![3; SPECIAL_TOKENS.len()];
@@ -197,7 +216,11 @@ fn vocabulary(size: usize) -> (Vec<String>, Vec<String>, Vec<i32>) {
         tokens.push(format!("<|reserved_{}|>", tokens.len()));
         types.push(3);
     }
-    (tokens, merges, types)
+    Vocabulary {
+        tokens,
+        merges,
+        types,
+    }
 }
 
 fn byte_chars() -> Vec<char> {
@@ -280,13 +303,7 @@ fn random_weights(a: &GenTestModelArgs) -> RandomWeights {
     RandomWeights { tensors }
 }
 
-fn write_gguf(
-    a: &GenTestModelArgs,
-    w: &RandomWeights,
-    tokens: &[String],
-    merges: &[String],
-    types: &[i32],
-) -> Result<()> {
+fn write_gguf(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
     let hd = a.dim / a.heads;
     let s = |v: &str| Value::String(v.to_string());
     let u = |v: usize| Value::U32(v as u32);
@@ -310,15 +327,15 @@ fn write_gguf(
         ("tokenizer.ggml.pre".to_string(), s("smollm")),
         (
             "tokenizer.ggml.tokens".to_string(),
-            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+            Value::Array(vocab.tokens.iter().map(|t| s(t)).collect()),
         ),
         (
             "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            Value::Array(vocab.types.iter().map(|&t| Value::I32(t)).collect()),
         ),
         (
             "tokenizer.ggml.merges".to_string(),
-            Value::Array(merges.iter().map(|m| s(m)).collect()),
+            Value::Array(vocab.merges.iter().map(|m| s(m)).collect()),
         ),
         ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(1)),
         ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(2)),
@@ -410,13 +427,7 @@ fn hf_name(name: &str) -> String {
     }
 }
 
-fn write_safetensors(
-    a: &GenTestModelArgs,
-    w: &RandomWeights,
-    tokens: &[String],
-    merges: &[String],
-    types: &[i32],
-) -> Result<()> {
+fn write_safetensors(a: &GenTestModelArgs, w: &RandomWeights, vocab: &Vocabulary) -> Result<()> {
     let dir = &a.out;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (dtype, elem) = match a.weight_type {
@@ -480,13 +491,14 @@ fn write_safetensors(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
-    let added: Vec<(u32, bool)> = types
+    let added: Vec<(u32, bool)> = vocab
+        .types
         .iter()
         .enumerate()
         .filter(|(_, t)| **t == 3)
         .map(|(i, _)| (i as u32, true))
         .collect();
-    byte_level_bpe(tokens, merges, &added, "smollm")?
+    byte_level_bpe(&vocab.tokens, &vocab.merges, &added, "smollm")?
         .save(dir.join("tokenizer.json"), true)
         .map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))?;
     let tokenizer_config = serde_json::json!({
