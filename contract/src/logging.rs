@@ -124,3 +124,56 @@ pub fn next_hop(span: &tracing::Span, trace: &TraceParent) -> TraceParent {
         *trace
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use opentelemetry_sdk::trace::InMemorySpanExporter;
+
+    use super::*;
+
+    const CALLER: TraceParent = TraceParent {
+        trace_id: 0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736,
+        parent_id: 0x00f0_67aa_0ba9_02b7,
+        flags: crate::trace::SAMPLED,
+    };
+
+    #[test]
+    fn an_exported_span_joins_the_callers_trace_and_parents_the_next_hop() {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let hop = tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("request");
+            follow(&span, &CALLER);
+            next_hop(&span, &CALLER)
+        });
+        let spans = exporter.get_finished_spans().unwrap();
+        let [span] = spans.as_slice() else {
+            panic!("one span exported: {spans:?}")
+        };
+        assert_eq!(
+            span.span_context.trace_id(),
+            TraceId::from_bytes(CALLER.trace_id.to_be_bytes())
+        );
+        assert_eq!(
+            span.parent_span_id,
+            SpanId::from_bytes(CALLER.parent_id.to_be_bytes())
+        );
+        assert_eq!(hop.trace_id, CALLER.trace_id);
+        assert_eq!(
+            hop.parent_id,
+            u64::from_be_bytes(span.span_context.span_id().to_bytes()),
+            "the next hop hangs under this span, not beside it"
+        );
+    }
+
+    #[test]
+    fn without_export_the_next_hop_gets_the_callers_traceparent() {
+        let span = tracing::info_span!("request");
+        follow(&span, &CALLER);
+        assert_eq!(next_hop(&span, &CALLER), CALLER);
+    }
+}
