@@ -5,6 +5,9 @@ pub const MODEL: &str = "NPUFLEET_MODEL";
 pub const SERVED_MODEL_NAME: &str = "NPUFLEET_SERVED_MODEL_NAME";
 pub const GRPC_ADDR: &str = "NPUFLEET_GRPC_ADDR";
 pub const HTTP_ADDR: &str = "NPUFLEET_HTTP_ADDR";
+/// The HTTP port of an engine other than the worker, for its arguments to name as
+/// `$(NPUFLEET_HTTP_PORT)`.
+pub const HTTP_PORT: &str = "NPUFLEET_HTTP_PORT";
 pub const MAX_BATCH_SIZE: &str = "NPUFLEET_MAX_BATCH_SIZE";
 pub const QUEUE_LIMIT: &str = "NPUFLEET_QUEUE_LIMIT";
 pub const WARMUP_ITERATIONS: &str = "NPUFLEET_WARMUP_ITERATIONS";

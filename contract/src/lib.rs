@@ -2,7 +2,7 @@
 //! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
 //! environment variables the operator sets on worker pods, labels and annotations, the
 //! router's response headers, the trace context the router passes to the workers, the names
-//! of precisions and accelerators, how the worker's and the router's listeners take
+//! of precisions and accelerators, the engines a fleet can run and where each publishes its load, how the worker's and the router's listeners take
 //! connections, and how every process logs.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
@@ -25,4 +25,5 @@ pub mod precision;
 #[cfg(feature = "grpc")]
 pub mod proto;
 pub mod rank_table;
+pub mod runtime;
 pub mod trace;

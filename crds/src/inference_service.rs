@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 pub use npufleet_contract::accelerator::AcceleratorType;
 pub use npufleet_contract::precision::Precision;
+pub use npufleet_contract::runtime::{Engine, LoadMetrics, LoadSource};
 
 pub const GROUP: &str = "npufleet.io";
 pub const VERSION: &str = "v1alpha1";
@@ -42,6 +43,7 @@ pub const VERSION: &str = "v1alpha1";
     printcolumn(name = "Desired", type_ = "integer", json_path = ".status.desiredReplicas", description = "Replica groups the operator is driving toward"),
     printcolumn(name = "TP", type_ = "integer", json_path = ".spec.parallelism.tensor", description = "Tensor-parallel degree"),
     printcolumn(name = "Accelerator", type_ = "string", json_path = ".spec.accelerator.type"),
+    printcolumn(name = "Runtime", type_ = "string", json_path = ".spec.runtime.engine", description = "The engine serving the model"),
     printcolumn(name = "Queue", type_ = "number", json_path = ".status.autoscaling.queueDepth", description = "Mean waiting requests per replica, as the autoscaler last saw it"),
     printcolumn(name = "Model", type_ = "string", json_path = ".status.modelState", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
@@ -57,6 +59,12 @@ pub const VERSION: &str = "v1alpha1";
 #[x_kube(validation = Rule::new("!has(self.model.source.volume) || (has(self.template) && has(self.template.volumes) && self.template.volumes.exists(v, v.name == self.model.source.volume.name))")
     .message("spec.model.source.volume.name must name a volume declared in spec.template.volumes")
     .field_path(".model.source.volume.name"))]
+#[x_kube(validation = Rule::new("!has(self.runtime) || self.runtime.engine == 'npufleet' || (has(self.template) && has(self.template.image))")
+    .message("spec.template.image must name the engine's image when spec.runtime.engine is not npufleet: the operator's default image is its own worker")
+    .field_path(".template.image"))]
+#[x_kube(validation = Rule::new("!has(self.runtime) || !(self.runtime.engine in ['generic', 'vllm-ascend']) || self.parallelism.tensor <= self.accelerator.devicesPerPod")
+    .message("spec.parallelism.tensor must not exceed spec.accelerator.devicesPerPod for the generic and vllm-ascend runtimes: they serve a replica from one pod")
+    .field_path(".parallelism.tensor"))]
 #[x_kube(validation = Rule::new("!has(self.rollout) || self.rollout.maxSurge > 0 || self.rollout.maxUnavailable > 0")
     .message("spec.rollout.maxSurge and spec.rollout.maxUnavailable must not both be 0: a rollout could never start")
     .field_path(".rollout"))]
@@ -112,6 +120,11 @@ pub struct InferenceServiceSpec {
     #[serde(default = "default_progress_deadline_seconds")]
     #[schemars(range(min = 1, max = 86400))]
     pub progress_deadline_seconds: i32,
+
+    /// The engine the worker pods run: this project's worker, a vendor engine, or any
+    /// OpenAI-compatible server.
+    #[serde(default)]
+    pub runtime: RuntimeSpec,
 
     /// Overrides for the worker container.
     #[serde(default)]
@@ -658,6 +671,72 @@ pub struct WorkerTemplate {
     #[x_kube(validation = Rule::new(format!("self.all(m, !(m.mountPath in ['{TMP_DIR}', '{TMP_DIR}/', '{MODEL_DIR}', '{MODEL_DIR}/', '{RANK_TABLE_DIR}', '{RANK_TABLE_DIR}/']))"))
         .message(format!("spec.template.volumeMounts must not mount at {TMP_DIR}, {MODEL_DIR} or {RANK_TABLE_DIR}: the operator mounts there").as_str()))]
     pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// The engine in the worker container. The operator renders what the engine's deployment
+/// guide asks (command, arguments, ports, probes, rank table, environment); the fields here
+/// add to it, and for the `generic` engine are all there is.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("self.engine != 'npufleet' || (!has(self.command) && !has(self.args) && !has(self.port) && !has(self.readinessPath) && !has(self.metrics))")
+    .message("spec.runtime.command, args, port, readinessPath and metrics apply only to other engines: the npufleet worker is configured by spec.engine"))]
+#[x_kube(validation = Rule::new("self.engine != 'generic' || has(self.port)")
+    .message("spec.runtime.port is required for the generic engine: the port its OpenAI API listens on")
+    .field_path(".port"))]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSpec {
+    #[serde(default)]
+    pub engine: Engine,
+
+    /// The container's command; the image's entrypoint when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub command: Vec<String>,
+
+    /// For `generic`, the engine's arguments; for `vllm-ascend` and `mindie`, appended to
+    /// the operator's. `$(NPUFLEET_MODEL)`, `$(NPUFLEET_SERVED_MODEL_NAME)` and
+    /// `$(NPUFLEET_HTTP_PORT)` expand to the model path, the served name and the port.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub args: Vec<String>,
+
+    /// The port the engine serves its OpenAI API on (the engine's default otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<i32>,
+
+    /// The HTTP path that answers 200 once the engine can serve (default `/health`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/')")
+        .message("spec.runtime.readinessPath must be an absolute HTTP path"))]
+    #[schemars(length(max = 1024))]
+    pub readiness_path: Option<String>,
+
+    /// The engine's Prometheus series for queue depth, running requests and KV-cache use,
+    /// in place of the engine's own (vLLM's `vllm:*`, MindIE's unprefixed names). Without
+    /// any, the fleet is routed and scaled on the router's own counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<LoadMetrics>,
+}
+
+impl RuntimeSpec {
+    /// The port of the engine's OpenAI HTTP API.
+    pub fn http_port(&self) -> u16 {
+        self.port
+            .and_then(|p| u16::try_from(p).ok())
+            .or(self.engine.default_http_port())
+            .unwrap_or(npufleet_contract::ports::HTTP_PORT)
+    }
+
+    pub fn readiness_path(&self) -> &str {
+        self.readiness_path
+            .as_deref()
+            .unwrap_or(self.engine.default_readiness_path())
+    }
+
+    /// How the operator and the router learn a replica's load.
+    pub fn load_source(&self) -> LoadSource {
+        LoadSource::of(self.engine, self.metrics.as_ref())
+    }
 }
 
 // Length bounds on strings that CEL rules read: the apiserver refuses a rule whose cost it

@@ -5,7 +5,7 @@
 
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta};
 use kube::{Resource, ResourceExt};
-use npufleet_contract::ports::HTTP_PORT;
+
 use npufleet_crds::{EndpointPicker, InferenceService};
 
 use crate::labels;
@@ -30,7 +30,7 @@ pub fn build(isvc: &InferenceService, picker: &EndpointPicker) -> DynamicObject 
     let mut object = DynamicObject::new(&name(isvc), &api_resource()).data(serde_json::json!({
         "spec": {
             "selector": {"matchLabels": labels::group_leaders(isvc)},
-            "targetPorts": [{"number": HTTP_PORT}],
+            "targetPorts": [{"number": isvc.spec.runtime.http_port()}],
             "endpointPickerRef": {
                 "kind": "Service",
                 "name": picker.service,

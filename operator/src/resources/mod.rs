@@ -5,6 +5,7 @@ pub mod names;
 pub mod pod;
 pub mod pod_group;
 pub mod rank_table;
+pub mod runtime;
 pub mod services;
 
 use k8s_openapi::api::core::v1::ConfigMap;

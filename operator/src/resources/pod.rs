@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, NodeAffinity, NodeSelector,
+    Affinity, Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, HTTPGetAction, Lifecycle, LifecycleHandler, NodeAffinity, NodeSelector,
     NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
     PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodAntiAffinity,
     PodSecurityContext, PodSpec, Probe, ResourceFieldSelector, ResourceRequirements,
@@ -21,6 +21,7 @@ use npufleet_crds::{AcceleratorType, InferenceService};
 use npufleet_contract::{env as worker_env_names, ports, rank_table};
 
 use super::names;
+use super::runtime;
 use crate::labels;
 use crate::settings::Settings;
 
@@ -61,7 +62,7 @@ pub fn scheduler_name(isvc: &InferenceService) -> Option<String> {
     })
 }
 
-fn env(name: &str, value: impl Into<String>) -> EnvVar {
+pub(super) fn env(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.to_string(),
         value: Some(value.into()),
@@ -69,7 +70,7 @@ fn env(name: &str, value: impl Into<String>) -> EnvVar {
     }
 }
 
-fn env_from_field(name: &str, field_path: &str) -> EnvVar {
+pub(super) fn env_from_field(name: &str, field_path: &str) -> EnvVar {
     EnvVar {
         name: name.to_string(),
         value: None,
@@ -232,11 +233,11 @@ fn resources(isvc: &InferenceService) -> Option<ResourceRequirements> {
     })
 }
 
-fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe {
+fn http_probe(port: &str, path: &str, period_seconds: i32, failure_threshold: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.to_string()),
-            port: IntOrString::String(ports::HTTP_PORT_NAME.to_string()),
+            port: IntOrString::String(port.to_string()),
             ..Default::default()
         }),
         period_seconds: Some(period_seconds),
@@ -389,6 +390,8 @@ fn worker_container(
     volume_mounts: Vec<VolumeMount>,
 ) -> Container {
     let spec = &isvc.spec;
+    let engine = runtime::render(isvc);
+    let port = engine.probe_port;
     Container {
         name: WORKER_CONTAINER.to_string(),
         image: Some(
@@ -401,31 +404,19 @@ fn worker_container(
             .template
             .image_pull_policy
             .map(|p| p.as_str().to_string()),
-        args: Some(vec!["serve".to_string()]),
-        ports: Some(vec![
-            ContainerPort {
-                name: Some(ports::HTTP_PORT_NAME.into()),
-                container_port: i32::from(ports::HTTP_PORT),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            },
-            ContainerPort {
-                name: Some(ports::GRPC_PORT_NAME.into()),
-                container_port: i32::from(ports::GRPC_PORT),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            },
-        ]),
-        env: Some(worker_env(isvc)),
+        command: engine.command,
+        args: Some(engine.args),
+        ports: Some(engine.ports),
+        env: Some(engine.env),
         resources: resources(isvc),
         volume_mounts: Some(volume_mounts),
         // Loading and warming a large model takes minutes (up to 30 here); liveness starts
         // only after it. Probed every second, because kubelet reports a pod Ready no sooner
         // than its next probe: at 5 s a small model served 5 s after it could have, and a
         // scale-up under load waited as long.
-        startup_probe: Some(http_probe("/v2/health/live", 1, 1800)),
-        readiness_probe: Some(http_probe("/v2/health/ready", 2, 2)),
-        liveness_probe: Some(http_probe("/v2/health/live", 10, 3)),
+        startup_probe: Some(http_probe(port, &engine.liveness_path, 1, 1800)),
+        readiness_probe: Some(http_probe(port, &engine.readiness_path, 2, 2)),
+        liveness_probe: Some(http_probe(port, &engine.liveness_path, 10, 3)),
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
                 sleep: Some(SleepAction {
