@@ -31,6 +31,7 @@ setup:
 	@tests/setup/monitoring.sh >/dev/null
 	@tests/setup/model.sh >/dev/null
 	@tests/setup/inference-extension.sh >/dev/null
+	@tests/setup/llama-server.sh >/dev/null
 	@tests/setup/python-env.sh >/dev/null
 	@tests/setup/kquant-models.sh >/dev/null
 	@bash worker/ascend/bindings.sh setup >/dev/null

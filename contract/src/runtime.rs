@@ -88,6 +88,11 @@ pub const METRICS_PATH: &str = "/metrics";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// llama.cpp's `llama-server --metrics` series: requests waiting for a slot, and being served.
+/// Not an engine of its own (it runs as `generic`), but the shipped prometheus-adapter rules
+/// know these names, and so must a `generic` InferenceService that runs it.
+pub const LLAMA_CPP_WAITING: &str = "llamacpp:requests_deferred";
+pub const LLAMA_CPP_RUNNING: &str = "llamacpp:requests_processing";
 /// MindIE Server's service (inference) port, `ServerConfig.port`.
 pub const MINDIE_HTTP_PORT: u16 = 1025;
 /// MindIE Server's management port (`ServerConfig.managementPort`): health probes.
@@ -153,7 +158,7 @@ impl LoadSource {
 pub struct ScrapedLoad {
     pub waiting: u32,
     pub running: u32,
-    pub kv_cache_usage: f32,
+    pub kv_cache_usage: f64,
 }
 
 impl LoadMetrics {
@@ -178,7 +183,7 @@ impl LoadMetrics {
         Ok(ScrapedLoad {
             waiting: count(value(&self.waiting)?),
             running: count(value(&self.running)?),
-            kv_cache_usage: value(&self.kv_cache_usage)?.map_or(0.0, |v| v as f32),
+            kv_cache_usage: value(&self.kv_cache_usage)?.unwrap_or(0.0),
         })
     }
 }
@@ -232,8 +237,8 @@ llamacpp:requests_deferred 5
         LoadMetrics {
             port: None,
             path: METRICS_PATH.into(),
-            waiting: Some("llamacpp:requests_deferred".into()),
-            running: Some("llamacpp:requests_processing".into()),
+            waiting: Some(LLAMA_CPP_WAITING.into()),
+            running: Some(LLAMA_CPP_RUNNING.into()),
             kv_cache_usage: None,
         }
     }
@@ -274,6 +279,32 @@ llamacpp:requests_deferred 5
             .unwrap_err();
         assert!(error.contains("llamacpp:requests_deferred"), "{error}");
         assert!(llama_server().read("").is_err());
+    }
+
+    /// The prometheus-adapter rules CCE's HPA reads name every engine's queue series.
+    #[test]
+    fn the_shipped_adapter_rules_name_every_engines_series() {
+        let rules = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../deploy/cce/adapter-rules.yaml"),
+        )
+        .unwrap();
+        let mut names = vec![LLAMA_CPP_WAITING.to_string(), LLAMA_CPP_RUNNING.to_string()];
+        for engine in [Engine::Npufleet, Engine::VllmAscend, Engine::Mindie] {
+            let metrics = engine.default_load_metrics().unwrap();
+            names.extend(metrics.waiting.into_iter().chain(metrics.running));
+        }
+        for name in names {
+            let alternatives = rules
+                .lines()
+                .filter(|l| l.contains("__name__=~"))
+                .flat_map(|l| l.split(['"', '|']))
+                .any(|alternative| alternative == name);
+            assert!(
+                alternatives,
+                "deploy/cce/adapter-rules.yaml does not name {name}"
+            );
+        }
     }
 
     #[test]

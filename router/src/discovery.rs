@@ -14,7 +14,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use npufleet_contract::{labels, pods};
-use npufleet_crds::{InferenceService, RoutingPolicy};
+use npufleet_crds::{Engine, InferenceService, LoadSource, RoutingPolicy};
 use tokio::sync::watch;
 
 /// One serving replica: the rank-0 pod of a replica group.
@@ -31,6 +31,13 @@ pub struct Model {
     /// The InferenceService's name.
     pub service: String,
     pub policy: RoutingPolicy,
+    /// The engine serving it: only this project's worker serves the Open Inference Protocol
+    /// over gRPC.
+    pub engine: Engine,
+    /// The port of the engine's HTTP API on each replica.
+    pub http_port: u16,
+    /// How a replica's load is learned.
+    pub load: LoadSource,
     /// `spec.replicas`: zero means the fleet is asleep and a request must wake it.
     pub desired_replicas: i32,
     /// Ready, non-terminating rank-0 pods with an IP, by pod name.
@@ -86,6 +93,9 @@ impl Fleet {
                     namespace,
                     service: name,
                     policy: service.spec.routing.policy,
+                    engine: service.spec.runtime.engine,
+                    http_port: service.spec.runtime.http_port(),
+                    load: service.spec.runtime.load_source(),
                     desired_replicas: service.spec.replicas,
                     endpoints: std::mem::take(endpoints),
                 });

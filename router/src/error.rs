@@ -27,6 +27,10 @@ pub enum RouteError {
     HoldTimedOut { model: String, waited: Duration },
     #[error("every replica of model '{model}' that was tried failed: {last}")]
     ReplicasFailed { model: String, last: String },
+    #[error(
+        "model '{model}' is served by the {engine} engine, which has no Open Inference Protocol gRPC API; use its OpenAI HTTP API"
+    )]
+    NoGrpc { model: String, engine: &'static str },
 }
 
 impl RouteError {
@@ -38,6 +42,7 @@ impl RouteError {
             RouteError::HoldQueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouteError::HoldTimedOut { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RouteError::ReplicasFailed { .. } => StatusCode::BAD_GATEWAY,
+            RouteError::NoGrpc { .. } => StatusCode::NOT_IMPLEMENTED,
         }
     }
 
@@ -51,6 +56,7 @@ impl RouteError {
             RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
                 tonic::Status::unavailable(message)
             }
+            RouteError::NoGrpc { .. } => tonic::Status::unimplemented(message),
         }
     }
 
@@ -63,6 +69,7 @@ impl RouteError {
             RouteError::HoldQueueFull { .. } => "queue_full",
             RouteError::HoldTimedOut { .. } => "no_ready_replica",
             RouteError::ReplicasFailed { .. } => "upstream_failed",
+            RouteError::NoGrpc { .. } => "not_implemented",
         }
     }
 
@@ -70,7 +77,8 @@ impl RouteError {
         match self {
             RouteError::BadRequest(_)
             | RouteError::TooLarge { .. }
-            | RouteError::ModelNotFound(_) => "invalid_request_error",
+            | RouteError::ModelNotFound(_)
+            | RouteError::NoGrpc { .. } => "invalid_request_error",
             RouteError::HoldQueueFull { .. } => "rate_limit_error",
             RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
                 "service_unavailable"

@@ -23,6 +23,7 @@ use npufleet_contract::proto::inference::{
 };
 use npufleet_contract::proto::stream_error;
 use npufleet_contract::trace::TraceParent;
+use npufleet_crds::Engine;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::ReceiverStream;
@@ -199,6 +200,15 @@ impl GrpcFrontDoor {
         F: Fn(GrpcInferenceServiceClient<Channel>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
+        if let Ok(model) = self.router.model(&request.model)
+            && model.engine != Engine::Npufleet
+        {
+            let error = RouteError::NoGrpc {
+                model: request.model.clone(),
+                engine: model.engine.as_str(),
+            };
+            return Err(self.route_error(&request.model, error));
+        }
         let sent = retry::send(&self.router, request, first, |lease| {
             let call = call(
                 self.client(lease.ip),

@@ -15,7 +15,6 @@ use futures::{Stream, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use npufleet_contract::headers;
 use npufleet_contract::logging::next_hop;
-use npufleet_contract::ports::HTTP_PORT;
 use serde_json::{Value, json};
 
 use tracing::Instrument;
@@ -223,7 +222,7 @@ async fn forward(
             .upstream
             .request(
                 upstream.method.clone(),
-                format!("http://{}:{HTTP_PORT}{path}", lease.ip),
+                format!("http://{}:{}{path}", lease.ip, lease.http_port),
             )
             .headers(headers.clone())
             .body(upstream.body.clone());

@@ -1,15 +1,18 @@
-//! One `WorkerLoad.WatchLoad` stream per serving replica, feeding its reports into the pool,
-//! started and stopped as replicas come and go; and, once per replica, its prefix-cache block
-//! size from its `/metrics`.
+//! One load watch per serving replica, feeding its reports into the pool, started and stopped
+//! as replicas come and go: this project's worker pushes its load over a `WorkerLoad.WatchLoad`
+//! stream (and publishes its prefix-cache block size once in its `/metrics`); another engine's
+//! load is scraped from the Prometheus series the contract's engine table names; an engine
+//! with none is routed on the router's own in-flight counts.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WatchLoadRequest, WorkerState};
+use npufleet_contract::runtime::{LoadMetrics, LoadSource};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Endpoint;
@@ -27,39 +30,99 @@ pub async fn follow(
     interval: Duration,
     connect_timeout: Duration,
 ) {
-    let mut streams: HashMap<IpAddr, JoinHandle<()>> = HashMap::new();
+    let mut streams: HashMap<IpAddr, (Watched, JoinHandle<()>)> = HashMap::new();
     loop {
-        let live: Vec<IpAddr> = fleet
+        let live: HashMap<IpAddr, Watched> = fleet
             .borrow_and_update()
             .models
             .values()
-            .flat_map(|m| m.endpoints.iter().map(|e| e.ip))
+            .flat_map(|m| {
+                let watched = Watched {
+                    load: m.load.clone(),
+                    http_port: m.http_port,
+                };
+                m.endpoints.iter().map(move |e| (e.ip, watched.clone()))
+            })
             .collect();
-        streams.retain(|ip, task| {
-            let keep = live.contains(ip);
+        streams.retain(|ip, (watched, task)| {
+            let keep = live.get(ip) == Some(watched);
             if !keep {
                 task.abort();
             }
             keep
         });
-        pool.retain(&live);
-        for ip in &live {
-            streams.entry(*ip).or_insert_with(|| {
-                tokio::spawn(watch_replica(
-                    *ip,
-                    pool.replica(*ip),
-                    http.clone(),
-                    interval,
-                    connect_timeout,
-                ))
+        pool.retain(&live.keys().copied().collect::<Vec<_>>());
+        for (ip, watched) in live {
+            let state = pool.replica(ip);
+            let http = http.clone();
+            streams.entry(ip).or_insert_with(|| {
+                let task = match &watched.load {
+                    LoadSource::WorkerStream => {
+                        tokio::spawn(watch_replica(ip, state, http, interval, connect_timeout))
+                    }
+                    LoadSource::Scrape(metrics) => {
+                        let port = metrics.port.unwrap_or(watched.http_port);
+                        let url = format!("http://{}{}", SocketAddr::new(ip, port), metrics.path);
+                        tokio::spawn(scrape_replica(url, metrics.clone(), state, http, interval))
+                    }
+                    LoadSource::RouterCounts => tokio::spawn(async {}),
+                };
+                (watched, task)
             });
         }
         if fleet.changed().await.is_err() {
             break;
         }
     }
-    for task in streams.values() {
+    for (_, task) in streams.values() {
         task.abort();
+    }
+}
+
+/// What a replica's watch follows; a change restarts it.
+#[derive(Clone, PartialEq)]
+struct Watched {
+    load: LoadSource,
+    http_port: u16,
+}
+
+/// Scrapes an engine's load every `interval` until aborted. A failed scrape or a missing
+/// series leaves the last report to age out, after which the replica is routed on the
+/// router's in-flight counts: never on a zero it did not report.
+async fn scrape_replica(
+    url: String,
+    metrics: LoadMetrics,
+    state: Arc<ReplicaState>,
+    http: reqwest::Client,
+    interval: Duration,
+) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let scraped = async {
+            let text = http
+                .get(&url)
+                .timeout(interval.max(Duration::from_secs(1)))
+                .send()
+                .await?
+                .error_for_status()?
+                .text()
+                .await?;
+            metrics.read(&text).map_err(anyhow::Error::msg)
+        };
+        match scraped.await {
+            Ok(load) => state.set_report(Report {
+                load: ReportedLoad {
+                    waiting: load.waiting,
+                    running: load.running,
+                    kv_cache_usage: load.kv_cache_usage,
+                },
+                draining: false,
+                received: Instant::now(),
+            }),
+            Err(error) => tracing::debug!(%url, error = format!("{error:#}"), "scraping load"),
+        }
     }
 }
 

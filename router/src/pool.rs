@@ -52,6 +52,8 @@ impl ReplicaState {
 pub struct Lease {
     pub pod: String,
     pub ip: IpAddr,
+    /// The replica's HTTP API port.
+    pub http_port: u16,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
 }
@@ -163,6 +165,7 @@ impl Pool {
         Some(Lease {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
+            http_port: model.http_port,
             state,
             shown: None,
         })
@@ -178,6 +181,9 @@ mod tests {
             namespace: "ns".into(),
             service: "chat".into(),
             policy,
+            engine: npufleet_crds::Engine::Npufleet,
+            http_port: npufleet_contract::ports::HTTP_PORT,
+            load: npufleet_crds::LoadSource::WorkerStream,
             desired_replicas: 2,
             endpoints: vec![
                 Endpoint {

@@ -40,18 +40,31 @@ impl Testbed {
         subnet: u8,
         manager: &str,
     ) -> Result<Self> {
+        Self::start_with_programs(c, client, test, subnet, manager, &[]).await
+    }
+
+    /// [`Testbed::start`], with the node agent also running `programs` (a name a container's
+    /// command or image gives, and the binary).
+    pub async fn start_with_programs(
+        c: &Cluster,
+        client: &Client,
+        test: &str,
+        subnet: u8,
+        manager: &str,
+        programs: &[(&str, std::path::PathBuf)],
+    ) -> Result<Self> {
         let namespace = c.namespace(client, test).await?;
         crate::crd::install_inference_service(client, manager).await?;
-        let agent = NodeAgent::start(
-            client.clone(),
-            NodeAgentConfig::new(
-                &format!("agent-{test}"),
-                crate::paths::workspace_bin("npufleet-worker")?,
-                c.scratch().join(format!("agent-{test}")),
-                subnet,
-            ),
-        )
-        .await?;
+        let mut config = NodeAgentConfig::new(
+            &format!("agent-{test}"),
+            crate::paths::workspace_bin("npufleet-worker")?,
+            c.scratch().join(format!("agent-{test}")),
+            subnet,
+        );
+        for (name, binary) in programs {
+            config = config.with_program(name, binary.clone());
+        }
+        let agent = NodeAgent::start(client.clone(), config).await?;
         Ok(Self {
             client: client.clone(),
             namespace,

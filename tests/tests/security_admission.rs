@@ -18,6 +18,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_tests::access::{self, Access, ServiceAccount};
 use npufleet_tests::{cluster, operator, paths, process, runtime, wait};
+use serde::Deserialize;
 use serde_json::json;
 
 const RELEASE: &str = "npufleet";
@@ -155,6 +156,62 @@ async fn the_chart_and_the_worker_pods_are_admitted_where_restricted_is_enforced
             })
             .await?;
         }
+        Ok(())
+    })
+    .await
+}
+
+/// Every shipped sample (`deploy/samples/*.yaml`) is an InferenceService the apiserver accepts
+/// (server-side dry run: schema and CEL rules), and every worker pod the operator renders from
+/// it is admitted where `restricted` is enforced (dry run: Pod Security admission), for each
+/// engine the samples run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sample_is_accepted_and_its_pods_are_admitted_where_restricted_is_enforced()
+-> Result<()> {
+    npufleet_tests::on_shared_cluster(|_, client| async move {
+        let namespace = release_namespace();
+        npufleet_tests::crd::wait_established(&client, "inferenceservices.npufleet.io").await?;
+        let services: Api<InferenceService> = Api::namespaced(client.clone(), namespace);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let dry_run = kube::api::PostParams {
+            dry_run: true,
+            field_manager: Some(MANAGER.to_owned()),
+        };
+        let settings = npufleet_operator::settings::Settings::default();
+        let dir = paths::repo_root().join("deploy/samples");
+        let mut engines = BTreeSet::new();
+        let mut files: Vec<_> = std::fs::read_dir(&dir)?.collect::<Result<_, _>>()?;
+        files.sort_by_key(std::fs::DirEntry::path);
+        for file in files {
+            let path = file.path();
+            let text = std::fs::read_to_string(&path)?;
+            for document in serde_yaml::Deserializer::from_str(&text) {
+                let value = serde_json::Value::deserialize(document)?;
+                if value["kind"] != "InferenceService" {
+                    continue;
+                }
+                let mut service: InferenceService =
+                    serde_json::from_value(value).with_context(|| format!("{}", path.display()))?;
+                service.metadata.namespace = Some(namespace.to_owned());
+                let accepted = services
+                    .create(&dry_run, &service)
+                    .await
+                    .with_context(|| format!("{} refused", path.display()))?;
+                engines.insert(accepted.spec.runtime.engine.as_str());
+                for rank in 0..accepted.pods_per_replica() {
+                    let pod = npufleet_operator::resources::pod::build(
+                        &accepted, &settings, 0, rank, "sample",
+                    );
+                    pods.create(&dry_run, &pod).await.with_context(|| {
+                        format!("rank {rank} of {} not admitted", path.display())
+                    })?;
+                }
+            }
+        }
+        ensure!(
+            engines.len() >= 2,
+            "the samples run only the engines {engines:?}"
+        );
         Ok(())
     })
     .await

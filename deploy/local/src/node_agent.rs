@@ -6,7 +6,10 @@
 //! arguments and environment, reports `podIP`, phase and the Ready condition (from the
 //! pod's HTTP readiness probe), and on deletion runs a preStop sleep, sends SIGTERM, waits
 //! out the grace period, and removes the pod. It keeps the Node's Lease and Ready condition fresh. Only the
-//! worker binary can run: a pod whose command is anything else fails with a message.
+//! worker binary and the programs it is given (an engine such as llama.cpp's server, by the
+//! image's or the command's name) can run: a pod whose command is anything else fails with a
+//! message. As in a pod's own network namespace, an argument `0.0.0.0` (listen everywhere)
+//! listens on the pod's address, and `$(VAR)` in arguments expands as the kubelet expands it.
 //!
 //! ConfigMap volumes (the HCCL rank table) are projected into a directory per pod and kept in
 //! step with the ConfigMap, as the kubelet does; with no mount namespace, environment values
@@ -61,6 +64,8 @@ pub struct NodeAgentConfig {
     /// Where each pod's output goes (`<namespace>_<pod>.log`).
     pub log_dir: PathBuf,
     pub capacity: BTreeMap<String, String>,
+    /// Other programs a container may run, by the name of its command or its image.
+    pub programs: BTreeMap<String, PathBuf>,
 }
 
 impl NodeAgentConfig {
@@ -74,8 +79,72 @@ impl NodeAgentConfig {
                 .into_iter()
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .collect(),
+            programs: BTreeMap::new(),
         }
     }
+
+    /// Lets containers whose command (or, without one, whose image) is `name` run `binary`.
+    pub fn with_program(mut self, name: &str, binary: PathBuf) -> Self {
+        self.programs.insert(name.to_owned(), binary);
+        self
+    }
+
+    /// The binary a container runs: its command's, else its image's entrypoint.
+    fn program(&self, container: &Container) -> Result<(PathBuf, Vec<String>)> {
+        let image = container.image.as_deref().unwrap_or_default();
+        let repository = image.split(['@', ':']).next().unwrap_or_default();
+        let (name, rest) = match container.command.as_deref() {
+            Some([program, rest @ ..]) => (
+                std::path::Path::new(program)
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or(program),
+                rest.to_vec(),
+            ),
+            Some([]) => bail!("the container's command is empty"),
+            None => (
+                repository.rsplit('/').next().unwrap_or_default(),
+                Vec::new(),
+            ),
+        };
+        if name == WORKER_BINARY_NAME {
+            return Ok((self.worker_binary.clone(), rest));
+        }
+        match self.programs.get(name) {
+            Some(binary) => Ok((binary.clone(), rest)),
+            None => bail!(
+                "the node agent runs {WORKER_BINARY_NAME} and {:?}, not {name:?} (image {image:?})",
+                self.programs.keys().collect::<Vec<_>>()
+            ),
+        }
+    }
+}
+
+/// `$(VAR)` replaced by the variable's value, `$$` by `$`, unknown references left as they are:
+/// the kubelet's expansion of a container's command and arguments.
+fn expand(arg: &str, vars: &HashMap<String, String>) -> String {
+    let mut out = String::with_capacity(arg.len());
+    let mut rest = arg;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        if let Some(after) = tail.strip_prefix("$$") {
+            out.push('$');
+            rest = after;
+        } else if let Some((name, after)) = tail
+            .strip_prefix("$(")
+            .and_then(|t| t.split_once(')'))
+            .filter(|(name, _)| vars.contains_key(*name))
+        {
+            out.push_str(&vars[name]);
+            rest = after;
+        } else {
+            out.push('$');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 struct RunningPod {
@@ -395,23 +464,8 @@ impl Shared {
                 spec.containers.len()
             );
         };
-        // The worker image's entrypoint is the worker binary.
-        let image = container.image.as_deref().unwrap_or_default();
-        let repository = image.split(['@', ':']).next().unwrap_or_default();
-        let command = match &container.command {
-            Some(command) => command.clone(),
-            None if repository.ends_with(WORKER_BINARY_NAME) => vec![WORKER_BINARY_NAME.to_owned()],
-            None => bail!("the node agent runs only the {WORKER_BINARY_NAME} image, not {image:?}"),
-        };
-        let program = command
-            .first()
-            .context("the container's command is empty")?;
-        if std::path::Path::new(program).file_name() != Some(WORKER_BINARY_NAME.as_ref()) {
-            bail!("the node agent only runs {WORKER_BINARY_NAME}, not {program:?}");
-        }
-        let mut cmd = std::process::Command::new(&self.config.worker_binary);
-        cmd.args(&command[1..]);
-        cmd.args(container.args.iter().flatten());
+        let (binary, command_args) = self.config.program(container)?;
+        let mut cmd = std::process::Command::new(binary);
         cmd.env_clear();
         cmd.env("PATH", std::env::var_os("PATH").unwrap_or_default());
         let volumes_dir = self.config.log_dir.join("volumes").join(format!(
@@ -439,6 +493,7 @@ impl Shared {
                 });
             }
         }
+        let mut vars = HashMap::new();
         for var in container.env.iter().flatten() {
             let mut value = match (&var.value, &var.value_from) {
                 (Some(value), _) => value.clone(),
@@ -452,8 +507,22 @@ impl Shared {
                     value = format!("{}{rest}", dir.display());
                 }
             }
-            cmd.env(&var.name, value);
+            cmd.env(&var.name, &value);
+            vars.insert(var.name.clone(), value);
         }
+        let listen_here = |arg: String| {
+            if arg == "0.0.0.0" {
+                address.to_string()
+            } else {
+                arg
+            }
+        };
+        cmd.args(
+            command_args
+                .iter()
+                .chain(container.args.iter().flatten())
+                .map(|arg| listen_here(expand(arg, &vars))),
+        );
         // Every worker listens on its own address: the ports stay the pod's own.
         for (variable, port_name, default) in [
             (env::GRPC_ADDR, ports::GRPC_PORT_NAME, ports::GRPC_PORT),

@@ -113,6 +113,12 @@ pub fn control_plane_bin() -> Result<PathBuf> {
     cached(&BIN, "control-plane.sh", &[])
 }
 
+/// llama.cpp's `llama-server`, an engine this project did not write (built on first use).
+pub fn llama_server() -> Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    cached(&BIN, "llama-server.sh", &[])
+}
+
 /// The directory holding Prometheus and prometheus-adapter (built on first use).
 pub fn monitoring_bin() -> Result<PathBuf> {
     static BIN: OnceLock<PathBuf> = OnceLock::new();

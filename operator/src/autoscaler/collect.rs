@@ -14,9 +14,9 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use npufleet_contract::ports;
-use npufleet_crds::InferenceService;
+use npufleet_crds::{InferenceService, LoadSource};
 
-use super::load::LoadReader;
+use super::load::{LoadReader, LoadTarget};
 use super::policy::{GroupState, Observation};
 use super::{GroupView, group_loads, readings};
 use crate::cache::{WatchScope, without_managed_fields};
@@ -63,13 +63,16 @@ impl Collector {
         let mut addresses = HashSet::new();
         let reads = services.iter().map(|service| {
             let workers = group_views(service, pods.iter().map(AsRef::as_ref));
-            addresses.extend(workers.iter().filter_map(|(_, address)| address.clone()));
+            addresses.extend(workers.iter().filter_map(|(_, target)| match target {
+                Some(LoadTarget::Worker(address)) => Some(address.clone()),
+                _ => None,
+            }));
             let reader = &self.reader;
             async move {
                 let views = futures::future::join_all(workers.into_iter().map(
-                    |(mut view, address)| async move {
-                        if let Some(address) = address {
-                            view.report = reader.read(&address).await.map_err(|error| {
+                    |(mut view, target)| async move {
+                        if let Some(target) = target {
+                            view.report = reader.read(&target).await.map_err(|error| {
                                 tracing::debug!(%error, "reading worker load");
                                 format!("{error:#}")
                             });
@@ -153,24 +156,44 @@ impl Collector {
     }
 }
 
-/// The replica groups of `service` among `pods`, as [`fleet::groups`] gathers them, with the
-/// address of their serving pod's load signal.
+/// The replica groups of `service` among `pods`, as [`fleet::groups`] gathers them, with
+/// where their serving pod's load is read.
 pub fn group_views<'a>(
     service: &InferenceService,
     pods: impl IntoIterator<Item = &'a Pod>,
-) -> Vec<(GroupView, Option<String>)> {
+) -> Vec<(GroupView, Option<LoadTarget>)> {
     let ranks = service.pods_per_replica();
+    let source = service.spec.runtime.load_source();
     fleet::groups(fleet::worker_pods(service, pods))
         .iter()
         .filter_map(|(&number, group)| {
             let view = GroupView::new(u32::try_from(number).ok()?, group, ranks);
-            let address = group.serving_pod().and_then(|pod| {
-                let ip = pod.status.as_ref()?.pod_ip.as_deref()?;
-                Some(format!("{ip}:{}", grpc_port(pod)))
-            });
-            Some((view, address))
+            let target = group
+                .serving_pod()
+                .and_then(|pod| load_target(service, &source, pod));
+            Some((view, target))
         })
         .collect()
+}
+
+fn load_target(service: &InferenceService, source: &LoadSource, pod: &Pod) -> Option<LoadTarget> {
+    let ip = pod.status.as_ref()?.pod_ip.as_deref()?;
+    Some(match source {
+        LoadSource::WorkerStream => LoadTarget::Worker(format!("{ip}:{}", grpc_port(pod))),
+        LoadSource::Scrape(metrics) => {
+            let port = metrics
+                .port
+                .unwrap_or_else(|| service.spec.runtime.http_port());
+            LoadTarget::Scrape {
+                url: format!("http://{ip}:{port}{}", metrics.path),
+                metrics: metrics.clone(),
+            }
+        }
+        LoadSource::RouterCounts => LoadTarget::Silent(format!(
+            "the {} engine publishes no load series (spec.runtime.metrics names none)",
+            service.spec.runtime.engine.as_str()
+        )),
+    })
 }
 
 /// The InferenceServices in `scope` and their worker pods, watched for a replica that does not

@@ -841,9 +841,13 @@ mod tests {
             pod("other", 5, 0, true),
         ];
         let mut views = collect::group_views(&service, &pods);
-        let addresses: Vec<Option<&str>> = views.iter().map(|(_, a)| a.as_deref()).collect();
+        let addresses: Vec<Option<&load::LoadTarget>> =
+            views.iter().map(|(_, a)| a.as_ref()).collect();
         let port = npufleet_contract::ports::GRPC_PORT;
-        assert_eq!(addresses[0], Some(format!("10.0.0.0:{port}").as_str()));
+        assert_eq!(
+            addresses[0],
+            Some(&load::LoadTarget::Worker(format!("10.0.0.0:{port}")))
+        );
         assert_eq!(addresses.len(), 5, "{addresses:?}");
         for (view, _) in &mut views {
             view.report = match view.group {
