@@ -128,6 +128,32 @@ fn memory_limit_env() -> EnvVar {
     }
 }
 
+/// HCCL's settings from `spec.parallelism.hccl`, for every engine on NPUs: HCCL reads them
+/// itself, whichever framework opens the communicator.
+pub(super) fn hccl_env(isvc: &InferenceService) -> Vec<EnvVar> {
+    if !isvc.spec.accelerator.kind.is_npu() {
+        return Vec::new();
+    }
+    let hccl = &isvc.spec.parallelism.hccl;
+    let mut vars = vec![env_from_field(worker_env_names::HCCL_IF_IP, "status.podIP")];
+    if let Some(algorithm) = hccl.algorithm {
+        vars.push(env(
+            worker_env_names::HCCL_ALGO,
+            format!("level0:NA;level1:{}", algorithm.as_str()),
+        ));
+    }
+    if let Some(timeout) = hccl.connect_timeout_seconds {
+        vars.push(env(
+            worker_env_names::HCCL_CONNECT_TIMEOUT,
+            timeout.to_string(),
+        ));
+    }
+    if let Some(ifname) = &hccl.socket_ifname {
+        vars.push(env(worker_env_names::HCCL_SOCKET_IFNAME, ifname.clone()));
+    }
+    vars
+}
+
 /// The worker's configuration and the HCCL variables; the user's `template.env` wins on clashes.
 pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
     let spec = &isvc.spec;
@@ -180,25 +206,7 @@ pub fn worker_env(isvc: &InferenceService) -> Vec<EnvVar> {
         // The worker finds its own entry in the rank table by its pod IP (`container_ip`).
         vars.push(env_from_field(worker_env_names::POD_IP, "status.podIP"));
     }
-    if spec.accelerator.kind.is_npu() {
-        let hccl = &spec.parallelism.hccl;
-        vars.push(env_from_field(worker_env_names::HCCL_IF_IP, "status.podIP"));
-        if let Some(algorithm) = hccl.algorithm {
-            vars.push(env(
-                worker_env_names::HCCL_ALGO,
-                format!("level0:NA;level1:{}", algorithm.as_str()),
-            ));
-        }
-        if let Some(timeout) = hccl.connect_timeout_seconds {
-            vars.push(env(
-                worker_env_names::HCCL_CONNECT_TIMEOUT,
-                timeout.to_string(),
-            ));
-        }
-        if let Some(ifname) = &hccl.socket_ifname {
-            vars.push(env(worker_env_names::HCCL_SOCKET_IFNAME, ifname.clone()));
-        }
-    }
+    vars.extend(hccl_env(isvc));
     if let Some(secret) = &spec.api_key_secret {
         // The kubelet resolves the key; the operator needs no right to read Secrets.
         vars.push(EnvVar {
@@ -288,6 +296,10 @@ fn volumes(isvc: &InferenceService, group: i32) -> (Vec<Volume>, Vec<VolumeMount
         mounts.push(mount(MODEL_VOLUME, MODEL_DIR));
     } else if let Some(volume) = &source.volume {
         mounts.push(mount(&volume.name, MODEL_DIR));
+    }
+    if let Some((volume, volume_mount)) = runtime::shared_memory(isvc) {
+        volumes.push(volume);
+        mounts.push(volume_mount);
     }
     volumes.extend(isvc.spec.template.volumes.iter().cloned());
     mounts.extend(isvc.spec.template.volume_mounts.iter().cloned());
@@ -406,6 +418,7 @@ fn worker_container(
             .map(|p| p.as_str().to_string()),
         command: engine.command,
         args: Some(engine.args),
+        working_dir: engine.working_dir,
         ports: Some(engine.ports),
         env: Some(engine.env),
         resources: resources(isvc),
