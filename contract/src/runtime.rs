@@ -16,7 +16,7 @@ pub enum Engine {
     Npufleet,
     /// vLLM with the vllm-ascend plugin (`vllm serve`), the OpenAI HTTP API and `vllm:*` series.
     VllmAscend,
-    /// Huawei's MindIE Service (`mindieservice_daemon`), its OpenAI-compatible HTTP API and
+    /// Huawei's MindIE Service (`mindie_llm_server`), its OpenAI-compatible HTTP API and
     /// unprefixed metric names.
     Mindie,
     /// Any OpenAI-compatible HTTP server, with its image, command, port and metric names given

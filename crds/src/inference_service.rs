@@ -662,8 +662,8 @@ pub struct WorkerTemplate {
 
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), transform = bound_volume_names)]
-    #[x_kube(validation = Rule::new(format!("self.all(v, !(v.name in ['{TMP_VOLUME}', '{RANK_TABLE_VOLUME}', '{MODEL_VOLUME}']))"))
-        .message(format!("spec.template.volumes must not use the operator's volume names {TMP_VOLUME}, {RANK_TABLE_VOLUME} and {MODEL_VOLUME}").as_str()))]
+    #[x_kube(validation = Rule::new(format!("self.all(v, !(v.name in ['{TMP_VOLUME}', '{RANK_TABLE_VOLUME}', '{MODEL_VOLUME}', '{SHM_VOLUME}']))"))
+        .message(format!("spec.template.volumes must not use the operator's volume names {TMP_VOLUME}, {RANK_TABLE_VOLUME}, {MODEL_VOLUME} and {SHM_VOLUME}").as_str()))]
     pub volumes: Vec<Volume>,
 
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -783,6 +783,8 @@ pub const RANK_TABLE_DIR: &str = npufleet_contract::rank_table::MOUNT_DIR;
 pub const TMP_VOLUME: &str = "tmp";
 pub const RANK_TABLE_VOLUME: &str = "rank-table";
 pub const MODEL_VOLUME: &str = "model";
+/// The vendor engines' shared-memory volume, at `/dev/shm`.
+pub const SHM_VOLUME: &str = "dshm";
 
 /// A Kubernetes label key: an optional DNS-subdomain prefix and a name.
 const LABEL_KEY: &str = "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$";

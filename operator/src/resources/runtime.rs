@@ -24,8 +24,7 @@ use super::pod::{env, env_from_field, hccl_env, model_path, uses_rank_table, wor
 pub const HEALTH_PORT_NAME: &str = "health";
 /// The name of the engine's Prometheus port when it is not the HTTP port.
 pub const METRICS_PORT_NAME: &str = "metrics";
-/// The vendor engines' shared-memory volume, at `/dev/shm`.
-pub const SHM_VOLUME: &str = "dshm";
+use npufleet_crds::SHM_VOLUME;
 const SHM_DIR: &str = "/dev/shm";
 /// `docker run --shm-size=1g` in vllm-ascend's guides; MindIE's asks for at least 1 GB in a
 /// container. Memory-backed, so it counts against the container's memory limit.
