@@ -31,7 +31,9 @@ import llama_cpp
 import numpy as np
 
 # Lines llama.cpp logs while loading that say where tensors live.
-BUFFER_LOG_MARKERS = ("buffer size", "buffer type", "CPU_REPACK", "repack")
+BUFFER_LOG_MARKERS = ("buffer size", "buffer type")
+# llama.cpp logs one line per repacked tensor: "repack: repack tensor NAME with LAYOUT".
+REPACK_MARKER = "repack tensor "
 
 log_lines = []
 
@@ -47,6 +49,19 @@ def vm_hwm_bytes():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def buffer_report(lines):
+    """The buffer lines, and one line per repacked layout in place of one per tensor."""
+    report = [line.strip(". \n") for line in lines if any(m in line for m in BUFFER_LOG_MARKERS)]
+    layouts = {}
+    for line in lines:
+        if REPACK_MARKER in line:
+            layout = line.rsplit(" with ", 1)[-1].strip()
+            layouts[layout] = layouts.get(layout, 0) + 1
+    for layout, count in sorted(layouts.items()):
+        report.append(f"{count} tensors repacked to {layout} at load")
+    return report
 
 
 def logged_since(start):
@@ -145,11 +160,7 @@ class Bench:
         return {
             "version": llama_cpp.__version__,
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-            "buffers": [
-                line.strip()
-                for line in logged_since(0)
-                if any(marker in line for marker in BUFFER_LOG_MARKERS)
-            ],
+            "buffers": buffer_report(logged_since(0)),
             "load_s": load_s,
             "first_token_s": first_token_s,
         }
