@@ -65,7 +65,8 @@ crds:
 	$(CARGO) run -p npufleet-crds --bin npufleet-crdgen
 
 # Engine benchmark side by side with llama.cpp on the same GGUF (slow; not part of test), on
-# SmolLM2 as shipped (Q4_1) and re-quantised to Q4_K_M.
+# SmolLM2 as shipped (Q4_1) and re-quantised to Q4_K_M; the engines' runs alternate figure by
+# figure, and a failed reference fails the target.
 bench:
 	$(CARGO) build --release -p npufleet-worker
 	export NPUFLEET_BENCH_PYTHON="$$(tests/setup/python-env.sh tests/setup/requirements-bench.txt)"; \
@@ -75,7 +76,8 @@ bench:
 
 # The same on a random-weight file of DeepSeek-R1-Distill-Qwen-7B's shape in Q4_K_M (4.7 GB,
 # written once by worker/bench/qwen2_7b_shape.py): load time, peak memory and decode speed at
-# the size people deploy. One short run of each figure; tens of minutes on 2 cores.
+# the size people deploy, prefill at 64-, 512- and 2,000-token prompts. One run of each figure
+# per engine; tens of minutes on 2 cores.
 QWEN2_7B_SHAPE := $(NPUFLEET_CACHE)/models/qwen2-7b-shape-$(shell sha256sum worker/bench/qwen2_7b_shape.py | cut -c1-12)/qwen2-7b-shape.Q4_K_M.gguf
 bench-7b-shape:
 	$(CARGO) build --release -p npufleet-worker
@@ -84,7 +86,7 @@ bench-7b-shape:
 	  mv "$(QWEN2_7B_SHAPE).part" "$(QWEN2_7B_SHAPE)"; }
 	NPUFLEET_BENCH_PYTHON="$$(tests/setup/python-env.sh tests/setup/requirements-bench.txt)" \
 	  $(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$(QWEN2_7B_SHAPE)" --threads 2 \
-	  --reference llama-cpp --repeats 1 --prompt-tokens 64 --short-prompt-tokens 8 --decode-tokens 16 --batch-sizes 8
+	  --reference llama-cpp --repeats 1 --prompt-tokens 64,512,2000 --short-prompt-tokens 8 --decode-tokens 16 --batch-sizes 8
 
 # Routing policies on three SmolLM2 replicas behind the router: throughput, time to first
 # token and prefix-cache hits on shared- and distinct-prefix traces, the wake from zero and the

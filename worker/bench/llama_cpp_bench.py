@@ -2,33 +2,45 @@
 
 Runs the same GGUF with the same thread count and the same prompt token ids as the worker's
 benchmark, through llama-cpp-python's low-level API (one llama_decode per engine step, greedy
-next tokens), and prints one JSON object:
+next tokens). The worker runs this script once and drives it one figure at a time, so the
+two engines' runs of every figure alternate (A/B/A/B) on the same machine state.
 
-  prefill_tok_s, ttft_ms (500-token prompt), decode_tok_s (batch 1),
-  aggregate_tok_s {batch: tok/s} for concurrent sequences, skipped {batch: reason} for batch
-  sizes llama.cpp cannot run in one context, peak_rss_bytes, llama_cpp_version.
+Protocol: one JSON request a line on stdin, one JSON reply a line on stdout. Every reply is
+{"ok": value} or {"error": message}. Requests (the "op" field):
 
-Usage: llama_cpp_bench.py --model M --threads T --prompts prompts.json
-where prompts.json holds {"prefill": [[ids...], ...], "short": [[ids...], ...],
-"batch_sizes": [...], "decode_tokens": N, "repeats": R}; each decode figure is the
-median of R runs.
+  load {model, threads, first_prompt}: loads the model and makes a one-sequence context;
+      replies load_s (file opened to context ready), first_token_s (file opened to the
+      first token of first_prompt), version, system_info and the buffer lines llama.cpp
+      logged (which buffer type holds the weights, KV cache and compute scratch).
+  warmup {prompt}: one untimed prefill.
+  ttft {prompt}: seconds from submitting the prompt to its first token.
+  decode {prompt, tokens}: batch-1 decode rate over `tokens` steps after the prompt.
+  open {sequences, context}: a context holding that many sequences; replies null, or
+      {"rejected": llama.cpp's reason} when llama.cpp cannot make one.
+  aggregate {prompts, tokens}: aggregate decode rate of one sequence a prompt, `tokens`
+      steps of every sequence, in the context `open` made.
+  rss: this process's peak RSS (VmHWM) in bytes.
 """
 
-import argparse
 import ctypes
 import json
+import sys
 import time
 
 import llama_cpp
 import numpy as np
 
-# llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences.
-MAX_SEQUENCES = 64
+# Lines llama.cpp logs while loading that say where tensors live.
+BUFFER_LOG_MARKERS = ("buffer size", "buffer type")
+# llama.cpp logs one line per repacked tensor: "repack: repack tensor NAME with LAYOUT".
+REPACK_MARKER = "repack tensor "
+
+log_lines = []
 
 
 @llama_cpp.llama_log_callback
-def _discard_log(_level, _text, _user_data):
-    pass
+def _collect_log(_level, text, _user_data):
+    log_lines.append(text.decode("utf-8", errors="replace"))
 
 
 def vm_hwm_bytes():
@@ -36,14 +48,25 @@ def vm_hwm_bytes():
         for line in status:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    return 0
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def median_of(repeats, measure):
-    """The median of `repeats` runs of `measure` (rates or times), as the worker's side
-    reports."""
-    rates = sorted(measure() for _ in range(repeats))
-    return rates[len(rates) // 2]
+def buffer_report(lines):
+    """The buffer lines, and one line per repacked layout in place of one per tensor."""
+    report = [line.strip(". \n") for line in lines if any(m in line for m in BUFFER_LOG_MARKERS)]
+    layouts = {}
+    for line in lines:
+        if REPACK_MARKER in line:
+            layout = line.rsplit(" with ", 1)[-1].strip()
+            layouts[layout] = layouts.get(layout, 0) + 1
+    for layout, count in sorted(layouts.items()):
+        report.append(f"{count} tensors repacked to {layout} at load")
+    return report
+
+
+def logged_since(start):
+    """Whole log lines written since `start`, the log being one list of fragments."""
+    return "".join(log_lines[start:]).splitlines()
 
 
 class Context:
@@ -56,9 +79,11 @@ class Context:
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
+        logged = len(log_lines)
         self.ctx = llama_cpp.llama_init_from_model(model, params)
         if not self.ctx:
-            raise RuntimeError("llama_init_from_model failed")
+            reasons = [line for line in logged_since(logged) if "fail" in line or "must" in line]
+            raise ContextRejected("; ".join(r.strip() for r in reasons) or "llama_init_from_model failed")
         self.n_batch = n_batch
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq)
@@ -107,98 +132,97 @@ class Context:
         return firsts
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--prompts", required=True)
-    args = parser.parse_args()
-    with open(args.prompts) as f:
-        spec = json.load(f)
-    decode_tokens = spec["decode_tokens"]
-    repeats = spec.get("repeats", 1)
+class ContextRejected(Exception):
+    pass
 
-    llama_cpp.llama_log_set(_discard_log, ctypes.c_void_p(0))
-    llama_cpp.llama_backend_init()
-    model_params = llama_cpp.llama_model_default_params()
-    load_started = time.perf_counter()
-    model = llama_cpp.llama_model_load_from_file(args.model.encode(), model_params)
-    load_s = time.perf_counter() - load_started
-    if not model:
-        raise SystemExit(f"cannot load {args.model}")
 
-    # Prefill and time to first token of a long prompt.
-    longest = max(len(p) for p in spec["prefill"])
-    ctx = Context(model, args.threads, n_ctx=max(1024, longest + 16), n_seq=1, n_batch=512)
-    ctx.clear()
-    ctx.prefill([spec["short"][0]])
-    prefill_prompts = iter(spec["prefill"])
+class Bench:
+    def __init__(self):
+        self.model = None
+        self.threads = None
+        self.single = None
+        self.batched = None
 
-    def time_to_first_token():
-        ctx.clear()
+    def load(self, model, threads, first_prompt, context):
+        llama_cpp.llama_log_set(_collect_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        self.threads = threads
         started = time.perf_counter()
-        ctx.prefill([next(prefill_prompts)])
+        self.model = llama_cpp.llama_model_load_from_file(
+            model.encode(), llama_cpp.llama_model_default_params()
+        )
+        if not self.model:
+            raise RuntimeError(f"cannot load {model}: {' '.join(logged_since(0))[-2000:]}")
+        self.single = Context(self.model, threads, n_ctx=context, n_seq=1, n_batch=512)
+        load_s = time.perf_counter() - started
+        self.single.prefill([first_prompt])
+        first_token_s = time.perf_counter() - started
+        return {
+            "version": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+            "buffers": buffer_report(logged_since(0)),
+            "load_s": load_s,
+            "first_token_s": first_token_s,
+        }
+
+    def warmup(self, prompt):
+        self.single.clear()
+        self.single.prefill([prompt])
+
+    def ttft(self, prompt):
+        self.single.clear()
+        started = time.perf_counter()
+        self.single.prefill([prompt])
         return time.perf_counter() - started
 
-    ttft = median_of(len(spec["prefill"]), time_to_first_token)
-    prefill_len = len(spec["prefill"][0])
-
-    # Batch-1 decode.
-    def batch_one():
-        prompt = spec["short"][0]
-        ctx.clear()
-        token = ctx.prefill([prompt])[0]
+    def decode(self, prompt, tokens):
+        self.single.clear()
+        token = self.single.prefill([prompt])[0]
         pos = len(prompt)
         started = time.perf_counter()
-        for _ in range(decode_tokens):
-            token = ctx.decode([(token, pos, 0, True)])[0]
+        for _ in range(tokens):
+            token = self.single.decode([(token, pos, 0, True)])[0]
             pos += 1
-        return decode_tokens / (time.perf_counter() - started)
+        return tokens / (time.perf_counter() - started)
 
-    decode_tok_s = median_of(repeats, batch_one)
-    ctx.close()
+    def open(self, sequences, context):
+        if self.batched is not None:
+            self.batched.close()
+            self.batched = None
+        try:
+            self.batched = Context(
+                self.model, self.threads, n_ctx=context, n_seq=sequences, n_batch=max(512, sequences)
+            )
+        except ContextRejected as rejected:
+            return {"rejected": f"tried n_seq_max={sequences}: {rejected}"}
+        return None
 
-    # Aggregate decode over concurrent sequences: every step decodes one token of each.
-    aggregate = {}
-    skipped = {}
-    for n in spec["batch_sizes"]:
-        if n > MAX_SEQUENCES:
-            skipped[str(n)] = f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context"
-            continue
-        prompts = spec["short"][:n]
-        per_seq = max(len(p) for p in prompts) + decode_tokens + 1
-        ctx = Context(model, args.threads, n_ctx=n * per_seq, n_seq=n, n_batch=max(512, n))
+    def aggregate(self, prompts, tokens):
+        ctx = self.batched
+        n = len(prompts)
+        ctx.clear()
+        firsts = ctx.prefill(prompts)
+        positions = [len(p) for p in prompts]
+        started = time.perf_counter()
+        for _ in range(tokens):
+            firsts = ctx.decode([(firsts[s], positions[s], s, True) for s in range(n)])
+            positions = [p + 1 for p in positions]
+        return n * tokens / (time.perf_counter() - started)
 
-        def concurrent():
-            ctx.clear()
-            tokens = ctx.prefill(prompts)
-            positions = [len(p) for p in prompts]
-            started = time.perf_counter()
-            for _ in range(decode_tokens):
-                tokens = ctx.decode(
-                    [(tokens[s], positions[s], s, True) for s in range(n)]
-                )
-                positions = [p + 1 for p in positions]
-            return n * decode_tokens / (time.perf_counter() - started)
+    def rss(self):
+        return vm_hwm_bytes()
 
-        aggregate[str(n)] = median_of(repeats, concurrent)
-        ctx.close()
 
-    llama_cpp.llama_model_free(model)
-    print(
-        json.dumps(
-            {
-                "llama_cpp_version": llama_cpp.__version__,
-                "load_s": load_s,
-                "prefill_tok_s": prefill_len / ttft,
-                "ttft_ms": ttft * 1000.0,
-                "decode_tok_s": decode_tok_s,
-                "aggregate_tok_s": aggregate,
-                "skipped": skipped,
-                "peak_rss_bytes": vm_hwm_bytes(),
-            }
-        )
-    )
+def main():
+    bench = Bench()
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        try:
+            reply = {"ok": getattr(bench, op)(**request)}
+        except Exception as err:  # every failure goes back to the worker, which stops
+            reply = {"error": f"{op}: {type(err).__name__}: {err}"}
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

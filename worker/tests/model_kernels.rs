@@ -198,12 +198,15 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
         for blocks in [1, 2, 7, 18, 33, 48] {
             let cols = blocks * QK;
             let w = rng.vec(GROUP_ROWS * cols, 0.5);
+            let q40 = quant::quantize_q4_0(&w);
             let q41 = quant::quantize_q4_1(&w);
             let q80 = quant::quantize_q8_0(&w);
             let x = rng.vec(32 * cols, 2.0);
             let xq = quantize(scalar, &x);
             for n in (1..=9).chain([16, 17, 32]) {
                 let xq = &xq[..n * blocks];
+                let q40_scalar = group(scalar.gemm_q4_0_group, &q40, xq);
+                let q40_fast = group(fast.gemm_q4_0_group, &q40, xq);
                 let q41_scalar = group(scalar.gemm_q4_1_group, &q41, xq);
                 let q41_fast = group(fast.gemm_q4_1_group, &q41, xq);
                 let q80_scalar = group(scalar.gemm_q8_0_group, &q80, xq);
@@ -211,6 +214,15 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
                 for j in 0..n {
                     let act = &xq[j * blocks..(j + 1) * blocks];
                     for r in 0..GROUP_ROWS {
+                        let q40_row = &q40[r * blocks..(r + 1) * blocks];
+                        assert_eq!(q40_scalar[j][r], quant::dot_q4_0_scalar(q40_row, act));
+                        // Σ (q − 8)·x − taken as Σ q·x − 8·Σx − is exact, and the float
+                        // steps are the scalar ones in order, unfused.
+                        assert_eq!(
+                            q40_scalar[j][r].to_bits(),
+                            q40_fast[j][r].to_bits(),
+                            "q4_0 group {blocks} blocks n={n} [{j}][{r}]"
+                        );
                         let q41_row = &q41[r * blocks..(r + 1) * blocks];
                         let q80_row = &q80[r * blocks..(r + 1) * blocks];
                         // The scalar group is the one-row reference applied row by row.
@@ -231,6 +243,7 @@ fn grouped_kernels_match_scalar_for_every_batch_size() {
                 // An activation row's result does not depend on how many rows share the call.
                 let alone = |j: usize| &xq[j * blocks..(j + 1) * blocks];
                 for j in 0..n {
+                    assert_eq!(q40_fast[j..=j], group(fast.gemm_q4_0_group, &q40, alone(j)));
                     assert_eq!(q41_fast[j..=j], group(fast.gemm_q4_1_group, &q41, alone(j)));
                     assert_eq!(q80_fast[j..=j], group(fast.gemm_q8_0_group, &q80, alone(j)));
                 }
@@ -1020,7 +1033,11 @@ fn pair_kernels_equal_two_groups_for_every_batch_size() {
         let cols = supers * QK_K;
         let xq = quantize(&scalar, &rng.vec(35 * cols, 2.0));
         let w = rng.vec(rows * cols, 0.5);
-        let (q41, q80) = (quant::quantize_q4_1(&w), quant::quantize_q8_0(&w));
+        let (q40, q41, q80) = (
+            quant::quantize_q4_0(&w),
+            quant::quantize_q4_1(&w),
+            quant::quantize_q8_0(&w),
+        );
         let blocks = rows * cols / QK;
         let (q50, q51) = (rng.q5_0(blocks), rng.q5_1(blocks));
         let (q4k, q5k, q6k) = (
@@ -1030,6 +1047,7 @@ fn pair_kernels_equal_two_groups_for_every_batch_size() {
         );
         for k in &simd {
             let (set, p) = (k.name, k.pairs);
+            pair_matches_groups("q4_0", &q40, p.map(|p| p.q4_0), k.gemm_q4_0_group, &xq, set);
             pair_matches_groups("q4_1", &q41, p.map(|p| p.q4_1), k.gemm_q4_1_group, &xq, set);
             pair_matches_groups("q5_0", &q50, p.map(|p| p.q5_0), k.gemm_q5_0_group, &xq, set);
             pair_matches_groups("q5_1", &q51, p.map(|p| p.q5_1), k.gemm_q5_1_group, &xq, set);

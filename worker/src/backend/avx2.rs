@@ -18,8 +18,8 @@ pub mod vnni;
 pub use attention::{CacheValue, axpy_strided, dot_strided};
 pub use float::{axpy, dot_f32_rows, exp_sum, silu_mul};
 pub use int8::{
-    dot_q4_0, dot_q4_1, dot_q8_0, gemm_q4_1_group, gemm_q5_0_group, gemm_q5_1_group,
-    gemm_q8_0_group, quantize_act,
+    dot_q4_0, dot_q4_1, dot_q8_0, gemm_q4_0_group, gemm_q4_1_group, gemm_q5_0_group,
+    gemm_q5_1_group, gemm_q8_0_group, quantize_act,
 };
 pub use kquant::{gemm_q4_k_group, gemm_q5_k_group, gemm_q6_k_group};
 

@@ -1,8 +1,6 @@
 //! The CPU backend: a rayon pool sized by the `threads` option, kernels picked once at start
 //! from what the CPU supports.
 
-use std::ops::Range;
-
 use half::f16;
 use rayon::prelude::*;
 
@@ -27,6 +25,7 @@ pub type PairKernel<B> =
 #[derive(Clone, Copy)]
 pub struct PairKernels {
     pub min_batch: usize,
+    pub q4_0: PairKernel<BlockQ4_0>,
     pub q4_1: PairKernel<BlockQ4_1>,
     pub q5_0: PairKernel<BlockQ5_0>,
     pub q5_1: PairKernel<BlockQ5_1>,
@@ -48,6 +47,7 @@ pub struct Kernels {
     pub name: &'static str,
     pub quantize_act: fn(&[f32], &mut [BlockQ8Act]),
     pub dot_q4_0: fn(&[BlockQ4_0], &[BlockQ8Act]) -> f32,
+    pub gemm_q4_0_group: GroupKernel<BlockQ4_0>,
     pub dot_q4_1: fn(&[BlockQ4_1], &[BlockQ8Act]) -> f32,
     pub gemm_q4_1_group: GroupKernel<BlockQ4_1>,
     pub dot_q5_0: DotKernel<BlockQ5_0>,
@@ -86,6 +86,7 @@ impl Kernels {
             name: "scalar",
             quantize_act: quant::quantize_act_scalar,
             dot_q4_0: quant::dot_q4_0_scalar,
+            gemm_q4_0_group: quant::gemm_q4_0_group_scalar,
             dot_q4_1: quant::dot_q4_1_scalar,
             gemm_q4_1_group: quant::gemm_q4_1_group_scalar,
             dot_q5_0: quant::dot_q5_0_scalar,
@@ -144,6 +145,7 @@ fn avx2_kernels() -> Kernels {
         name: "avx2",
         quantize_act: |x, out| unsafe { avx2::quantize_act(x, out) },
         dot_q4_0: |w, x| unsafe { avx2::dot_q4_0(w, x) },
+        gemm_q4_0_group: |w, x, out| unsafe { avx2::gemm_q4_0_group(w, x, out) },
         dot_q4_1: |w, x| unsafe { avx2::dot_q4_1(w, x) },
         gemm_q4_1_group: |w, x, out| unsafe { avx2::gemm_q4_1_group(w, x, out) },
         dot_q8_0: |w, x| unsafe { avx2::dot_q8_0(w, x) },
@@ -188,6 +190,7 @@ fn avx512_vnni_kernels() -> Kernels {
     // `vnni::available()` confirmed the CPU features they are compiled for.
     Kernels {
         name: "avx512-vnni",
+        gemm_q4_0_group: |w, x, out| unsafe { vnni::gemm_q4_0_group(w, x, out) },
         gemm_q4_1_group: |w, x, out| unsafe { vnni::gemm_q4_1_group(w, x, out) },
         gemm_q5_0_group: |w, x, out| unsafe { vnni::gemm_q5_0_group(w, x, out) },
         gemm_q5_1_group: |w, x, out| unsafe { vnni::gemm_q5_1_group(w, x, out) },
@@ -197,6 +200,7 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
         pairs: Some(PairKernels {
             min_batch: vnni::pair::MIN_BATCH,
+            q4_0: |a, b, x, out| unsafe { vnni::pair::gemm_q4_0_pair(a, b, x, out) },
             q4_1: |a, b, x, out| unsafe { vnni::pair::gemm_q4_1_pair(a, b, x, out) },
             q5_0: |a, b, x, out| unsafe { vnni::pair::gemm_q5_0_pair(a, b, x, out) },
             q5_1: |a, b, x, out| unsafe { vnni::pair::gemm_q5_1_pair(a, b, x, out) },
@@ -214,9 +218,6 @@ pub struct CpuBackend {
     kernels: Kernels,
 }
 
-/// Weight rows per parallel task of the quantised and small-batch matmuls: small enough
-/// that a tile stays in L1 while every activation row of the batch passes over it.
-const ROW_TILE: usize = 16;
 /// Groups of [`GROUP_ROWS`] weight rows per parallel task of the quantised matmul.
 const GROUPS_PER_TASK: usize = 2;
 /// The largest batch whose grouped pass spreads a large matrix's groups (see [`Grouping`]).
@@ -226,8 +227,6 @@ const SPREAD_MAX_BATCH: usize = 2;
 const SPREAD_MIN_BYTES: usize = 4 << 20;
 /// Batches up to this many rows quantise their activations on the calling thread.
 const SERIAL_QUANTIZE_ROWS: usize = 4;
-/// Activation rows a weight tile is applied to at once.
-const ACT_ROWS: usize = 2;
 /// Rows per task of the element-wise kernels: a decode step's few rows stay on the calling
 /// thread.
 const SERIAL_ELEMENTWISE_ROWS: usize = 8;
@@ -321,33 +320,6 @@ impl CpuBackend {
             );
     }
 
-    /// For each weight-row tile in parallel: every activation row against every tile row.
-    /// `dot_tile(rows, acts, out)` fills `out[acts.len() × rows.len()]` for up to
-    /// [`ACT_ROWS`] activation rows at a time.
-    fn tiled<F>(&self, rows: usize, n: usize, out: &mut [f32], dot_tile: F)
-    where
-        F: Fn(Range<usize>, Range<usize>, &mut [f32]) + Sync,
-    {
-        let shared = SharedOut(out.as_mut_ptr());
-        let tiles = rows.div_ceil(ROW_TILE);
-        (0..tiles).into_par_iter().for_each(|t| {
-            let range = t * ROW_TILE..((t + 1) * ROW_TILE).min(rows);
-            let mut tile_out = [0f32; ACT_ROWS * ROW_TILE];
-            for j0 in (0..n).step_by(ACT_ROWS) {
-                let acts = j0..(j0 + ACT_ROWS).min(n);
-                let tile_out = &mut tile_out[..acts.len() * range.len()];
-                dot_tile(range.clone(), acts.clone(), tile_out);
-                for (j, row) in acts.zip(tile_out.chunks_exact(range.len())) {
-                    for (i, &v) in row.iter().enumerate() {
-                        // SAFETY: column `range.start + i` of row `j` belongs to this tile
-                        // only, and j < n, range.end ≤ rows keep it inside the output.
-                        unsafe { shared.write(j * rows + range.start + i, v) };
-                    }
-                }
-            }
-        });
-    }
-
     /// Activation rows quantised per block for the int8 kernels.
     fn quantize_rows(&self, x: &[f32], n: usize, cols: usize) -> Vec<BlockQ8Act> {
         let quantize = self.kernels.quantize_act;
@@ -366,20 +338,10 @@ impl CpuBackend {
     }
 
     fn matmul_quantized(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
-        let k = &self.kernels;
-        let nb = w.cols / QK;
         let acts = self.quantize_rows(x, n, w.cols);
-        let acts = &acts;
         match &w.data {
-            WeightData::Q4_0(b) => self.tiled(w.rows, n, out, |range, act_rows, o| {
-                for (j, o) in act_rows.zip(o.chunks_exact_mut(range.len())) {
-                    let a = &acts[j * nb..(j + 1) * nb];
-                    for (o, r) in o.iter_mut().zip(range.clone()) {
-                        *o = (k.dot_q4_0)(&b[r * nb..(r + 1) * nb], a);
-                    }
-                }
-            }),
-            WeightData::Q4_1(_)
+            WeightData::Q4_0(_)
+            | WeightData::Q4_1(_)
             | WeightData::Q5_0(_)
             | WeightData::Q5_1(_)
             | WeightData::Q8_0(_)
@@ -387,7 +349,7 @@ impl CpuBackend {
             | WeightData::Q5K(_)
             | WeightData::Q6K(_) => {
                 let job = GroupedJob::of(w, n, out).expect("grouped block format");
-                self.grouped(&[job], n, acts)
+                self.grouped(&[job], n, &acts)
             }
             WeightData::F32(_) | WeightData::F16(_) => {
                 unreachable!("float weights take the float path")
@@ -552,6 +514,7 @@ impl<'a> GroupedJob<'a> {
     /// `None` for formats without grouped kernels.
     fn of(w: &'a Matrix, n: usize, out: &mut [f32]) -> Option<GroupedJob<'a>> {
         let weights = match &w.data {
+            WeightData::Q4_0(b) => GroupedWeights::Q4_0(b),
             WeightData::Q4_1(b) => GroupedWeights::Q4_1(b),
             WeightData::Q5_0(b) => GroupedWeights::Q5_0(b),
             WeightData::Q5_1(b) => GroupedWeights::Q5_1(b),
@@ -571,6 +534,7 @@ impl<'a> GroupedJob<'a> {
 }
 
 enum GroupedWeights<'a> {
+    Q4_0(&'a [BlockQ4_0]),
     Q4_1(&'a [BlockQ4_1]),
     Q5_0(&'a [BlockQ5_0]),
     Q5_1(&'a [BlockQ5_1]),
@@ -592,6 +556,7 @@ impl GroupedWeights<'_> {
     ) {
         let nbk = nb / ACT_BLOCKS;
         match self {
+            GroupedWeights::Q4_0(w) => (k.gemm_q4_0_group)(grouping.group(w, g, nb), acts, sums),
             GroupedWeights::Q4_1(w) => (k.gemm_q4_1_group)(grouping.group(w, g, nb), acts, sums),
             GroupedWeights::Q5_0(w) => (k.gemm_q5_0_group)(grouping.group(w, g, nb), acts, sums),
             GroupedWeights::Q5_1(w) => (k.gemm_q5_1_group)(grouping.group(w, g, nb), acts, sums),
@@ -613,6 +578,7 @@ impl GroupedWeights<'_> {
     ) {
         let nbk = nb / ACT_BLOCKS;
         match self {
+            GroupedWeights::Q4_0(w) => grouping.pair(k.q4_0, w, g, nb, acts, sums),
             GroupedWeights::Q4_1(w) => grouping.pair(k.q4_1, w, g, nb, acts, sums),
             GroupedWeights::Q5_0(w) => grouping.pair(k.q5_0, w, g, nb, acts, sums),
             GroupedWeights::Q5_1(w) => grouping.pair(k.q5_1, w, g, nb, acts, sums),
@@ -627,6 +593,7 @@ impl GroupedWeights<'_> {
     fn dot(&self, k: &Kernels, r: usize, nb: usize, act: &[BlockQ8Act]) -> f32 {
         let nbk = nb / ACT_BLOCKS;
         match self {
+            GroupedWeights::Q4_0(w) => (k.dot_q4_0)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q4_1(w) => (k.dot_q4_1)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q5_0(w) => (k.dot_q5_0)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q5_1(w) => (k.dot_q5_1)(&w[r * nb..(r + 1) * nb], act),

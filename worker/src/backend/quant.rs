@@ -483,6 +483,17 @@ pub fn gemm_q4_1_group_scalar(
     gemm_group_scalar(w, x, out, 1, dot_q4_1_scalar)
 }
 
+/// As [`gemm_q4_1_group_scalar`]; the SIMD kernels take Σ (q − 8)·x as Σ q·x − 8·Σx in
+/// integers and then repeat this arithmetic lane by lane, unfused, so they equal it bit for
+/// bit.
+pub fn gemm_q4_0_group_scalar(
+    w: WeightGroup<'_, BlockQ4_0>,
+    x: &[BlockQ8Act],
+    out: &mut [[f32; GROUP_ROWS]],
+) {
+    gemm_group_scalar(w, x, out, 1, dot_q4_0_scalar)
+}
+
 pub fn gemm_q8_0_group_scalar(
     w: WeightGroup<'_, BlockQ8_0>,
     x: &[BlockQ8Act],

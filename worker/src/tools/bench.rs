@@ -5,10 +5,18 @@
 //! forward pass. Decode figures count only steps where every sequence decodes: for N
 //! concurrent requests the window runs from the last request's first token to the first
 //! request's last token.
+//!
+//! The two engines run side by side, both loaded, and each figure's runs alternate between
+//! them (npufleet, llama.cpp, npufleet, …): a shared machine's slow spells then fall on both
+//! rather than on whichever engine happened to run during them. Both get the same prompts,
+//! the same warm-up and the same token counts, and the table prints every figure's median
+//! with its spread (the slowest and fastest run).
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -46,7 +54,8 @@ pub struct BenchArgs {
     /// The KV cache's element type `serve` stores by default.
     #[command(flatten)]
     pub kv_cache: KvCacheDtypeArgs,
-    /// Also measure this engine on the same file and print the ratios.
+    /// Also measure this engine on the same file, interleaved run by run, and print the
+    /// ratios. If it fails, so does the command.
     #[arg(long, value_enum)]
     pub reference: Option<Reference>,
     /// A Python with llama-cpp-python installed
@@ -56,19 +65,20 @@ pub struct BenchArgs {
     /// The reference's side of the benchmark.
     #[arg(long, default_value = DEFAULT_REFERENCE_SCRIPT)]
     pub reference_script: PathBuf,
-    /// Prompt length for the prefill and time-to-first-token figures.
-    #[arg(long, default_value_t = 500)]
-    pub prompt_tokens: usize,
+    /// Prompt lengths for the prefill and time-to-first-token figures, one figure each; the
+    /// shortest is also both engines' untimed warm-up prompt.
+    #[arg(long, value_delimiter = ',', default_values_t = [500])]
+    pub prompt_tokens: Vec<usize>,
     /// Prompt length of each request in the decode figures.
     #[arg(long, default_value_t = 16)]
     pub short_prompt_tokens: usize,
-    /// Tokens generated per request in the decode figures.
+    /// Decode steps timed per request in the decode figures.
     #[arg(long, default_value_t = 64)]
     pub decode_tokens: usize,
     /// Concurrent sequences for the aggregate decode figures.
     #[arg(long, value_delimiter = ',', default_values_t = [8, 32, 128])]
     pub batch_sizes: Vec<usize>,
-    /// Timed runs of each figure (the median is reported).
+    /// Timed runs of each figure per engine (the median is reported, with the spread).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
     /// The engine's per-step token budget.
@@ -76,35 +86,79 @@ pub struct BenchArgs {
     pub max_num_batched_tokens: usize,
 }
 
+/// Repeated measurements of one figure.
+#[derive(Debug, Clone, Default)]
+struct Samples(Vec<f64>);
+
+impl Samples {
+    fn push(&mut self, value: f64) {
+        self.0.push(value);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut values = self.0.clone();
+        values.sort_by(f64::total_cmp);
+        values
+    }
+
+    /// The median: a shared machine's bursts of contention move a single short run by tens
+    /// of percent. Even counts take the upper middle value.
+    fn median(&self) -> f64 {
+        let values = self.sorted();
+        values.get(values.len() / 2).copied().unwrap_or(0.0)
+    }
+
+    fn spread(&self) -> (f64, f64) {
+        let values = self.sorted();
+        (
+            values.first().copied().unwrap_or(0.0),
+            values.last().copied().unwrap_or(0.0),
+        )
+    }
+
+    fn map(&self, f: impl Fn(f64) -> f64) -> Samples {
+        Samples(self.0.iter().map(|&v| f(v)).collect())
+    }
+}
+
 /// One engine's figures.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default)]
 struct Figures {
-    /// Seconds from opening the file to a model ready to run (llama.cpp maps the file and
-    /// reads pages as the first requests touch them; so does this worker for GGUF files).
+    /// Seconds from opening the file to an engine ready to take requests.
     load_s: f64,
-    prefill_tok_s: f64,
-    ttft_ms: f64,
-    decode_tok_s: f64,
+    /// Seconds from opening the file to the first token of the first (short) prompt: the
+    /// whole start-up, whatever either engine defers to its first request.
+    first_token_s: f64,
+    /// Prompt length → time to first token, in seconds.
+    ttft_s: BTreeMap<usize, Samples>,
+    decode_tok_s: Samples,
     /// Concurrent sequences → aggregate decode tok/s.
-    aggregate_tok_s: std::collections::BTreeMap<String, f64>,
-    /// Concurrent sequences the engine could not run → why.
-    #[serde(default)]
-    skipped: std::collections::BTreeMap<String, String>,
+    aggregate_tok_s: BTreeMap<usize, Samples>,
+    /// Concurrent sequences the engine refused to hold → what was tried and its answer.
+    rejected: BTreeMap<usize, String>,
     peak_rss_bytes: u64,
     /// Concurrent sequences → peak RSS once the runs up to that many had finished (this
     /// engine's cache is sized for the largest run up front but only touched pages count).
-    #[serde(default)]
-    peak_rss_bytes_by_sequences: std::collections::BTreeMap<String, u64>,
+    peak_rss_bytes_by_sequences: BTreeMap<usize, u64>,
+}
+
+/// What the reference says about itself at load.
+#[derive(Debug, Clone, Deserialize)]
+struct ReferenceLoad {
+    version: String,
+    system_info: String,
+    buffers: Vec<String>,
+    load_s: f64,
+    first_token_s: f64,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     check_args(&args)?;
-    let file_bytes = std::fs::metadata(&args.model)
-        .with_context(|| format!("reading {}", args.model.display()))?
-        .len();
+    let load_average_before = load_average();
+    let file_bytes = read_through(&args.model)?;
 
     eprintln!("loading {} ...", args.model.display());
-    let loaded = Instant::now();
+    let started = Instant::now();
     let model = Model::load(
         &args.model,
         LoadOptions {
@@ -114,36 +168,63 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             backend: None,
         },
     )?;
-    let load_time = loaded.elapsed();
+    let model_load = started.elapsed();
     let resident_weight_bytes = model.weight_bytes();
     let decode_bytes = model.decode_weight_bytes() as u64;
     let backend = model.backend_name();
+    // Tokenising the benchmark's text is the benchmark's work, not the engine's start-up.
     let prompts = Prompts::new(&model, &args)?;
 
     let cache = CacheSizing::for_runs(&args);
     let config = cache.engine_config(&args);
     let kv_bytes = engine::kv_block_bytes(&model, &config) * cache.blocks;
+    let engine_started = Instant::now();
     let engine = engine::start(model, config)?;
     wait_ready(&engine)?;
-    let mut worker = measure(&engine, &args, &prompts)?;
-    worker.load_s = load_time.as_secs_f64();
+    let load_time = model_load + engine_started.elapsed();
+    let first_request = Instant::now();
+    finish(&engine, Prompt::Tokens(prompts.short[0].clone()), 1)?;
+    let mut worker = Figures {
+        load_s: load_time.as_secs_f64(),
+        first_token_s: (load_time + first_request.elapsed()).as_secs_f64(),
+        ..Figures::default()
+    };
+
+    let mut reference = match args.reference {
+        Some(Reference::LlamaCpp) => Some(start_llama_cpp(&args, &prompts)?),
+        None => None,
+    };
+    let mut theirs = reference.as_ref().map(|r| Figures {
+        load_s: r.load.load_s,
+        first_token_s: r.load.first_token_s,
+        ..Figures::default()
+    });
+    measure(
+        &engine,
+        &args,
+        &prompts,
+        &mut worker,
+        reference.as_mut().zip(theirs.as_mut()),
+    )?;
     let load = engine.load();
     drop(engine);
     worker.peak_rss_bytes = peak_rss_bytes()?;
+    let reference_load = match reference {
+        Some(process) => Some(process.finish()?),
+        None => None,
+    };
 
     // Measured after the peak RSS was read: the probe's buffer would dominate it.
     eprintln!("measuring memory bandwidth ...");
     let bandwidth = memory_bandwidth(args.threads)?;
-    let reference = run_reference(&args, &prompts);
 
     println!(
-        "model {} ({:.1} MiB file, {:.1} MiB resident weights, policy {}), {} threads, backend {backend}, loaded in {:.2} s",
+        "model {} ({:.1} MiB file, {:.1} MiB resident weights, policy {}), {} threads, backend {backend}",
         args.model.display(),
         mib(file_bytes),
         mib(resident_weight_bytes as u64),
         args.precision.precision,
         args.threads,
-        load_time.as_secs_f64()
     );
     println!(
         "engine: {} steps, {} preemptions, last batch {}; KV cache {:.1} MiB ({}, {} blocks of {} positions, sized for {} sequences)",
@@ -156,18 +237,62 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         cache.block_size,
         cache.max_batch
     );
-    print_table(&args, &worker, reference.as_ref(), bandwidth, decode_bytes);
+    if let Some(info) = &reference_load {
+        print_reference_info(info);
+    }
+    // Other work on the machine moves every figure, and an OpenMP build of the reference far
+    // more than a rayon one: its threads spin at barriers for cores that are not free.
+    println!(
+        "load average (1, 5, 15 min) before the run: {load_average_before}; after: {}",
+        load_average()
+    );
+    print_table(&args, &worker, theirs.as_ref());
+    print_roofline(&args, &worker, theirs.as_ref(), bandwidth, decode_bytes);
     Ok(())
 }
 
 fn check_args(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.prompt_tokens == 0 || args.short_prompt_tokens == 0 || args.decode_tokens < 2 {
+    if args.prompt_tokens.is_empty()
+        || args.prompt_tokens.contains(&0)
+        || args.short_prompt_tokens == 0
+        || args.decode_tokens < 2
+    {
         bail!("prompt lengths must be positive and --decode-tokens at least 2");
     }
-    if args.repeats == 0 || args.batch_sizes.contains(&0) {
+    if args.repeats == 0 || args.batch_sizes.is_empty() || args.batch_sizes.contains(&0) {
         bail!("--repeats and every batch size must be at least 1");
     }
     Ok(())
+}
+
+/// The kernel's load averages, as /proc/loadavg gives them.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|err| format!("unknown ({err})"))
+}
+
+/// Reads the whole file once so both engines load it from the page cache (whichever loads
+/// first would otherwise pay for the disk). Returns its length.
+fn read_through(path: &Path) -> anyhow::Result<u64> {
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let read = file
+            .read(&mut buffer)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if read == 0 {
+            return Ok(total);
+        }
+        total += read as u64;
+    }
 }
 
 /// Enough KV cache for the largest run and no more, so peak RSS is comparable.
@@ -181,10 +306,9 @@ impl CacheSizing {
     fn for_runs(args: &BenchArgs) -> Self {
         let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1).max(1);
         let block_size = 16;
-        let per_sequence = args.short_prompt_tokens + args.decode_tokens + block_size;
-        let kv_tokens = (max_batch * per_sequence)
-            .max(args.short_prompt_tokens + args.decode_tokens * 2 + block_size)
-            .max(args.prompt_tokens + block_size);
+        let per_sequence = args.short_prompt_tokens + args.decode_tokens + 1 + block_size;
+        let longest_prompt = args.prompt_tokens.iter().copied().max().unwrap_or(0);
+        let kv_tokens = (max_batch * per_sequence).max(longest_prompt + block_size);
         CacheSizing {
             max_batch,
             block_size,
@@ -201,83 +325,257 @@ impl CacheSizing {
             block_size: self.block_size,
             kv_cache: KvCacheSize::Blocks(self.blocks),
             kv_dtype: args.kv_cache.dtype(),
-            warmup_iterations: 10,
+            // The warm-up is the benchmark's prompt, the same one the reference gets.
+            warmup_iterations: 0,
             ignore_eos: true,
             ..EngineConfig::default()
         }
     }
 }
 
-/// This engine's speed figures; load time and overall peak RSS are the caller's to fill in.
+/// Every speed figure, each run of ours followed by one of the reference's when there is
+/// one.
 fn measure(
     engine: &Arc<EngineHandle>,
     args: &BenchArgs,
     prompts: &Prompts,
-) -> anyhow::Result<Figures> {
-    eprintln!("npufleet: prefill ...");
+    ours: &mut Figures,
+    mut reference: Option<(&mut LlamaCpp, &mut Figures)>,
+) -> anyhow::Result<()> {
+    eprintln!("warm-up ({}-token prompt each) ...", prompts.warmup.len());
     // The first long prompt pages in the prefill path's weights; it is not timed.
     finish(engine, Prompt::Tokens(prompts.warmup.clone()), 1)?;
-    let mut prefill_prompts = prompts.prefill.iter();
-    let ttft_s = median_of(prompts.prefill.len(), || {
-        let prompt = prefill_prompts.next().expect("one prompt per run");
-        let timings = finish(engine, Prompt::Tokens(prompt.clone()), 1)?;
-        Ok(timings.first_token.as_secs_f64())
-    })?;
-
-    eprintln!("npufleet: decode at batch 1 ...");
-    let decode_tok_s = median_of(args.repeats, || {
-        let times = run_concurrent(engine, &prompts.short[..1], args.decode_tokens * 2)?;
-        let tokens = &times[0];
-        let span = tokens[tokens.len() - 1].duration_since(tokens[0]);
-        Ok((tokens.len() - 1) as f64 / span.as_secs_f64())
-    })?;
-
-    let mut figures = Figures {
-        prefill_tok_s: args.prompt_tokens as f64 / ttft_s,
-        ttft_ms: ttft_s * 1000.0,
-        decode_tok_s,
-        ..Figures::default()
-    };
-    let mut batch_sizes = args.batch_sizes.clone();
-    batch_sizes.sort_unstable();
-    for n in batch_sizes {
-        eprintln!("npufleet: aggregate decode with {n} sequences ...");
-        let rate = median_of(args.repeats, || {
-            let times = run_concurrent(engine, &prompts.short[..n], args.decode_tokens)?;
-            Ok(steady_rate(&times))
-        })?;
-        figures.aggregate_tok_s.insert(n.to_string(), rate);
-        figures
-            .peak_rss_bytes_by_sequences
-            .insert(n.to_string(), peak_rss_bytes()?);
+    if let Some((process, _)) = reference.as_mut() {
+        process.call(serde_json::json!({"op": "warmup", "prompt": prompts.warmup}))?;
     }
-    Ok(figures)
-}
 
-/// The reference engine's figures, or `None` (said on stderr) when none was asked for or it
-/// failed.
-fn run_reference(args: &BenchArgs, prompts: &Prompts) -> Option<Figures> {
-    match args.reference? {
-        Reference::LlamaCpp => {
-            eprintln!("llama.cpp: running {} ...", args.reference_script.display());
-            run_llama_cpp(args, prompts)
-                .inspect_err(|err| eprintln!("llama.cpp reference failed: {err:#}"))
-                .ok()
+    for (&len, runs) in &prompts.prefill {
+        eprintln!("prefill, {len}-token prompts ...");
+        for prompt in runs {
+            let timings = finish(engine, Prompt::Tokens(prompt.clone()), 1)?;
+            push(&mut ours.ttft_s, len, timings.first_token.as_secs_f64());
+            if let Some((process, theirs)) = reference.as_mut() {
+                let s = process.call_f64(serde_json::json!({"op": "ttft", "prompt": prompt}))?;
+                push(&mut theirs.ttft_s, len, s);
+            }
         }
     }
+
+    eprintln!("decode at batch 1 ...");
+    for _ in 0..args.repeats {
+        // One more token than steps: the first comes from the prompt's prefill.
+        let times = run_concurrent(engine, &prompts.short[..1], args.decode_tokens + 1)?;
+        let tokens = &times[0];
+        let span = tokens[tokens.len() - 1].duration_since(tokens[0]);
+        ours.decode_tok_s
+            .push((tokens.len() - 1) as f64 / span.as_secs_f64());
+        if let Some((process, theirs)) = reference.as_mut() {
+            let rate = process.call_f64(serde_json::json!({
+                "op": "decode", "prompt": prompts.short[0], "tokens": args.decode_tokens,
+            }))?;
+            theirs.decode_tok_s.push(rate);
+        }
+    }
+
+    let mut batch_sizes = args.batch_sizes.clone();
+    batch_sizes.sort_unstable();
+    batch_sizes.dedup();
+    for n in batch_sizes {
+        eprintln!("aggregate decode with {n} sequences ...");
+        let batch = &prompts.short[..n];
+        let mut held = false;
+        if let Some((process, theirs)) = reference.as_mut() {
+            let per_sequence = args.short_prompt_tokens + args.decode_tokens + 1;
+            let opened = process.call(serde_json::json!({
+                "op": "open", "sequences": n, "context": n * per_sequence,
+            }))?;
+            match opened.get("rejected").and_then(|r| r.as_str()) {
+                Some(reason) => {
+                    theirs.rejected.insert(n, reason.to_owned());
+                }
+                None => held = true,
+            }
+        }
+        for _ in 0..args.repeats {
+            let times = run_concurrent(engine, batch, args.decode_tokens + 1)?;
+            push(&mut ours.aggregate_tok_s, n, steady_rate(&times));
+            if let Some((process, theirs)) = reference.as_mut().filter(|_| held) {
+                let rate = process.call_f64(serde_json::json!({
+                    "op": "aggregate", "prompts": batch, "tokens": args.decode_tokens,
+                }))?;
+                push(&mut theirs.aggregate_tok_s, n, rate);
+            }
+        }
+        ours.peak_rss_bytes_by_sequences
+            .insert(n, peak_rss_bytes()?);
+    }
+    if let Some((process, theirs)) = reference {
+        theirs.peak_rss_bytes = process
+            .call(serde_json::json!({"op": "rss"}))?
+            .as_u64()
+            .context("the reference's peak RSS is not a byte count")?;
+    }
+    Ok(())
+}
+
+fn push(figure: &mut BTreeMap<usize, Samples>, key: usize, value: f64) {
+    figure.entry(key).or_default().push(value);
+}
+
+/// The llama.cpp side, a Python process answering one request a line.
+struct LlamaCpp {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// Everything the process wrote to stderr, for the error when it fails.
+    stderr: Arc<Mutex<String>>,
+    load: ReferenceLoad,
+}
+
+fn start_llama_cpp(args: &BenchArgs, prompts: &Prompts) -> anyhow::Result<LlamaCpp> {
+    eprintln!(
+        "llama.cpp: starting {} ...",
+        args.reference_script.display()
+    );
+    let mut child = Command::new(&args.python)
+        .arg(&args.reference_script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", args.python.display()))?;
+    let (Some(stdin), Some(stdout), Some(mut stderr_pipe)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        bail!("the reference's pipes were not set up");
+    };
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let collected = Arc::clone(&stderr);
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr_pipe.read_to_string(&mut text);
+        collected
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push_str(&text);
+    });
+    let mut process = LlamaCpp {
+        child,
+        stdin,
+        stdout: BufReader::new(stdout),
+        stderr,
+        load: ReferenceLoad {
+            version: String::new(),
+            system_info: String::new(),
+            buffers: Vec::new(),
+            load_s: 0.0,
+            first_token_s: 0.0,
+        },
+    };
+    let longest = args.prompt_tokens.iter().copied().max().unwrap_or(0);
+    let loaded = process.call(serde_json::json!({
+        "op": "load",
+        "model": args.model,
+        "threads": args.threads,
+        "first_prompt": prompts.short[0],
+        "context": (longest + 16).max(1024),
+    }))?;
+    process.load = serde_json::from_value(loaded).context("parsing the reference's load report")?;
+    Ok(process)
+}
+
+impl LlamaCpp {
+    /// Sends one request and returns its reply's value; a failed request, a malformed reply
+    /// or an exited process is an error naming what the process said.
+    fn call(&mut self, request: serde_json::Value) -> anyhow::Result<serde_json::Value> {
+        let op = request["op"].as_str().unwrap_or("?").to_owned();
+        let reply = self.exchange(&request);
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(err) => {
+                // The process may still be writing its traceback: wait for it to exit.
+                let _ = self.child.wait();
+                let stderr = self
+                    .stderr
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .clone();
+                bail!("llama.cpp reference failed at {op}: {err:#}\n{stderr}");
+            }
+        };
+        match reply {
+            Reply::Ok(value) => Ok(value),
+            Reply::Error(message) => bail!("llama.cpp reference failed: {message}"),
+        }
+    }
+
+    fn call_f64(&mut self, request: serde_json::Value) -> anyhow::Result<f64> {
+        let value = self.call(request)?;
+        value
+            .as_f64()
+            .with_context(|| format!("the reference answered {value} where a number was due"))
+    }
+
+    fn exchange(&mut self, request: &serde_json::Value) -> anyhow::Result<Reply> {
+        writeln!(self.stdin, "{request}").context("writing to the reference")?;
+        self.stdin.flush().context("writing to the reference")?;
+        let mut line = String::new();
+        if self
+            .stdout
+            .read_line(&mut line)
+            .context("reading the reference's reply")?
+            == 0
+        {
+            bail!("the reference exited");
+        }
+        serde_json::from_str(&line)
+            .with_context(|| format!("parsing the reference's reply {line:?}"))
+    }
+
+    /// Closes the reference's input, so it exits, and checks that it exited cleanly.
+    fn finish(self) -> anyhow::Result<ReferenceLoad> {
+        let LlamaCpp {
+            mut child,
+            stdin,
+            stderr,
+            load,
+            ..
+        } = self;
+        drop(stdin);
+        let status = child.wait().context("waiting for the reference")?;
+        if !status.success() {
+            let stderr = stderr
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone();
+            bail!("the llama.cpp reference exited with {status}:\n{stderr}");
+        }
+        Ok(load)
+    }
+}
+
+#[derive(Deserialize)]
+enum Reply {
+    #[serde(rename = "ok")]
+    Ok(serde_json::Value),
+    #[serde(rename = "error")]
+    Error(String),
 }
 
 /// Token ids shared by both engines, cut from one long text at different offsets so no two
 /// prompts share a first block (nothing is served from the prefix cache).
 struct Prompts {
     warmup: Vec<u32>,
-    prefill: Vec<Vec<u32>>,
+    /// Prompt length → one prompt per run.
+    prefill: BTreeMap<usize, Vec<Vec<u32>>>,
     short: Vec<Vec<u32>>,
 }
 
 impl Prompts {
     fn new(model: &Model, args: &BenchArgs) -> anyhow::Result<Self> {
         let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1);
+        let longest = args.prompt_tokens.iter().copied().max().unwrap_or(0);
+        let shortest = args.prompt_tokens.iter().copied().min().unwrap_or(0);
         let subjects = [
             "river",
             "mountain",
@@ -296,7 +594,7 @@ impl Prompts {
         ];
         let mut text = String::new();
         let mut tokens = Vec::new();
-        let needed = args.prompt_tokens + (args.repeats + 1) * 17 + max_batch * 7 + 64;
+        let needed = longest + (args.repeats + 1) * 17 + max_batch * 7 + 64;
         let mut sentence = 0usize;
         while tokens.len() < needed + args.short_prompt_tokens {
             for _ in 0..64 {
@@ -314,11 +612,18 @@ impl Prompts {
         }
         let window = |offset: usize, len: usize| tokens[offset..offset + len].to_vec();
         let prefill_offset = |r: usize| (r + 1) * 17;
-        let short_base = prefill_offset(args.repeats + 1) + args.prompt_tokens;
+        let short_base = prefill_offset(args.repeats + 1) + longest;
         Ok(Self {
-            warmup: window(0, args.prompt_tokens),
-            prefill: (0..args.repeats)
-                .map(|r| window(prefill_offset(r), args.prompt_tokens))
+            warmup: window(0, shortest),
+            prefill: args
+                .prompt_tokens
+                .iter()
+                .map(|&len| {
+                    let runs = (0..args.repeats)
+                        .map(|r| window(prefill_offset(r), len))
+                        .collect();
+                    (len, runs)
+                })
                 .collect(),
             short: (0..max_batch)
                 .map(|i| window(short_base + i * 7, args.short_prompt_tokens))
@@ -418,19 +723,6 @@ async fn token_times(mut stream: GenerationStream) -> anyhow::Result<Vec<Instant
     bail!("the stream ended without a final event")
 }
 
-/// The median of `repeats` measurements (rates or times): a shared machine's bursts of
-/// contention move a single short run by tens of percent.
-fn median_of(
-    repeats: usize,
-    mut measure: impl FnMut() -> anyhow::Result<f64>,
-) -> anyhow::Result<f64> {
-    let mut rates = (0..repeats)
-        .map(|_| measure())
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    rates.sort_by(f64::total_cmp);
-    Ok(rates[rates.len() / 2])
-}
-
 /// Tokens per second while every request was decoding: from the last first token to the
 /// first last token.
 fn steady_rate(times: &[Vec<Instant>]) -> f64 {
@@ -460,48 +752,6 @@ fn steady_rate(times: &[Vec<Instant>]) -> f64 {
         .map(|t| t.iter().filter(|&&at| at > start && at <= end).count())
         .sum();
     counted as f64 / end.duration_since(start).as_secs_f64()
-}
-
-fn run_llama_cpp(args: &BenchArgs, prompts: &Prompts) -> anyhow::Result<Figures> {
-    let spec = serde_json::json!({
-        "prefill": prompts.prefill,
-        "short": prompts.short,
-        "batch_sizes": args.batch_sizes,
-        "decode_tokens": args.decode_tokens,
-        "repeats": args.repeats,
-    });
-    let spec_path = std::env::temp_dir().join(format!(
-        "npufleet-bench-prompts-{}.json",
-        std::process::id()
-    ));
-    std::fs::write(&spec_path, serde_json::to_vec(&spec)?)
-        .with_context(|| format!("writing {}", spec_path.display()))?;
-    let output = Command::new(&args.python)
-        .arg(&args.reference_script)
-        .arg("--model")
-        .arg(&args.model)
-        .arg("--threads")
-        .arg(args.threads.to_string())
-        .arg("--prompts")
-        .arg(&spec_path)
-        .output()
-        .with_context(|| format!("running {}", args.python.display()));
-    let _ = std::fs::remove_file(&spec_path);
-    let output = output?;
-    if !output.status.success() {
-        bail!(
-            "{} exited with {}:\n{}",
-            args.reference_script.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let stdout = String::from_utf8(output.stdout).context("reference printed non-UTF-8")?;
-    let line = stdout
-        .lines()
-        .last()
-        .context("the reference printed nothing")?;
-    serde_json::from_str(line).with_context(|| format!("parsing the reference's output {line:?}"))
 }
 
 /// Peak resident set size of this process (VmHWM).
@@ -585,26 +835,45 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-fn print_table(
-    args: &BenchArgs,
-    worker: &Figures,
-    reference: Option<&Figures>,
-    bandwidth: f64,
-    decode_bytes: u64,
-) {
+fn print_reference_info(info: &ReferenceLoad) {
+    println!(
+        "reference: llama-cpp-python {} (llama.cpp built into it), system info: {}",
+        info.version, info.system_info
+    );
+    for line in &info.buffers {
+        println!("reference buffers: {line}");
+    }
+}
+
+fn print_table(args: &BenchArgs, worker: &Figures, reference: Option<&Figures>) {
     let reference_name = match args.reference {
         Some(Reference::LlamaCpp) => "llama.cpp",
         None => "-",
     };
     let table = Table { reference };
     table.header(reference_name);
-    table.speed_rows(args, worker);
+    table.speed_rows(worker);
     table.memory_rows(worker);
-    for (n, reason) in reference.map(|f| &f.skipped).into_iter().flatten() {
-        println!("{reference_name} at {n} sequences: not measured ({reason})");
+    println!();
+    println!(
+        "Each figure: median of {} runs per engine, the engines' runs alternating; spread is the slowest and fastest run. \
+         Decode figures time {} steps per sequence on both sides; both engines were warmed with the same {}-token prompt.",
+        args.repeats,
+        args.decode_tokens,
+        args.prompt_tokens.iter().min().copied().unwrap_or(0),
+    );
+    println!(
+        "load: the file was read into the page cache first; npufleet's covers reading and repacking the weights and starting the engine, \
+         llama.cpp's mapping the file and making its context. First token adds the first {}-token prompt to each, \
+         so whatever either engine defers to its first request is counted.",
+        args.short_prompt_tokens
+    );
+    for (n, reason) in reference.map(|f| &f.rejected).into_iter().flatten() {
+        println!(
+            "{reference_name} at {n} sequences: not measured, it refused to hold them ({reason})"
+        );
     }
     println!();
-    print_roofline(args, worker, reference, bandwidth, decode_bytes);
 }
 
 /// The comparison table: one row a figure, the reference's beside ours when it ran.
@@ -612,124 +881,217 @@ struct Table<'a> {
     reference: Option<&'a Figures>,
 }
 
+/// How a row's figure compares.
+#[derive(Clone, Copy, PartialEq)]
+enum Better {
+    Higher,
+    Lower,
+}
+
 impl Table<'_> {
     fn header(&self, reference_name: &str) {
         println!();
         // The advantage column is above 1 where npufleet does better: ours ÷ theirs for
-        // throughput, theirs ÷ ours for latency and memory.
+        // throughput, theirs ÷ ours for latency and memory (medians).
         println!(
-            "| {:<44} | {:>10} | {:>10} | {:>9} | {:<20} |",
-            "metric", "npufleet", reference_name, "advantage", "target"
+            "| {:<42} | {:>9} | {:<17} | {:>9} | {:<17} | {:>9} | {:<16} |",
+            "metric", "npufleet", "spread", reference_name, "spread", "advantage", "target"
         );
         println!(
-            "|{:-<46}|{:->12}|{:->12}|{:->11}|{:-<22}|",
-            "", "", "", "", ""
+            "|{:-<44}|{:->11}|{:-<19}|{:->11}|{:-<19}|{:->11}|{:-<18}|",
+            "", "", "", "", "", "", ""
         );
     }
 
-    fn row(&self, name: &str, ours: f64, theirs: Option<f64>, lower_is_better: bool, target: &str) {
-        let (theirs_text, advantage_text) = match theirs {
-            Some(value) if value > 0.0 && ours > 0.0 => {
-                let advantage = if lower_is_better {
-                    value / ours
-                } else {
-                    ours / value
-                };
-                (format!("{value:.1}"), format!("{advantage:.2}×"))
+    fn row(&self, name: &str, ours: &Samples, theirs: Theirs<'_>, better: Better, target: &str) {
+        let spread = |s: &Samples| {
+            if s.0.len() < 2 {
+                return String::new();
             }
-            _ => ("-".to_owned(), "-".to_owned()),
+            let (lo, hi) = s.spread();
+            format!("{lo:.1}–{hi:.1}")
+        };
+        let ours_median = ours.median();
+        let (theirs_text, theirs_spread, advantage_text) = match theirs {
+            Theirs::Measured(s) if s.median() > 0.0 && ours_median > 0.0 => {
+                let value = s.median();
+                let advantage = match better {
+                    Better::Higher => ours_median / value,
+                    Better::Lower => value / ours_median,
+                };
+                (format!("{value:.1}"), spread(s), format!("{advantage:.2}×"))
+            }
+            Theirs::Refused => ("refused".to_owned(), "see below".to_owned(), "-".to_owned()),
+            _ => ("-".to_owned(), String::new(), "-".to_owned()),
         };
         println!(
-            "| {name:<44} | {ours:>10.1} | {theirs_text:>10} | {advantage_text:>9} | {target:<20} |"
+            "| {name:<42} | {ours_median:>9.1} | {:<17} | {theirs_text:>9} | {theirs_spread:<17} | {advantage_text:>9} | {target:<16} |",
+            spread(ours)
         );
     }
 
-    fn theirs(&self, pick: impl Fn(&Figures) -> f64) -> Option<f64> {
+    fn theirs(&self, pick: impl Fn(&Figures) -> Samples) -> Option<Samples> {
         self.reference.map(pick)
     }
 
-    fn speed_rows(&self, args: &BenchArgs, worker: &Figures) {
-        self.row("load s", worker.load_s, self.theirs(|f| f.load_s), true, "");
+    fn speed_rows(&self, worker: &Figures) {
+        let one = |v: f64| Samples(vec![v]);
+        let theirs = self.theirs(|f| one(f.load_s));
         self.row(
-            &format!("prefill tok/s ({}-token prompt)", args.prompt_tokens),
-            worker.prefill_tok_s,
-            self.theirs(|f| f.prefill_tok_s),
-            false,
-            "≥ 2× llama.cpp",
-        );
-        self.row(
-            &format!("TTFT ms ({}-token prompt)", args.prompt_tokens),
-            worker.ttft_ms,
-            self.theirs(|f| f.ttft_ms),
-            true,
+            "load s (file → ready)",
+            &one(worker.load_s),
+            measured(&theirs),
+            Better::Lower,
             "",
         );
+        let theirs = self.theirs(|f| one(f.first_token_s));
         self.row(
-            "decode tok/s, batch 1",
-            worker.decode_tok_s,
-            self.theirs(|f| f.decode_tok_s),
-            false,
-            "≥ 1× llama.cpp",
+            "first token s (file → first short prompt)",
+            &one(worker.first_token_s),
+            measured(&theirs),
+            Better::Lower,
+            "",
         );
-        for n in &args.batch_sizes {
-            let key = n.to_string();
+        for (&len, ttft) in &worker.ttft_s {
+            let rate = |s: &Samples| s.map(|t| len as f64 / t);
+            let theirs = self.theirs(|f| f.ttft_s.get(&len).map(rate).unwrap_or_default());
             self.row(
-                &format!("aggregate decode tok/s, {n} sequences"),
-                worker.aggregate_tok_s.get(&key).copied().unwrap_or(0.0),
-                self.reference
-                    .and_then(|f| f.aggregate_tok_s.get(&key).copied()),
-                false,
+                &format!("prefill tok/s ({len}-token prompt)"),
+                &rate(ttft),
+                measured(&theirs),
+                Better::Higher,
+                "≥ 2× llama.cpp",
+            );
+            let ms = |s: &Samples| s.map(|t| t * 1000.0);
+            let theirs = self.theirs(|f| f.ttft_s.get(&len).map(ms).unwrap_or_default());
+            self.row(
+                &format!("TTFT ms ({len}-token prompt)"),
+                &ms(ttft),
+                measured(&theirs),
+                Better::Lower,
                 "",
             );
         }
-        if let Some(at_32) = worker.aggregate_tok_s.get("32") {
-            let scaling =
-                |f: &Figures| f.aggregate_tok_s.get("32").copied().unwrap_or(0.0) / f.decode_tok_s;
+        let theirs = self.theirs(|f| f.decode_tok_s.clone());
+        self.row(
+            "decode tok/s, batch 1",
+            &worker.decode_tok_s,
+            measured(&theirs),
+            Better::Higher,
+            "≥ 1.1× llama.cpp",
+        );
+        for (&n, ours) in &worker.aggregate_tok_s {
+            let theirs = self.theirs(|f| f.aggregate_tok_s.get(&n).cloned().unwrap_or_default());
+            let refused = self.reference.is_some_and(|f| f.rejected.contains_key(&n));
             self.row(
-                "aggregate at 32 ÷ own batch 1",
-                at_32 / worker.decode_tok_s,
-                self.theirs(scaling),
-                false,
+                &format!("aggregate decode tok/s, {n} sequences"),
+                ours,
+                if refused {
+                    Theirs::Refused
+                } else {
+                    measured(&theirs)
+                },
+                Better::Higher,
+                if n == 32 { "≥ 1.5× llama.cpp" } else { "" },
+            );
+        }
+        if let Some(at_32) = worker.aggregate_tok_s.get(&32) {
+            let scaling = |f: &Figures| {
+                let at_32 = f.aggregate_tok_s.get(&32).map_or(0.0, Samples::median);
+                one(at_32 / f.decode_tok_s.median())
+            };
+            let theirs = self.theirs(scaling);
+            self.row(
+                "aggregate at 32 ÷ own batch 1 (medians)",
+                &one(at_32.median() / worker.decode_tok_s.median()),
+                measured(&theirs),
+                Better::Higher,
                 "≥ 4",
             );
         }
     }
 
     fn memory_rows(&self, worker: &Figures) {
+        let one = |bytes: u64| Samples(vec![mib(bytes)]);
+        let theirs = self.theirs(|f| one(f.peak_rss_bytes));
+        let theirs = measured(&theirs);
         // Compared where both engines ran the same sequences: the reference's largest run.
         let compared = self
             .reference
-            .and_then(|f| {
-                f.aggregate_tok_s
-                    .keys()
-                    .filter_map(|n| n.parse::<usize>().ok())
-                    .max()
-            })
-            .and_then(|n| Some((n, *worker.peak_rss_bytes_by_sequences.get(&n.to_string())?)));
+            .and_then(|f| f.aggregate_tok_s.keys().max().copied())
+            .and_then(|n| Some((n, *worker.peak_rss_bytes_by_sequences.get(&n)?)));
         let Some((n, ours)) = compared else {
             self.row(
                 "peak RSS MiB (VmHWM)",
-                mib(worker.peak_rss_bytes),
-                self.theirs(|f| mib(f.peak_rss_bytes)),
-                true,
+                &one(worker.peak_rss_bytes),
+                theirs,
+                Better::Lower,
                 "",
             );
             return;
         };
         self.row(
             &format!("peak RSS MiB (VmHWM), up to {n} sequences"),
-            mib(ours),
-            self.theirs(|f| mib(f.peak_rss_bytes)),
-            true,
+            &one(ours),
+            theirs,
+            Better::Lower,
             "≤ 1.5× llama.cpp",
         );
         self.row(
             "peak RSS MiB (VmHWM), every run",
-            mib(worker.peak_rss_bytes),
-            None,
-            true,
+            &one(worker.peak_rss_bytes),
+            Theirs::None,
+            Better::Lower,
             "",
         );
+    }
+}
+
+fn measured(samples: &Option<Samples>) -> Theirs<'_> {
+    samples.as_ref().map_or(Theirs::None, Theirs::Measured)
+}
+
+/// The reference's side of a row.
+#[derive(Clone, Copy)]
+enum Theirs<'a> {
+    None,
+    Measured(&'a Samples),
+    /// The reference could not hold the run (the reason is printed under the table).
+    Refused,
+}
+
+/// The size of this CPU's last-level cache, from sysfs; `None` where it does not say.
+fn last_level_cache_bytes() -> Option<u64> {
+    let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    caches
+        .filter_map(|entry| {
+            let dir = entry.ok()?.path();
+            let level: u32 = std::fs::read_to_string(dir.join("level"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            let size = parse_cache_size(&std::fs::read_to_string(dir.join("size")).ok()?)?;
+            Some((level, size))
+        })
+        .max()
+        .map(|(_, size)| size)
+}
+
+/// sysfs cache sizes: "32768K", "2M", or plain bytes.
+fn parse_cache_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, ""),
+    };
+    let value: u64 = digits.parse().ok()?;
+    match unit {
+        "" => Some(value),
+        "K" => Some(value << 10),
+        "M" => Some(value << 20),
+        "G" => Some(value << 30),
+        _ => None,
     }
 }
 
@@ -751,11 +1113,30 @@ fn print_roofline(
     println!(
         "decode roofline at batch 1: {roofline:.1} tok/s ({:.1} MiB of weights read per token); npufleet reaches {:.0}%{}",
         mib(decode_bytes),
-        100.0 * worker.decode_tok_s / roofline,
+        100.0 * worker.decode_tok_s.median() / roofline,
         reference
-            .map(|f| format!(", llama.cpp {:.0}%", 100.0 * f.decode_tok_s / roofline))
+            .map(|f| format!(
+                ", llama.cpp {:.0}%",
+                100.0 * f.decode_tok_s.median() / roofline
+            ))
             .unwrap_or_default()
     );
+    match last_level_cache_bytes() {
+        Some(llc) if decode_bytes <= llc => println!(
+            "the weights read per token fit in the {:.0} MiB last-level cache: they are served from cache, not DRAM, \
+             so this is not a DRAM roofline and either engine may pass it",
+            mib(llc)
+        ),
+        Some(llc) if decode_bytes <= 4 * llc => println!(
+            "the weights read per token are within 4× the {:.0} MiB last-level cache: part of each step may be served \
+             from cache, so the DRAM roofline is approximate",
+            mib(llc)
+        ),
+        Some(llc) => println!("last-level cache {:.0} MiB: a DRAM-bound decode", mib(llc)),
+        None => println!(
+            "last-level cache size unknown: the roofline assumes every byte comes from DRAM"
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -780,5 +1161,21 @@ mod tests {
         let b: Vec<Instant> = (1..=11).map(|i| at(i * 100)).collect();
         let rate = steady_rate(&[a, b]);
         assert!((rate - 20.0).abs() < 0.5, "{rate}");
+    }
+
+    #[test]
+    fn samples_report_the_median_and_the_extremes() {
+        let samples = Samples(vec![3.0, 1.0, 9.0, 2.0, 5.0]);
+        assert_eq!(samples.median(), 3.0);
+        assert_eq!(samples.spread(), (1.0, 9.0));
+        assert_eq!(samples.map(|v| v * 2.0).median(), 6.0);
+    }
+
+    #[test]
+    fn cache_sizes_parse_in_sysfs_units() {
+        assert_eq!(parse_cache_size("32768K\n"), Some(32 << 20));
+        assert_eq!(parse_cache_size("2M"), Some(2 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("12Q"), None);
     }
 }

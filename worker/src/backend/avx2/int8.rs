@@ -1,5 +1,5 @@
 //! The int8 kernels of the 32-value block formats: activation quantisation, the one-row dot
-//! products and the grouped matmul kernels of `Q4_1`, `Q5_0`, `Q5_1` and `Q8_0`.
+//! products and the grouped matmul kernels of `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1` and `Q8_0`.
 //!
 //! The int8 dot products use `maddubs` (u8 × i8 → i16 pairs) followed by `madd` with ones
 //! (i16 pairs → i32); both operands stay within ±127 (or 0..15 for 4-bit weights), so the
@@ -221,7 +221,7 @@ pub(super) fn expand_q4_1(blocks: &[&BlockQ4_1; GROUP_ROWS]) -> ExpandedQ4_1 {
 }
 
 /// One block column of a `Q5_0` group: vector `k` holds values `4k..4k + 4` (0..32) of each
-/// row in its 32-bit lane, and the rows' d.
+/// row in its 32-bit lane, and the rows' d. `Q4_0` columns take the same form, values 0..16.
 #[derive(Clone, Copy)]
 pub(super) struct ExpandedQ5_0 {
     pub(super) q: [__m256i; 8],
@@ -286,6 +286,24 @@ unsafe fn five_bit_values(qs: [*const u8; GROUP_ROWS], qh: [[u8; 4]; GROUP_ROWS]
     q
 }
 
+/// The nibbles as [`expand_q4_1`] lays them out, and the rows' d.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn expand_q4_0(blocks: &[&BlockQ4_0; GROUP_ROWS]) -> ExpandedQ5_0 {
+    let low = _mm256_set1_epi8(0x0f);
+    // SAFETY: each `qs` is 16 bytes.
+    let packed = unsafe { transpose_rows(column_ptrs(blocks, |w| w.qs.as_ptr())) };
+    let mut q = [_mm256_setzero_si256(); 8];
+    for k in 0..4 {
+        q[k] = _mm256_and_si256(packed[k], low);
+        q[k + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(packed[k]), low);
+    }
+    ExpandedQ5_0 {
+        q,
+        d: f16x8(blocks.map(|b| b.d)),
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn expand_q5_0(blocks: &[&BlockQ5_0; GROUP_ROWS]) -> ExpandedQ5_0 {
@@ -344,7 +362,7 @@ pub(super) fn q4_1_finish(e: &ExpandedQ4_1, x: &BlockQ8Act, sum: __m256i, acc: &
     *acc = _mm256_fmadd_ps(e.m, _mm256_set1_ps(x.s), *acc);
 }
 
-/// `sum` = Σ (q − 16)·x.
+/// `sum` = Σ (q − 16)·x, or Σ (q − 8)·x for `Q4_0`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn q5_0_finish(e: &ExpandedQ5_0, x: &BlockQ8Act, sum: __m256i, acc: &mut __m256) {
@@ -391,6 +409,27 @@ macro_rules! group_kernels {
             gemm_q4_1_group, BlockQ4_1,
             streamed: q4_1_group, expanded: q4_1_expanded,
             ExpandedQ4_1, expand_q4_1, q4_1_block
+        );
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn q4_0_block<const A: usize>(
+            e: &ExpandedQ5_0,
+            x: [&BlockQ8Act; A],
+            acc: &mut [__m256; A],
+        ) {
+            for (acc, x) in acc.iter_mut().zip(x) {
+                // Σ (q − 8)·x as Σ q·x − 8·Σx, in integers.
+                let sum = _mm256_sub_epi32($q4_1_sum(&e.q, &x.qs), _mm256_set1_epi32(8 * x.sum));
+                q5_0_finish(e, x, sum, acc);
+            }
+        }
+
+        format_kernels!(
+            $features, $widest, [$($rest),*],
+            /// As [`crate::backend::quant::gemm_q4_0_group_scalar`], bit for bit.
+            gemm_q4_0_group, BlockQ4_0,
+            streamed: q4_0_group, expanded: q4_0_expanded,
+            ExpandedQ5_0, expand_q4_0, q4_0_block
         );
         #[inline]
         #[target_feature(enable = $features)]

@@ -10,7 +10,7 @@ use super::int8::*;
 use super::kquant::*;
 use crate::backend::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use crate::backend::quant::{
-    BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, WeightGroup,
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, WeightGroup,
 };
 
 /// Whether this CPU can run the kernels in this module.

@@ -167,6 +167,18 @@ fn q4_1_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m5
     *acc = _mm512_fmadd_ps(e.m, _mm512_set1_ps(x.s), *acc);
 }
 
+/// As [`q5_0_finish`], after Σ (q − 8)·x is taken as Σ q·x − 8·Σx in integers.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q4_0_finish_wide(e: &PairColumn, x: &BlockQ8Act, sum: __m512i, acc: &mut __m512) {
+    let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum));
+    let scaled = _mm512_mul_ps(
+        _mm512_mul_ps(e.d, _mm512_set1_ps(x.d)),
+        _mm512_cvtepi32_ps(sum),
+    );
+    *acc = _mm512_add_ps(*acc, scaled);
+}
+
 /// As [`q5_0_finish`], after Σ (q − 16)·x is taken as Σ q·x − 16·Σx in integers.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -213,6 +225,7 @@ macro_rules! column_block {
 }
 
 column_block!(kmin_block, kmin_finish_wide);
+column_block!(q4_0_block, q4_0_finish_wide);
 column_block!(q4_1_block, q4_1_finish_wide);
 column_block!(q5_0_block, q5_0_finish_wide);
 column_block!(q5_1_block, q5_1_finish_wide);
@@ -360,6 +373,10 @@ macro_rules! kquant_pair_kernel {
     };
 }
 
+block_pair_kernel!(
+    /// Two groups of [`super::gemm_q4_0_group`], bit for bit.
+    gemm_q4_0_pair, BlockQ4_0, expand_q4_0, q4_0_block, q4_0_pass
+);
 block_pair_kernel!(
     /// Two groups of [`super::gemm_q4_1_group`], bit for bit.
     gemm_q4_1_pair, BlockQ4_1, expand_q4_1, q4_1_block, q4_1_pass
