@@ -949,3 +949,50 @@ fn container_status(container: &Container, ready: bool, now: Timestamp) -> serde
         "state": {"running": {"startedAt": now}},
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_expand_as_the_kubelet_expands_them() {
+        let vars = HashMap::from([
+            ("NPUFLEET_MODEL".to_owned(), "/models/m.gguf".to_owned()),
+            ("PORT".to_owned(), "8080".to_owned()),
+        ]);
+        assert_eq!(expand("$(NPUFLEET_MODEL)", &vars), "/models/m.gguf");
+        assert_eq!(expand("--port=$(PORT)", &vars), "--port=8080");
+        // Escaped, unknown and unterminated references stay as written.
+        assert_eq!(expand("$$(PORT)", &vars), "$(PORT)");
+        assert_eq!(expand("$(UNSET) $(PORT", &vars), "$(UNSET) $(PORT");
+        assert_eq!(expand("cost: $5", &vars), "cost: $5");
+    }
+
+    #[test]
+    fn a_container_runs_its_commands_program_or_its_images_entrypoint() {
+        let config = NodeAgentConfig::new("n", "/bin/worker".into(), "/tmp".into(), 1)
+            .with_program("llama-server", "/bin/llama-server".into());
+        let container = |image: &str, command: Option<Vec<&str>>| Container {
+            image: Some(image.to_owned()),
+            command: command.map(|c| c.into_iter().map(str::to_owned).collect()),
+            ..Default::default()
+        };
+        let program = |c: &Container| config.program(c);
+        assert_eq!(
+            program(&container("registry/npufleet-worker:1", None)).unwrap(),
+            ("/bin/worker".into(), vec![])
+        );
+        assert_eq!(
+            program(&container(
+                "ghcr.io/x:server",
+                Some(vec!["/app/llama-server", "-v"])
+            ))
+            .unwrap(),
+            ("/bin/llama-server".into(), vec!["-v".to_owned()])
+        );
+        let error = program(&container("vllm-ascend:v1", Some(vec!["vllm", "serve"])))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("\"vllm\""), "{error}");
+    }
+}
