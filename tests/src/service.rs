@@ -7,6 +7,7 @@ use anyhow::Result;
 use kube::Resource;
 use kube::core::ApiResource;
 use npufleet_contract::env as worker_env;
+use npufleet_contract::runtime;
 use npufleet_crds::InferenceService;
 use serde_json::{Value, json};
 
@@ -123,6 +124,39 @@ pub fn unread_smollm2(namespace: &str, name: &str, spec: Value) -> Result<Infere
     });
     merge(&mut full, spec);
     unread(namespace, name, full)
+}
+
+/// The port llama-server listens on in its pods (its own default).
+pub const LLAMA_SERVER_PORT: u16 = 8080;
+
+/// The `generic` runtime running `llama-server` from llama.cpp's published server image, as a
+/// user writes it: the model path, served name and port from the operator's variables, two
+/// request slots (more requests are deferred: its queue), HTTP threads for every client,
+/// metrics on.
+pub fn llama_server_runtime() -> Value {
+    json!({
+        "runtime": {
+            "engine": "generic",
+            "command": ["llama-server"],
+            "args": [
+                "--model", "$(NPUFLEET_MODEL)", "--alias", "$(NPUFLEET_SERVED_MODEL_NAME)",
+                "--host", "0.0.0.0", "--port", "$(NPUFLEET_HTTP_PORT)",
+                "--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--metrics",
+                // One HTTP thread per connection it holds: with fewer than the clients, its
+                // probes and metrics wait behind them and the pod reads as not ready.
+                "--threads-http", "32",
+            ],
+            "port": LLAMA_SERVER_PORT,
+            "metrics": {"waiting": runtime::LLAMA_CPP_WAITING, "running": runtime::LLAMA_CPP_RUNNING},
+        },
+        "template": {"image": "ghcr.io/ggml-org/llama.cpp:server"},
+    })
+}
+
+/// `extra` over `base`, as [`on_node_agent`] merges a test's spec.
+pub fn merged(mut base: Value, extra: Value) -> Value {
+    merge(&mut base, extra);
+    base
 }
 
 /// `patch` over `base` as a JSON merge patch (RFC 7386) does, without its null-deletes.

@@ -124,21 +124,62 @@ async fn chart_leaves_the_adapter_alone(client: &kube::Client) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Result<()> {
+    hpa_through_prometheus_adapter(Fleet::Worker).await
+}
+
+/// The same with an engine this project did not write: llama.cpp's `llama-server` as the
+/// `generic` runtime, its `llamacpp:*` series read by the shipped rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hpa_scales_llama_server_through_prometheus_adapter_on_the_shipped_rules() -> Result<()>
+{
+    hpa_through_prometheus_adapter(Fleet::LlamaServer).await
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fleet {
+    /// This project's worker; the shipped dashboard's queries are checked against it too.
+    Worker,
+    LlamaServer,
+}
+
+/// One adapter at a time: each registers itself as the cluster's only
+/// `v1beta1.external.metrics.k8s.io`.
+static ADAPTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn hpa_through_prometheus_adapter(fleet: Fleet) -> Result<()> {
+    let _only = ADAPTER.lock().await;
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let bed = Testbed::start(c, &client, "prometheus-adapter", 43, MANAGER).await?;
+        let (test, subnet, programs, runtime) = match fleet {
+            Fleet::Worker => ("prometheus-adapter", 43, vec![], json!({})),
+            Fleet::LlamaServer => {
+                let binary = tokio::task::spawn_blocking(paths::llama_server).await??;
+                (
+                    "prometheus-adapter-llama",
+                    45,
+                    vec![("llama-server", binary)],
+                    service::llama_server_runtime(),
+                )
+            }
+        };
+        let bed = Testbed::start_with_programs(c, &client, test, subnet, MANAGER, &programs).await?;
         let ns = bed.namespace.clone();
         let prometheus = Prometheus::start(c, &ns).await?;
         let _adapter = Adapter::register(c, &client, &ns, &prometheus).await?;
-        chart_leaves_the_adapter_alone(&client).await?;
+        if fleet == Fleet::Worker {
+            chart_leaves_the_adapter_alone(&client).await?;
+        }
         // The controller and the autoscaler loop, which in mode hpa only writes the HPA; no
         // external metrics server is started.
         let _operator = bed.start_operator()?;
         bed.apply_smollm2(
             "chat",
-            json!({
-                "engine": {"drainSeconds": 60},
-                "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": TARGET_QUEUE},
-            }),
+            service::merged(
+                runtime,
+                json!({
+                    "engine": {"drainSeconds": 60},
+                    "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": TARGET_QUEUE},
+                }),
+            ),
         )
         .await?;
         bed.wait_serving(1).await?;
@@ -202,7 +243,11 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
 
         // Every panel of the shipped dashboard, against this fleet while it is under load.
         let mut checked = Vec::new();
-        for (title, description, expr) in dashboard_queries(&ns)? {
+        let panels = match fleet {
+            Fleet::Worker => dashboard_queries(&ns)?,
+            Fleet::LlamaServer => Vec::new(),
+        };
+        for (title, description, expr) in panels {
             let needs_exporter = description.contains(NEEDS);
             let series = if needs_exporter {
                 prometheus.query(&expr).await?
@@ -228,7 +273,7 @@ async fn the_hpa_scales_through_prometheus_adapter_on_the_shipped_rules() -> Res
 
         let (sent, failed) = (load.sent(), load.failed());
         eprintln!(
-            "prometheus-adapter HPA: {CLIENTS} clients for {:.1} s, {sent} requests, {failed} failed; first scale-up {:.1} s after the burst began; back to 1 replica {:.1} s after it ended\n{shown}\ndashboard:\n  {}",
+            "prometheus-adapter HPA ({test}): {CLIENTS} clients for {:.1} s, {sent} requests, {failed} failed; first scale-up {:.1} s after the burst began; back to 1 replica {:.1} s after it ended\n{shown}\ndashboard:\n  {}",
             burst.as_secs_f64(),
             first_up.as_secs_f64(),
             down_started.elapsed().as_secs_f64(),

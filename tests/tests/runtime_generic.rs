@@ -11,46 +11,13 @@ use anyhow::{Context, Result};
 use npufleet_contract::runtime;
 use npufleet_tests::fleet::{Load, RunningRouter, Testbed};
 use npufleet_tests::operator::ReplicaWatch;
-use npufleet_tests::{paths, service, wait};
+use npufleet_tests::service::{self, LLAMA_SERVER_PORT as PORT, llama_server_runtime, merged};
+use npufleet_tests::{paths, wait};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "runtime-generic-test";
 const TARGET_QUEUE: u32 = 2;
 const CLIENTS: u32 = 6;
-/// The port llama-server listens on in its pods (its own default).
-const PORT: u16 = 8080;
-
-/// The `generic` runtime running `llama-server` from llama.cpp's published server image, as a
-/// user writes it: the model path, served name and port from the operator's variables, two
-/// request slots (more requests are deferred: its queue), HTTP threads for every client,
-/// metrics on.
-fn llama_server_runtime() -> Value {
-    json!({
-        "runtime": {
-            "engine": "generic",
-            "command": ["llama-server"],
-            "args": [
-                "--model", "$(NPUFLEET_MODEL)", "--alias", "$(NPUFLEET_SERVED_MODEL_NAME)",
-                "--host", "0.0.0.0", "--port", "$(NPUFLEET_HTTP_PORT)",
-                "--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--metrics",
-                // One HTTP thread per connection it holds: with fewer than the clients, its
-                // probes and metrics wait behind them and the pod reads as not ready.
-                "--threads-http", "32",
-            ],
-            "port": PORT,
-            "metrics": {"waiting": runtime::LLAMA_CPP_WAITING, "running": runtime::LLAMA_CPP_RUNNING},
-        },
-        "template": {"image": "ghcr.io/ggml-org/llama.cpp:server"},
-    })
-}
-
-fn merged(mut base: Value, extra: Value) -> Value {
-    if let (Some(base), Some(extra)) = (base.as_object_mut(), extra.as_object()) {
-        base.extend(extra.clone());
-    }
-    base
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_server_is_routed_scaled_on_its_own_metrics_and_woken_from_zero() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {

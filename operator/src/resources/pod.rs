@@ -18,7 +18,7 @@ use kube::api::ObjectMeta;
 use kube::{Resource, ResourceExt};
 use npufleet_crds::{AcceleratorType, InferenceService};
 
-use npufleet_contract::{env as worker_env_names, ports, rank_table};
+use npufleet_contract::{annotations as annotation, env as worker_env_names, ports, rank_table};
 
 use super::names;
 use super::runtime;
@@ -477,6 +477,12 @@ pub fn build(
         );
     }
     let mut annotations = BTreeMap::from([(labels::HCCL_RANK_INDEX.to_string(), rank.to_string())]);
+    let (metrics_port, metrics_path) = runtime::metrics_endpoint(isvc);
+    annotations.insert(
+        annotation::METRICS_PORT_NAME.to_string(),
+        metrics_port.to_string(),
+    );
+    annotations.insert(annotation::METRICS_PATH.to_string(), metrics_path);
     let scheduler = scheduler_name(isvc);
     if scheduler.as_deref() == Some("volcano") {
         annotations.insert(

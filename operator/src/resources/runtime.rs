@@ -13,9 +13,10 @@ use k8s_openapi::api::core::v1::{
     VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use npufleet_contract::runtime::MINDIE_MANAGEMENT_PORT;
+use npufleet_contract::annotations::NO_METRICS_PORT;
+use npufleet_contract::runtime::{METRICS_PATH, MINDIE_MANAGEMENT_PORT};
 use npufleet_contract::{env as env_names, ports, rank_table};
-use npufleet_crds::{Engine, InferenceService, Precision, TMP_DIR};
+use npufleet_crds::{Engine, InferenceService, LoadSource, Precision, TMP_DIR};
 
 use super::pod::{env, env_from_field, hccl_env, model_path, uses_rank_table, worker_env};
 
@@ -85,6 +86,25 @@ pub fn render(isvc: &InferenceService) -> EngineContainer {
         .retain(|v| !user.iter().any(|u| u.name == v.name));
     rendered.env.extend(user.iter().cloned());
     rendered
+}
+
+/// Where the engine's Prometheus metrics are: the name of the container port, and the path
+/// (the pod's [`npufleet_contract::annotations::METRICS_PORT_NAME`] and `METRICS_PATH`).
+pub fn metrics_endpoint(isvc: &InferenceService) -> (&'static str, String) {
+    let runtime = &isvc.spec.runtime;
+    match runtime.load_source() {
+        LoadSource::WorkerStream => (ports::HTTP_PORT_NAME, METRICS_PATH.to_string()),
+        LoadSource::Scrape(metrics) => {
+            let separate = metrics.port.is_some_and(|port| port != runtime.http_port());
+            let name = if separate {
+                METRICS_PORT_NAME
+            } else {
+                ports::HTTP_PORT_NAME
+            };
+            (name, metrics.path)
+        }
+        LoadSource::RouterCounts => (NO_METRICS_PORT, METRICS_PATH.to_string()),
+    }
 }
 
 fn container_port(name: &str, port: u16) -> ContainerPort {
@@ -391,6 +411,40 @@ mod tests {
 
     fn strings(value: &Value) -> Vec<String> {
         serde_json::from_value(value.clone()).unwrap()
+    }
+
+    /// The pod's annotations tell the shipped scrape job where each engine's metrics are.
+    #[test]
+    fn each_engines_metrics_are_announced_on_its_pods() {
+        let announced = |spec: Value| {
+            let annotations = pod_of(&service(spec)).metadata.annotations.unwrap();
+            (
+                annotations[npufleet_contract::annotations::METRICS_PORT_NAME].clone(),
+                annotations[npufleet_contract::annotations::METRICS_PATH].clone(),
+            )
+        };
+        let base = json!({"model": {"name": "m", "source": {"imagePath": "/m.gguf"}},
+                          "accelerator": {"type": "cpu"}});
+        let with = |runtime: Value| {
+            let mut spec = base.clone();
+            spec["runtime"] = runtime;
+            spec["template"] = json!({"image": "engine:1"});
+            spec
+        };
+        assert_eq!(announced(base.clone()), ("http".into(), "/metrics".into()));
+        assert_eq!(
+            announced(with(json!({"engine": "generic", "port": 8080,
+                "metrics": {"path": "/stats", "waiting": "q"}}))),
+            ("http".into(), "/stats".into())
+        );
+        assert_eq!(
+            announced(with(json!({"engine": "mindie"}))),
+            ("metrics".into(), "/metrics".into())
+        );
+        assert_eq!(
+            announced(with(json!({"engine": "generic", "port": 8080}))).0,
+            npufleet_contract::annotations::NO_METRICS_PORT
+        );
     }
 
     /// Variables as `name -> value`; a field reference reads `field:<path>`, a Secret key
