@@ -18,6 +18,23 @@ use serde_json::{Value, json};
 const MANAGER: &str = "runtime-generic-test";
 const TARGET_QUEUE: u32 = 2;
 const CLIENTS: u32 = 6;
+/// One chat request through the router, answered with a message.
+async fn say_hello(http: &reqwest::Client, router: &RunningRouter) -> Result<()> {
+    let answer: Value = http
+        .post(router.url("/v1/chat/completions"))
+        .json(&service::chat("Say hello.", 8))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    anyhow::ensure!(
+        answer["choices"][0]["message"]["content"].is_string(),
+        "{answer}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_server_is_routed_scaled_on_its_own_metrics_and_woken_from_zero() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
@@ -58,15 +75,7 @@ async fn llama_server_is_routed_scaled_on_its_own_metrics_and_woken_from_zero() 
         let router =
             RunningRouter::start(c, "router-generic", &bed.namespace, &["--wake-interval-seconds", "1"])
                 .await?;
-        let answer: Value = http
-            .post(router.url("/v1/chat/completions"))
-            .json(&service::chat("Say hello.", 8))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        assert!(answer["choices"][0]["message"]["content"].is_string(), "{answer}");
+        say_hello(&http, &router).await?;
         // Open Inference Protocol gRPC is the worker's own; the router says so by name.
         let mut grpc = npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient::connect(
             format!("http://{}", router.grpc),
@@ -126,17 +135,8 @@ async fn llama_server_is_routed_scaled_on_its_own_metrics_and_woken_from_zero() 
         .await?;
         bed.wait_scaled_to("chat", (0, 0), "the idle llama-server fleet at zero").await?;
         let woken = Instant::now();
-        let answer: Value = http
-            .post(router.url("/v1/chat/completions"))
-            .json(&service::chat("Say hello.", 8))
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await
-            .context("the request held at zero")?;
+        say_hello(&http, &router).await.context("the request held at zero")?;
         let wake_to_answer = woken.elapsed();
-        assert!(answer["choices"][0]["message"]["content"].is_string(), "{answer}");
         eprintln!(
             "llama-server as the generic runtime: {CLIENTS} clients, {sent} requests, {failed} failed; \
              {needed} replicas serving {:.1} s after the burst began; answered by {answered_by:?}; \

@@ -67,9 +67,6 @@ pub fn render(isvc: &InferenceService) -> EngineContainer {
     if !runtime.command.is_empty() {
         rendered.command = Some(runtime.command.clone());
     }
-    if let Some(path) = &runtime.readiness_path {
-        rendered.readiness_path.clone_from(path);
-    }
     if let Some(port) = runtime.metrics.as_ref().and_then(|m| m.port)
         && port != runtime.http_port()
         && !rendered
@@ -128,7 +125,7 @@ fn npufleet(isvc: &InferenceService) -> EngineContainer {
         ],
         working_dir: None,
         probe_port: ports::HTTP_PORT_NAME,
-        readiness_path: "/v2/health/ready".to_string(),
+        readiness_path: isvc.spec.runtime.readiness_path().to_string(),
         liveness_path: "/v2/health/live".to_string(),
     }
 }
