@@ -92,6 +92,46 @@ async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()
     let base = valid("ok");
     let cases: Vec<(&str, Value, &str)> = vec![
         (
+            "vendor engine without its image",
+            with(
+                base.clone(),
+                "/spec/runtime",
+                json!({"engine": "vllm-ascend"}),
+            ),
+            "spec.template.image",
+        ),
+        (
+            "generic engine without its port",
+            with(
+                with(base.clone(), "/spec/runtime", json!({"engine": "generic"})),
+                "/spec/template/image",
+                json!("engine:1"),
+            ),
+            "spec.runtime.port",
+        ),
+        (
+            "runtime arguments for the worker",
+            with(base.clone(), "/spec/runtime", json!({"args": ["--x"]})),
+            "spec.runtime.command, args",
+        ),
+        (
+            "vllm-ascend across pods",
+            with(
+                with(
+                    with(
+                        base.clone(),
+                        "/spec/runtime",
+                        json!({"engine": "vllm-ascend"}),
+                    ),
+                    "/spec/template/image",
+                    json!("vllm-ascend:1"),
+                ),
+                "/spec/parallelism/tensor",
+                json!(8),
+            ),
+            "spec.parallelism.tensor",
+        ),
+        (
             "tensor not a multiple of devicesPerPod",
             with(base.clone(), "/spec/parallelism/tensor", json!(6)),
             "spec.parallelism.tensor",
