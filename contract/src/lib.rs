@@ -2,7 +2,8 @@
 //! API-key check, the HCCL rank table (`hccl.json`) schema, ports and their names, the
 //! environment variables the operator sets on worker pods, labels and annotations, the
 //! router's response headers, the trace context the router passes to the workers, the names
-//! of precisions and accelerators, the engines a fleet can run and where each publishes its load, how the worker's and the router's listeners take
+//! of precisions and accelerators, the engines a fleet can run and where each publishes its load, how a prefix-cache block is
+//! named, the worker's and the router's listeners take
 //! connections, and how every process logs.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
@@ -13,6 +14,7 @@ pub mod annotations;
 pub mod auth;
 pub mod env;
 pub mod headers;
+pub mod kv;
 pub mod labels;
 #[cfg(feature = "serve")]
 pub mod listener;
@@ -22,6 +24,8 @@ pub mod logging;
 pub mod pods;
 pub mod ports;
 pub mod precision;
+#[cfg(feature = "tokenize")]
+pub mod prompt;
 #[cfg(feature = "grpc")]
 pub mod proto;
 pub mod rank_table;

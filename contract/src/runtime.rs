@@ -34,6 +34,13 @@ impl Engine {
         }
     }
 
+    /// Whether the engine publishes its prefix cache's changes (`WorkerLoad.WatchKvEvents`)
+    /// and its prompt tokenisation, which cache-aware routing needs. vLLM publishes KV events
+    /// over ZeroMQ in its own format, and vllm-ascend not yet; MindIE none.
+    pub fn publishes_cache_events(self) -> bool {
+        self == Engine::Npufleet
+    }
+
     /// The HTTP port the engine serves the OpenAI API on by default (`None`: it must be given).
     pub fn default_http_port(self) -> Option<u16> {
         match self {

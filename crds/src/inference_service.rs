@@ -538,10 +538,13 @@ fn default_target_queue_depth() -> i32 {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RoutingSpec {
-    /// `least-load`: the replica with the fewest requests outstanding (the router's own count
-    /// and the worker's reported queue) and the emptiest KV cache. `prefix-affinity`: requests
-    /// whose prompts start alike go to the same replica, whose prefix cache then holds it, as
-    /// long as that replica is not loaded beyond a bound over the mean. `round-robin`: in turn.
+    /// `cache-aware` (default): the replica whose prefix cache holds the longest part of the
+    /// prompt, as the workers' own cache events tell, among those not loaded beyond a bound
+    /// over the mean (then by least load); for an engine that publishes no cache events, as
+    /// `prefix-affinity`. `least-load`: the replica with the fewest requests outstanding (the
+    /// router's own count and the worker's reported queue) and the emptiest KV cache.
+    /// `prefix-affinity`: requests whose prompts start with the same bytes go to the same
+    /// replica, as long as it is not loaded beyond that bound. `round-robin`: in turn.
     #[serde(default)]
     pub policy: RoutingPolicy,
 
@@ -573,8 +576,9 @@ fn default_endpoint_picker_port() -> i32 {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum RoutingPolicy {
-    LeastLoad,
     #[default]
+    CacheAware,
+    LeastLoad,
     PrefixAffinity,
     RoundRobin,
 }
@@ -582,6 +586,7 @@ pub enum RoutingPolicy {
 impl RoutingPolicy {
     pub fn as_str(self) -> &'static str {
         match self {
+            Self::CacheAware => "cache-aware",
             Self::LeastLoad => "least-load",
             Self::PrefixAffinity => "prefix-affinity",
             Self::RoundRobin => "round-robin",

@@ -44,6 +44,21 @@ pub struct Model {
     pub endpoints: Vec<Endpoint>,
 }
 
+impl Model {
+    /// Whether requests are placed by their prompt's token blocks and the replicas' cache
+    /// events: the cache-aware policy on an engine that publishes them.
+    pub fn routes_on_cached_blocks(&self) -> bool {
+        self.policy == RoutingPolicy::CacheAware && self.engine.publishes_cache_events()
+    }
+
+    /// The HTTP address of the model's first replica, if it has one.
+    pub fn first_http_address(&self) -> Option<std::net::SocketAddr> {
+        self.endpoints
+            .first()
+            .map(|e| std::net::SocketAddr::new(e.ip, self.http_port))
+    }
+}
+
 /// Every model the router can route to, by the name clients use.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Fleet {

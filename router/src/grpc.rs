@@ -134,7 +134,7 @@ impl GrpcFrontDoor {
 
     fn routed(&self, message: &ModelInferRequest, trace: Option<TraceParent>) -> RoutedRequest {
         RoutedRequest::oip(message, trace, |model, prompt| {
-            self.router.prefix_key(model, prompt)
+            self.router.affinity(model, prompt)
         })
     }
 

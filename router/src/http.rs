@@ -22,6 +22,7 @@ use tracing::Instrument;
 use crate::error::{Flavor, RouteError};
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
+use crate::prompt::{Affinity, Prompt};
 use crate::request::RoutedRequest;
 use crate::retry::{self, Attempt, Reason, Unanswered};
 use crate::route::Router;
@@ -86,7 +87,7 @@ async fn v2_model_metadata(
         Some(&name),
         upstream,
         Ok(Bytes::new()),
-        |_, _| RoutedRequest::v2_rest(&name, &[], &headers, |_, _| None),
+        |_, _| RoutedRequest::v2_rest(&name, &[], &headers, |_, _| Affinity::None),
     )
     .await
 }
@@ -111,20 +112,20 @@ async fn v2(
     .await
 }
 
-/// Reads the body, parses it into one routed request with `parse` (given the router's prefix
-/// key), and forwards it; or answers the client's error in the protocol's words.
+/// Reads the body, parses it into one routed request with `parse` (given the router's
+/// affinity of a prompt), and forwards it; or answers the client's error in the protocol's words.
 async fn forward_body(
     state: &HttpState,
     flavor: Flavor,
     model: Option<&str>,
     mut upstream: Upstream<'_>,
     body: Result<Bytes, BytesRejection>,
-    parse: impl FnOnce(&[u8], &dyn Fn(&str, &[u8]) -> Option<u64>) -> Result<RoutedRequest, RouteError>,
+    parse: impl FnOnce(&[u8], &dyn Fn(&str, &Prompt) -> Affinity) -> Result<RoutedRequest, RouteError>,
 ) -> Response {
     let router = &state.router;
-    let prefix_key = |model: &str, prompt: &[u8]| router.prefix_key(model, prompt);
+    let affinity = |model: &str, prompt: &Prompt| router.affinity(model, prompt);
     let request = body_or_error(body, router.settings.max_body_bytes)
-        .and_then(|body| Ok((parse(&body, &prefix_key)?, body)));
+        .and_then(|body| Ok((parse(&body, &affinity)?, body)));
     match request {
         Ok((request, body)) => {
             upstream.body = body;

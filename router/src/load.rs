@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use npufleet_contract::ports::{GRPC_PORT, HTTP_PORT};
 use npufleet_contract::proto::npufleet::v1::worker_load_client::WorkerLoadClient;
-use npufleet_contract::proto::npufleet::v1::{LoadReport, WatchLoadRequest, WorkerState};
+use npufleet_contract::proto::npufleet::v1::{
+    LoadReport, WatchKvEventsRequest, WatchLoadRequest, WorkerState,
+};
 use npufleet_contract::runtime::{LoadMetrics, LoadSource};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -20,18 +22,26 @@ use tonic::transport::Endpoint;
 use crate::discovery::Fleet;
 use crate::policy::ReportedLoad;
 use crate::pool::{Pool, ReplicaState, Report};
-use crate::prompt::cache_block_size;
+use crate::prompt::{Recipes, cache_block_size};
 
-/// Follows the fleet: a load stream for every serving replica, none for the others.
+/// Follows the fleet: a load stream for every serving replica, none for the others; and the
+/// prompt recipe of every cache-aware model fetched as soon as it has a replica, so its first
+/// requests are already placed by their token blocks.
 pub async fn follow(
     mut fleet: watch::Receiver<Arc<Fleet>>,
     pool: Arc<Pool>,
+    recipes: Arc<Recipes>,
     http: reqwest::Client,
     interval: Duration,
     connect_timeout: Duration,
 ) {
     let mut streams: HashMap<IpAddr, (Watched, JoinHandle<()>)> = HashMap::new();
     loop {
+        for (name, model) in &fleet.borrow().models {
+            if model.routes_on_cached_blocks() && !model.endpoints.is_empty() {
+                recipes.get(name, model.first_http_address());
+            }
+        }
         let live: HashMap<IpAddr, Watched> = fleet
             .borrow_and_update()
             .models
@@ -57,9 +67,12 @@ pub async fn follow(
             let http = http.clone();
             streams.entry(ip).or_insert_with(|| {
                 let task = match &watched.load {
-                    LoadSource::WorkerStream => {
-                        tokio::spawn(watch_replica(ip, state, http, interval, connect_timeout))
-                    }
+                    LoadSource::WorkerStream => tokio::spawn(async move {
+                        tokio::join!(
+                            watch_replica(ip, state.clone(), http, interval, connect_timeout),
+                            follow_cache(ip, state, interval, connect_timeout),
+                        );
+                    }),
                     LoadSource::Scrape(metrics) => {
                         let port = metrics.port.unwrap_or(watched.http_port);
                         let url = format!("http://{}{}", SocketAddr::new(ip, port), metrics.path);
@@ -153,6 +166,50 @@ async fn watch_replica(
         // report interval, so a restarting worker is not hammered.
         tokio::time::sleep(interval).await;
     }
+}
+
+/// Follows the replica's prefix-cache events until the task is aborted. While the stream is
+/// down (a restarting worker, a router that just started) the replica's view is empty, and
+/// each new stream starts with a snapshot.
+async fn follow_cache(
+    ip: IpAddr,
+    state: Arc<ReplicaState>,
+    interval: Duration,
+    connect_timeout: Duration,
+) {
+    loop {
+        if let Err(error) = stream_cache_events(ip, &state, connect_timeout).await {
+            tracing::debug!(%ip, error = format!("{error:#}"), "cache event stream ended");
+        }
+        state.forget_cached();
+        tokio::time::sleep(interval).await;
+    }
+}
+
+async fn stream_cache_events(
+    ip: IpAddr,
+    state: &ReplicaState,
+    connect_timeout: Duration,
+) -> anyhow::Result<()> {
+    let channel = Endpoint::from_shared(format!("http://{}", SocketAddr::new(ip, GRPC_PORT)))?
+        .connect_timeout(connect_timeout)
+        .connect()
+        .await?;
+    let mut batches = WorkerLoadClient::new(channel)
+        .watch_kv_events(WatchKvEventsRequest {})
+        .await?
+        .into_inner();
+    while let Some(batch) = batches.message().await? {
+        // A gap means missed events: resubscribing starts over from a snapshot.
+        state.apply_kv_events(&batch).map_err(|gap| {
+            anyhow::anyhow!(
+                "missed cache events: expected batch {}, got {}",
+                gap.expected,
+                gap.got
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The replica's prefix-cache block size, from the `vllm:cache_config_info` series an

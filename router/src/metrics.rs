@@ -31,6 +31,9 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     /// From sending a request upstream to its first response byte (HTTP) or message (gRPC).
     pub upstream_ttft_seconds: HistogramVec,
+    /// Full token blocks of cache-aware routed prompts, by whether the chosen replica's
+    /// cache held them (`cached`: `true` or `false`).
+    pub prompt_blocks: IntCounterVec,
 }
 
 impl Metrics {
@@ -112,7 +115,15 @@ impl Metrics {
             ]),
             &["model"],
         )?;
+        let prompt_blocks = IntCounterVec::new(
+            Opts::new(
+                "npufleet_router_prompt_blocks_total",
+                "Full token blocks of cache-aware routed prompts, by whether the chosen replica held them",
+            ),
+            &["model", "cached"],
+        )?;
         registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(prompt_blocks.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retries_exhausted.clone()))?;
         registry.register(Box::new(held.clone()))?;
@@ -134,6 +145,7 @@ impl Metrics {
             picks,
             in_flight,
             upstream_ttft_seconds,
+            prompt_blocks,
         })
     }
 

@@ -11,6 +11,9 @@ pub struct Candidate {
     pub in_flight: u32,
     /// The replica's own report, when a fresh one is at hand.
     pub reported: Option<ReportedLoad>,
+    /// How many of the request's leading prompt blocks the replica's prefix cache holds, as
+    /// its cache events tell (0 when unknown).
+    pub cached_blocks: usize,
 }
 
 /// A replica's load as its worker last reported it.
@@ -58,6 +61,36 @@ pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
         })
 }
 
+/// Cache-aware placement: among the replicas within the bounded-load bound (as
+/// [`bounded_load_consistent_hash`] sets it), the one whose cache holds most of the prompt's
+/// leading blocks, so a prompt stays where its prefix is until that replica is loaded past
+/// the bound and then spills to the next best; ties (no replica holds anything, or several
+/// hold as much) go by least load, in turn.
+pub fn cache_aware(candidates: &[Candidate], load_factor: f64, rotation: usize) -> Option<usize> {
+    let bound = load_bound(candidates, load_factor)?;
+    let n = candidates.len();
+    (0..n)
+        .map(|i| (rotation.wrapping_add(i)) % n)
+        .filter(|&i| u64::from(candidates[i].outstanding()) < bound)
+        .min_by(|&a, &b| {
+            let (a, b) = (&candidates[a], &candidates[b]);
+            b.cached_blocks
+                .cmp(&a.cached_blocks)
+                .then(a.load_score().total_cmp(&b.load_score()))
+        })
+}
+
+/// `ceil(load_factor × mean)` outstanding requests, the mean counting the one being placed:
+/// a replica below it may take one more. At least one replica is always below it.
+fn load_bound(candidates: &[Candidate], load_factor: f64) -> Option<u64> {
+    if candidates.is_empty() {
+        return None;
+    }
+    let total: u64 = candidates.iter().map(|c| u64::from(c.outstanding())).sum();
+    let mean_with_this = (total + 1) as f64 / candidates.len() as f64;
+    Some((load_factor.max(1.0) * mean_with_this).ceil() as u64)
+}
+
 /// The next candidate in turn.
 pub fn round_robin(candidates: &[Candidate], counter: usize) -> Option<usize> {
     (!candidates.is_empty()).then(|| counter % candidates.len())
@@ -76,12 +109,7 @@ pub fn bounded_load_consistent_hash(
     key: u64,
     load_factor: f64,
 ) -> Option<usize> {
-    if candidates.is_empty() {
-        return None;
-    }
-    let total: u64 = candidates.iter().map(|c| u64::from(c.outstanding())).sum();
-    let mean_with_this = (total + 1) as f64 / candidates.len() as f64;
-    let bound = (load_factor.max(1.0) * mean_with_this).ceil() as u64;
+    let bound = load_bound(candidates, load_factor)?;
     let mut ring: Vec<(u64, usize)> = candidates
         .iter()
         .enumerate()
@@ -146,6 +174,7 @@ mod tests {
             id: id.to_owned(),
             in_flight: 0,
             reported: None,
+            cached_blocks: 0,
         }
     }
 
@@ -158,7 +187,37 @@ mod tests {
                 running,
                 kv_cache_usage: kv,
             }),
+            cached_blocks: 0,
         }
+    }
+
+    fn holding(id: &str, in_flight: u32, cached_blocks: usize) -> Candidate {
+        Candidate {
+            cached_blocks,
+            in_flight,
+            ..idle(id)
+        }
+    }
+
+    #[test]
+    fn cache_aware_goes_where_most_of_the_prompt_is_cached() {
+        let candidates = [holding("a", 1, 2), holding("b", 1, 5), holding("c", 0, 0)];
+        assert_eq!(cache_aware(&candidates, 1.25, 0), Some(1));
+        // Nothing cached anywhere: least load.
+        let cold = [holding("a", 2, 0), holding("b", 1, 0), holding("c", 2, 0)];
+        assert_eq!(cache_aware(&cold, 1.25, 0), Some(1));
+    }
+
+    #[test]
+    fn cache_aware_spills_to_the_next_best_once_the_holder_reaches_the_bound() {
+        // Six outstanding: the bound is ceil(1.25 × 7 / 3) = 3, which "b" has reached.
+        let candidates = [holding("a", 1, 3), holding("b", 3, 8), holding("c", 2, 0)];
+        assert_eq!(cache_aware(&candidates, 1.25, 0), Some(0));
+        // Equal holdings split by load, and equal loads take turns.
+        let even = [holding("a", 1, 4), holding("b", 1, 4)];
+        let picks: Vec<_> = (0..2).map(|turn| cache_aware(&even, 1.25, turn)).collect();
+        assert_eq!(picks, vec![Some(0), Some(1)]);
+        assert_eq!(cache_aware(&[], 1.25, 0), None);
     }
 
     #[test]

@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 use npufleet_crds::RoutingPolicy;
 use prometheus::IntGauge;
 
+use crate::cache_index::{CachedBlocks, Gap};
 use crate::discovery::{Endpoint, Model};
 use crate::policy::{self, Candidate, ReportedLoad};
+use crate::prompt::Affinity;
+use npufleet_contract::proto::npufleet::v1::KvEventBatch;
 
 /// A worker's last report and when it arrived.
 #[derive(Clone, Copy, Debug)]
@@ -28,11 +31,31 @@ pub struct ReplicaState {
     report: Mutex<Option<Report>>,
     /// Tokens per prefix-cache block, as the worker publishes it; 0 until read.
     block_size: AtomicUsize,
+    /// What the replica's prefix cache holds, from its cache events.
+    cached: Mutex<CachedBlocks>,
 }
 
 impl ReplicaState {
     pub fn set_block_size(&self, tokens: usize) {
         self.block_size.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Applies a batch of the worker's cache events.
+    pub fn apply_kv_events(&self, batch: &KvEventBatch) -> Result<(), Gap> {
+        if batch.block_size > 0 {
+            self.set_block_size(batch.block_size as usize);
+        }
+        self.cached.lock().expect("cache lock").apply(batch)
+    }
+
+    /// Forgets what the replica's cache holds: its events can no longer be followed.
+    pub fn forget_cached(&self) {
+        self.cached.lock().expect("cache lock").clear();
+    }
+
+    /// Distinct blocks the router knows the replica's cache holds.
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.lock().expect("cache lock").len()
     }
 
     pub fn set_report(&self, report: Report) {
@@ -54,6 +77,8 @@ pub struct Lease {
     pub ip: IpAddr,
     /// The replica's HTTP API port.
     pub http_port: u16,
+    /// For a prompt named by its token blocks, how much of it the replica holds.
+    pub cache_match: Option<CacheMatch>,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
 }
@@ -83,6 +108,14 @@ pub struct PickSettings {
     pub load_factor: f64,
     /// Reports older than this are ignored (the worker or its stream is gone).
     pub report_max_age: Duration,
+}
+
+/// The pick's share of the prompt: how many of its leading blocks the chosen replica holds,
+/// of how many it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheMatch {
+    pub cached: usize,
+    pub blocks: usize,
 }
 
 /// Per-replica state by IP address (a pod's IP is its replica's identity while it lives).
@@ -128,7 +161,7 @@ impl Pool {
     pub fn pick(
         &self,
         model: &Model,
-        prefix_key: Option<u64>,
+        affinity: &Affinity,
         exclude: &[String],
         settings: PickSettings,
     ) -> Option<Lease> {
@@ -142,30 +175,45 @@ impl Pool {
             if report.is_some_and(|r| r.draining) {
                 continue;
             }
+            let cached_blocks = match affinity {
+                Affinity::Blocks(blocks) => {
+                    state.cached.lock().expect("cache lock").leading(blocks)
+                }
+                _ => 0,
+            };
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
                 in_flight: state.in_flight.load(Ordering::Relaxed),
                 reported: report.map(|r| r.load),
+                cached_blocks,
             };
             endpoints.push((endpoint, state, candidate));
         }
         let candidates: Vec<Candidate> = endpoints.iter().map(|(_, _, c)| c.clone()).collect();
         let turn = self.turns.fetch_add(1, Ordering::Relaxed);
-        let chosen = match (model.policy, prefix_key) {
+        let chosen = match (model.policy, affinity) {
             (RoutingPolicy::RoundRobin, _) => policy::round_robin(&candidates, turn),
-            (RoutingPolicy::PrefixAffinity, Some(key)) => {
+            (RoutingPolicy::CacheAware, Affinity::Blocks(_)) => {
+                policy::cache_aware(&candidates, settings.load_factor, turn)
+            }
+            (RoutingPolicy::PrefixAffinity | RoutingPolicy::CacheAware, &Affinity::Key(key)) => {
                 policy::bounded_load_consistent_hash(&candidates, key, settings.load_factor)
             }
-            (RoutingPolicy::LeastLoad | RoutingPolicy::PrefixAffinity, _) => {
-                policy::least_load(&candidates, turn)
-            }
+            _ => policy::least_load(&candidates, turn),
         }?;
-        let (endpoint, state, _) = endpoints.swap_remove(chosen);
+        let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
         state.in_flight.fetch_add(1, Ordering::Relaxed);
         Some(Lease {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
             http_port: model.http_port,
+            cache_match: match affinity {
+                Affinity::Blocks(blocks) => Some(CacheMatch {
+                    cached: candidate.cached_blocks,
+                    blocks: blocks.len(),
+                }),
+                _ => None,
+            },
             state,
             shown: None,
         })
@@ -207,11 +255,11 @@ mod tests {
     fn leases_count_in_flight_until_dropped() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
-        let first = pool.pick(&model, None, &[], SETTINGS).unwrap();
-        let second = pool.pick(&model, None, &[], SETTINGS).unwrap();
+        let first = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
+        let second = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
         assert_ne!(first.pod, second.pod, "least-load spreads two requests");
         drop(first);
-        let third = pool.pick(&model, None, &[], SETTINGS).unwrap();
+        let third = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
         assert_ne!(
             third.pod, second.pod,
             "the freed replica is the least loaded"
@@ -223,7 +271,7 @@ mod tests {
         let pool = Pool::default();
         let model = model(RoutingPolicy::RoundRobin);
         let only = pool
-            .pick(&model, None, &["chat-0-0".to_owned()], SETTINGS)
+            .pick(&model, &Affinity::None, &["chat-0-0".to_owned()], SETTINGS)
             .unwrap();
         assert_eq!(only.pod, "chat-1-0");
         pool.replica(model.endpoints[1].ip).set_report(Report {
@@ -236,7 +284,7 @@ mod tests {
             received: Instant::now(),
         });
         assert!(
-            pool.pick(&model, None, &["chat-0-0".to_owned()], SETTINGS)
+            pool.pick(&model, &Affinity::None, &["chat-0-0".to_owned()], SETTINGS)
                 .is_none()
         );
     }
@@ -258,7 +306,7 @@ mod tests {
             received: long_ago,
         });
         let leases: Vec<_> = (0..2)
-            .map(|_| pool.pick(&model, None, &[], SETTINGS).unwrap())
+            .map(|_| pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap())
             .collect();
         assert!(leases.iter().any(|l| l.pod == "chat-0-0"));
     }

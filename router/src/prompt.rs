@@ -1,16 +1,23 @@
-//! The prefix-affinity key of a request: a hash of its prompt's leading blocks.
+//! Where a request's prompt would like to go: the blocks of it a replica's prefix cache may
+//! already hold.
 //!
-//! The worker's prefix cache shares full blocks of `block_size` tokens; the block size is the
-//! worker's own (`vllm:cache_config_info`, read by [`crate::load`]). The router does not
-//! tokenize: the model file lives on the workers' volumes, which a router serving every
-//! InferenceService in its scope should not mount, and the worker renders its chat template
-//! (role headers, special tokens) before tokenising, so even the exact tokenizer would not
-//! reproduce the worker's block boundaries. What the key needs is only that prompts sharing
-//! their first `max_blocks` cache blocks share a key; the router takes those blocks as
-//! `BYTES_PER_TOKEN` bytes a token, which holds within a factor of two for English prose and
-//! code (about four bytes a token) and for CJK text (three bytes a character, one or two
-//! characters a token). Requests that share a system prompt and differ in their question
-//! land together.
+//! Two ways to name them. Exactly, for an engine that publishes its cache events (this
+//! project's worker): the router rebuilds the worker's tokenizer and chat template from the
+//! recipe the worker publishes ([`Recipes`]), tokenises the prompt as the worker will, and
+//! names its full blocks as the worker does ([`npufleet_contract::kv::block_hashes`]), so it
+//! can look them up in each replica's cache ([`crate::cache_index`]). Approximately, for any
+//! other engine (or before the recipe arrived): a hash of the prompt's leading bytes, taking
+//! a block as `block_size × BYTES_PER_TOKEN` bytes ([`PrefixBlocks`]), which holds within a
+//! factor of two for English prose and code (about four bytes a token) and for CJK text.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use npufleet_contract::prompt::{
+    CHAT_ROLES, ChatMessage, PromptRecipe, PromptTokenizer, RECIPE_PATH,
+};
 
 use crate::policy::{Fnv1a, mix};
 
@@ -37,6 +44,164 @@ impl PrefixBlocks {
         let mut hash = Fnv1a::default();
         hash.write(&prompt[..full_blocks * block_bytes]);
         Some(mix(hash.finish()))
+    }
+}
+
+/// A request's prompt, as far as routing needs it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prompt {
+    /// The prompt's text in the order the model sees it (for a chat, each message's role and
+    /// text): what the approximate key hashes.
+    pub flat: Vec<u8>,
+    /// What the worker tokenises, when the router can rebuild it exactly.
+    pub exact: Option<ExactPrompt>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ExactPrompt {
+    /// A completion or inference prompt's text.
+    Text(String),
+    /// Chat messages, to render with the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+impl Prompt {
+    pub fn text(text: &str) -> Self {
+        Prompt {
+            flat: text.as_bytes().to_vec(),
+            exact: Some(ExactPrompt::Text(text.to_owned())),
+        }
+    }
+
+    /// A chat's messages as the worker reads them: `developer` is `system`, a list of text
+    /// parts is their texts joined by newlines. A message the worker would refuse (another
+    /// role, a part that is not text) leaves only the approximate key.
+    pub fn chat(messages: &[serde_json::Value]) -> Self {
+        let mut flat = String::new();
+        let mut exact = Some(Vec::with_capacity(messages.len()));
+        for message in messages {
+            let role = message.get("role").and_then(|r| r.as_str()).unwrap_or("");
+            let content = match message.get("content") {
+                None | Some(serde_json::Value::Null) => Some(String::new()),
+                Some(serde_json::Value::String(text)) => Some(text.clone()),
+                Some(serde_json::Value::Array(parts)) => parts
+                    .iter()
+                    .map(|part| match part.get("type").and_then(|t| t.as_str()) {
+                        Some("text") => part.get("text").and_then(|t| t.as_str()),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .map(|texts| texts.join("\n")),
+                Some(_) => None,
+            };
+            flat.push_str(role);
+            flat.push('\n');
+            flat.push_str(content.as_deref().unwrap_or(""));
+            flat.push('\n');
+            exact = match (exact, content) {
+                (Some(mut list), Some(content)) if CHAT_ROLES.contains(&role) => {
+                    let role = if role == "developer" { "system" } else { role };
+                    list.push(ChatMessage {
+                        role: role.to_owned(),
+                        content,
+                    });
+                    Some(list)
+                }
+                _ => None,
+            };
+        }
+        Prompt {
+            flat: flat.into_bytes(),
+            exact: exact.map(ExactPrompt::Chat),
+        }
+    }
+}
+
+/// Where a request would like to go.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Affinity {
+    /// Anywhere: placed by load.
+    #[default]
+    None,
+    /// The approximate key of the prompt's leading bytes ([`PrefixBlocks::key`]).
+    Key(u64),
+    /// The names of the prompt's full token blocks, first first.
+    Blocks(Vec<u64>),
+}
+
+/// How long a failed recipe fetch is left before the next request tries again.
+const RECIPE_RETRY: Duration = Duration::from_secs(10);
+
+/// Each model's prompt tokenisation, fetched once from one of its workers.
+pub struct Recipes {
+    http: reqwest::Client,
+    models: Mutex<HashMap<String, RecipeState>>,
+}
+
+enum RecipeState {
+    Ready(Arc<PromptTokenizer>),
+    Fetching,
+    Failed(Instant),
+}
+
+impl Recipes {
+    pub fn new(http: reqwest::Client) -> Self {
+        Recipes {
+            http,
+            models: Mutex::default(),
+        }
+    }
+
+    /// The model's tokenisation, when it is known. Otherwise starts fetching it from the
+    /// worker at `worker` (its HTTP address), and the request at hand goes without.
+    pub fn get(
+        self: &Arc<Self>,
+        model: &str,
+        worker: Option<SocketAddr>,
+    ) -> Option<Arc<PromptTokenizer>> {
+        let mut models = self.models.lock().expect("recipes lock");
+        match models.get(model) {
+            Some(RecipeState::Ready(tokenizer)) => return Some(tokenizer.clone()),
+            Some(RecipeState::Fetching) => return None,
+            Some(RecipeState::Failed(at)) if at.elapsed() < RECIPE_RETRY => return None,
+            _ => {}
+        }
+        let worker = worker?;
+        models.insert(model.to_owned(), RecipeState::Fetching);
+        let (recipes, model) = (Arc::clone(self), model.to_owned());
+        tokio::spawn(async move {
+            let state = match recipes.fetch(worker).await {
+                Ok(tokenizer) => {
+                    tracing::info!(%model, %worker, "routing on the worker's own token blocks");
+                    RecipeState::Ready(Arc::new(tokenizer))
+                }
+                Err(error) => {
+                    tracing::warn!(%model, %worker, error = format!("{error:#}"), "no prompt recipe; routing on the prompt's leading bytes");
+                    RecipeState::Failed(Instant::now())
+                }
+            };
+            recipes
+                .models
+                .lock()
+                .expect("recipes lock")
+                .insert(model, state);
+        });
+        None
+    }
+
+    async fn fetch(&self, worker: SocketAddr) -> anyhow::Result<PromptTokenizer> {
+        let recipe: PromptRecipe = self
+            .http
+            .get(format!("http://{worker}{RECIPE_PATH}"))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let tokenizer =
+            tokio::task::spawn_blocking(move || PromptTokenizer::from_recipe(recipe)).await??;
+        Ok(tokenizer)
     }
 }
 
@@ -99,6 +264,34 @@ mod tests {
             a,
             "a difference inside the first block changes the key"
         );
+    }
+
+    #[test]
+    fn a_chat_is_read_as_the_worker_reads_it() {
+        let messages = serde_json::json!([
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]);
+        let prompt = Prompt::chat(messages.as_array().unwrap());
+        assert_eq!(prompt.flat, b"developer\nBe brief.\nuser\na\nb\n");
+        let message = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        assert_eq!(
+            prompt.exact,
+            Some(ExactPrompt::Chat(vec![
+                message("system", "Be brief."),
+                message("user", "a\nb"),
+            ]))
+        );
+        let tool = serde_json::json!([{"role": "tool", "content": "42"}]);
+        let image = serde_json::json!([{"role": "user", "content": [{"type": "image_url"}]}]);
+        for messages in [tool, image] {
+            let prompt = Prompt::chat(messages.as_array().unwrap());
+            assert_eq!(prompt.exact, None, "only the approximate key is left");
+            assert!(!prompt.flat.is_empty());
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ use serde_json::Value;
 use tonic::metadata::MetadataMap;
 
 use crate::error::RouteError;
+use crate::prompt::{Affinity, Prompt};
 
 /// The worker's text input (see the worker's Open Inference Protocol mapping).
 const TEXT_INPUT: &str = "text_input";
@@ -22,9 +23,8 @@ const PRIORITY: &str = "priority";
 #[derive(Clone, Debug, PartialEq)]
 pub struct RoutedRequest {
     pub model: String,
-    /// The prompt's prefix-affinity key ([`crate::prompt::PrefixBlocks`]); `None` places the
-    /// request by load alone.
-    pub prefix_key: Option<u64>,
+    /// Where the prompt would like to go ([`crate::prompt::Affinity`]).
+    pub affinity: Affinity,
     /// The client's priority, when it gave an integer one. The replica judges it: a value the
     /// router cannot read is left for the replica to refuse with its own error.
     pub priority: Option<i64>,
@@ -35,8 +35,8 @@ pub struct RoutedRequest {
     pub trace: TraceParent,
 }
 
-/// Each constructor takes the prefix-affinity key of a model's prompt as `prefix_key`:
-/// [`crate::route::Router::prefix_key`], or a stand-in in tests.
+/// Each constructor takes the affinity of a model's prompt as `affinity`:
+/// [`crate::route::Router::affinity`], or a stand-in in tests.
 impl RoutedRequest {
     /// The span the request is followed in, from the router's log lines to the replica's (by
     /// trace id); the retry policy records the replica that took it.
@@ -55,15 +55,15 @@ impl RoutedRequest {
 
     fn new(
         model: String,
-        prompt: Option<&[u8]>,
+        prompt: Option<Prompt>,
         priority: Option<i64>,
         id: Option<&str>,
         trace: Option<TraceParent>,
-        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+        affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Self {
         let trace = trace.unwrap_or_else(|| TraceParent::start(rand::random(), rand::random()));
         RoutedRequest {
-            prefix_key: prompt.and_then(|prompt| prefix_key(&model, prompt)),
+            affinity: prompt.map_or(Affinity::None, |prompt| affinity(&model, &prompt)),
             model,
             priority,
             id: id
@@ -77,7 +77,7 @@ impl RoutedRequest {
     pub fn openai(
         body: &[u8],
         headers: &HeaderMap,
-        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+        affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Result<Self, RouteError> {
         let json = parse_json(body)?;
         let model = match json.get("model") {
@@ -93,14 +93,13 @@ impl RoutedRequest {
                 ));
             }
         };
-        let prompt = openai_prompt(&json);
         Ok(Self::new(
             model,
-            prompt.as_deref().map(str::as_bytes),
+            openai_prompt(&json),
             json.get(PRIORITY).and_then(Value::as_i64),
             header(headers, REQUEST_ID),
             http_trace(headers),
-            prefix_key,
+            affinity,
         ))
     }
 
@@ -110,25 +109,25 @@ impl RoutedRequest {
         model: &str,
         body: &[u8],
         headers: &HeaderMap,
-        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+        affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Result<Self, RouteError> {
         let json = if body.is_empty() {
             Value::Null
         } else {
             parse_json(body)?
         };
-        let prompt = v2_rest_prompt(&json);
+        let prompt = v2_rest_prompt(&json).map(|text| Prompt::text(&text));
         let id = json
             .get("id")
             .and_then(Value::as_str)
             .or_else(|| header(headers, REQUEST_ID));
         Ok(Self::new(
             model.to_owned(),
-            prompt.as_deref().map(str::as_bytes),
+            prompt,
             None,
             id,
             http_trace(headers),
-            prefix_key,
+            affinity,
         ))
     }
 
@@ -137,7 +136,7 @@ impl RoutedRequest {
     pub fn oip(
         message: &ModelInferRequest,
         trace: Option<TraceParent>,
-        prefix_key: impl Fn(&str, &[u8]) -> Option<u64>,
+        affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Self {
         let priority = message
             .parameters
@@ -149,11 +148,17 @@ impl RoutedRequest {
             });
         Self::new(
             message.model_name.clone(),
-            text_input(message),
+            text_input(message).map(|bytes| match std::str::from_utf8(bytes) {
+                Ok(text) => Prompt::text(text),
+                Err(_) => Prompt {
+                    flat: bytes.to_vec(),
+                    exact: None,
+                },
+            }),
             priority,
             Some(&message.id),
             trace,
-            prefix_key,
+            affinity,
         )
     }
 
@@ -165,7 +170,7 @@ impl RoutedRequest {
             None,
             None,
             trace,
-            |_: &str, _: &[u8]| None,
+            |_: &str, _: &Prompt| Affinity::None,
         )
     }
 }
@@ -190,33 +195,16 @@ fn parse_json(body: &[u8]) -> Result<Value, RouteError> {
         .map_err(|e| RouteError::BadRequest(format!("the request body is not valid JSON: {e}")))
 }
 
-/// The prompt text of an OpenAI `/v1/completions` or `/v1/chat/completions` body, in the order
-/// the model sees it: each chat message's role and text, or the completion prompt (the first
-/// of a list). Token-id prompts have no text and give `None`.
-fn openai_prompt(body: &Value) -> Option<String> {
+/// The prompt of an OpenAI `/v1/completions` or `/v1/chat/completions` body: the chat's
+/// messages, or the completion prompt (the first of a list). Token-id prompts have no text
+/// and give `None`.
+fn openai_prompt(body: &Value) -> Option<Prompt> {
     if let Some(messages) = body.get("messages").and_then(Value::as_array) {
-        let mut text = String::new();
-        for message in messages {
-            text.push_str(message.get("role").and_then(Value::as_str).unwrap_or(""));
-            text.push('\n');
-            match message.get("content") {
-                Some(Value::String(content)) => text.push_str(content),
-                Some(Value::Array(parts)) => {
-                    for part in parts {
-                        if let Some(part) = part.get("text").and_then(Value::as_str) {
-                            text.push_str(part);
-                        }
-                    }
-                }
-                _ => {}
-            }
-            text.push('\n');
-        }
-        return Some(text);
+        return Some(Prompt::chat(messages));
     }
     match body.get("prompt")? {
-        Value::String(prompt) => Some(prompt.clone()),
-        Value::Array(prompts) => prompts.first()?.as_str().map(str::to_owned),
+        Value::String(prompt) => Some(Prompt::text(prompt)),
+        Value::Array(prompts) => prompts.first()?.as_str().map(Prompt::text),
         _ => None,
     }
 }
@@ -263,8 +251,8 @@ mod tests {
     const CLIENT_TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     /// A stand-in key: the prompt's length, so a test can see which text was keyed.
-    fn length_key(_model: &str, prompt: &[u8]) -> Option<u64> {
-        Some(prompt.len() as u64)
+    fn length_key(_model: &str, prompt: &Prompt) -> Affinity {
+        Affinity::Key(prompt.flat.len() as u64)
     }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
@@ -285,7 +273,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(request.model, "m");
-        assert_eq!(request.prefix_key, Some(9));
+        assert_eq!(request.affinity, Affinity::Key(9));
         assert_eq!(request.priority, Some(3));
         assert_eq!(request.id, "req-7");
         assert_eq!(request.trace.to_string(), CLIENT_TRACE);
@@ -296,7 +284,11 @@ mod tests {
         let body = json!({"model": "m", "prompt": [1, 2]}).to_string();
         let invalid = headers(&[(TRACEPARENT, "00-nonsense")]);
         let request = RoutedRequest::openai(body.as_bytes(), &invalid, length_key).unwrap();
-        assert_eq!(request.prefix_key, None, "token ids have no text to key");
+        assert_eq!(
+            request.affinity,
+            Affinity::None,
+            "token ids have no text to key"
+        );
         assert_eq!(request.priority, None);
         assert_eq!(request.id, request.trace.trace_id_hex());
         let again = RoutedRequest::openai(body.as_bytes(), &invalid, length_key).unwrap();
@@ -333,15 +325,15 @@ mod tests {
         assert_eq!(
             (
                 request.model.as_str(),
-                request.prefix_key,
+                &request.affinity,
                 request.id.as_str()
             ),
-            ("m", Some(7), "v2-1")
+            ("m", &Affinity::Key(7), "v2-1")
         );
         let metadata = RoutedRequest::v2_rest("m", b"", &with_body, length_key).unwrap();
         assert_eq!(
-            (metadata.prefix_key, metadata.id.as_str()),
-            (None, "header-id")
+            (metadata.affinity, metadata.id.as_str()),
+            (Affinity::None, "header-id")
         );
         assert!(RoutedRequest::v2_rest("m", b"{", &with_body, length_key).is_err());
     }
@@ -353,20 +345,20 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]},
         ]});
         assert_eq!(
-            openai_prompt(&body).unwrap(),
-            "system\nBe brief.\nuser\nHello there\n"
+            openai_prompt(&body).unwrap().flat,
+            b"system\nBe brief.\nuser\nHello\n there\n"
         );
     }
 
     #[test]
     fn completion_prompts_are_read_as_strings_or_the_first_of_a_list() {
         assert_eq!(
-            openai_prompt(&json!({"prompt": "Once upon"})).as_deref(),
-            Some("Once upon")
+            openai_prompt(&json!({"prompt": "Once upon"})),
+            Some(Prompt::text("Once upon"))
         );
         assert_eq!(
-            openai_prompt(&json!({"prompt": ["first", "second"]})).as_deref(),
-            Some("first")
+            openai_prompt(&json!({"prompt": ["first", "second"]})),
+            Some(Prompt::text("first"))
         );
         assert_eq!(openai_prompt(&json!({"prompt": [1, 2, 3]})), None);
         assert_eq!(openai_prompt(&json!({"model": "m"})), None);
@@ -412,7 +404,7 @@ mod tests {
         let client = TraceParent::parse(CLIENT_TRACE);
         let request = RoutedRequest::oip(&message, client, length_key);
         assert_eq!(request.model, "m");
-        assert_eq!(request.prefix_key, Some(5));
+        assert_eq!(request.affinity, Affinity::Key(5));
         assert_eq!(request.priority, Some(2));
         assert_eq!(request.id, "oip-1");
         assert_eq!(Some(request.trace), client);

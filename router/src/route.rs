@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
-use npufleet_crds::InferenceService;
+use npufleet_crds::{InferenceService, RoutingPolicy};
 use serde_json::json;
 
 use crate::discovery::{Discovery, Model};
 use crate::error::RouteError;
 use crate::metrics::Metrics;
 use crate::pool::{Lease, PickSettings, Pool};
-use crate::prompt::PrefixBlocks;
+use crate::prompt::{Affinity, ExactPrompt, PrefixBlocks, Prompt, Recipes};
 use crate::request::RoutedRequest;
 use crate::retry::RetryPolicy;
 
@@ -45,6 +45,7 @@ pub struct Router {
     pub discovery: Discovery,
     pub pool: Arc<Pool>,
     pub metrics: Metrics,
+    pub recipes: Arc<Recipes>,
     client: Client,
     held: Mutex<HashMap<String, usize>>,
     last_wake: Mutex<HashMap<(String, String), Instant>>,
@@ -79,6 +80,7 @@ impl Router {
         discovery: Discovery,
         pool: Arc<Pool>,
         metrics: Metrics,
+        recipes: Arc<Recipes>,
         client: Client,
     ) -> Self {
         Router {
@@ -86,6 +88,7 @@ impl Router {
             discovery,
             pool,
             metrics,
+            recipes,
             client,
             held: Mutex::default(),
             last_wake: Mutex::default(),
@@ -103,13 +106,51 @@ impl Router {
             .ok_or_else(|| RouteError::ModelNotFound(name.to_owned()))
     }
 
-    /// The prefix-affinity key of `prompt` for `model_name`, cut at its workers' cache block
-    /// size. `None` for an unknown model, or one no replica has published its block size for
-    /// yet (the request is then placed by load).
-    pub fn prefix_key(&self, model_name: &str, prompt: &[u8]) -> Option<u64> {
-        let model = self.model(model_name).ok()?;
-        let block_tokens = self.pool.block_size(&model)?;
-        self.settings.prefix.key(prompt, block_tokens)
+    /// Where `prompt` would like to go among `model_name`'s replicas. With the cache-aware
+    /// policy, an engine that publishes its cache events and its tokenisation known: the
+    /// names of the prompt's token blocks. Otherwise, with cache-aware or prefix-affinity, the
+    /// approximate key of its leading bytes, cut at the workers' cache block size; none for
+    /// an unknown model or before any replica published its block size (placed by load).
+    pub fn affinity(&self, model_name: &str, prompt: &Prompt) -> Affinity {
+        let Ok(model) = self.model(model_name) else {
+            return Affinity::None;
+        };
+        if !matches!(
+            model.policy,
+            RoutingPolicy::CacheAware | RoutingPolicy::PrefixAffinity
+        ) {
+            return Affinity::None;
+        }
+        if model.routes_on_cached_blocks()
+            && let Some(blocks) = self.token_blocks(model_name, &model, prompt)
+        {
+            return Affinity::Blocks(blocks);
+        }
+        self.pool
+            .block_size(&model)
+            .and_then(|block_tokens| self.settings.prefix.key(&prompt.flat, block_tokens))
+            .map_or(Affinity::None, Affinity::Key)
+    }
+
+    /// The prompt's block names as the model's workers name them, when its tokenisation is
+    /// known (the first request of a model starts fetching it and goes without).
+    fn token_blocks(&self, model_name: &str, model: &Model, prompt: &Prompt) -> Option<Vec<u64>> {
+        let exact = prompt.exact.as_ref()?;
+        let tokenizer = self.recipes.get(model_name, model.first_http_address())?;
+        let tokens = match exact {
+            ExactPrompt::Text(text) => tokenizer.text_tokens(text),
+            ExactPrompt::Chat(messages) => tokenizer.chat_tokens(messages),
+        };
+        match tokens {
+            Ok(tokens) => Some(npufleet_contract::kv::block_hashes(
+                &tokens,
+                tokenizer.block_size(),
+            )),
+            Err(error) => {
+                tracing::debug!(model = model_name, %error, "prompt not tokenised; placing it by its bytes");
+                None
+            }
+        }
     }
 
     /// A replica of the request's model for one attempt, skipping the pods in `tried`. With
@@ -120,9 +161,9 @@ impl Router {
         request: &RoutedRequest,
         tried: &[String],
     ) -> Result<Lease, RouteError> {
-        let (model_name, prefix_key) = (request.model.as_str(), request.prefix_key);
+        let (model_name, affinity) = (request.model.as_str(), &request.affinity);
         let model = self.model(model_name)?;
-        if let Some(lease) = self.pick(model_name, &model, prefix_key, tried) {
+        if let Some(lease) = self.pick(model_name, &model, affinity, tried) {
             return Ok(lease);
         }
         if !tried.is_empty() {
@@ -131,23 +172,30 @@ impl Router {
                 last: "no replica left to try".to_owned(),
             });
         }
-        self.hold(model_name, model, prefix_key).await
+        self.hold(model_name, model, affinity).await
     }
 
     fn pick(
         &self,
         model_name: &str,
         model: &Model,
-        prefix_key: Option<u64>,
+        affinity: &Affinity,
         tried: &[String],
     ) -> Option<Lease> {
-        let mut lease = self
-            .pool
-            .pick(model, prefix_key, tried, self.settings.pick)?;
+        let mut lease = self.pool.pick(model, affinity, tried, self.settings.pick)?;
         self.metrics
             .picks
             .with_label_values(&[model_name, model.policy.as_str()])
             .inc();
+        if let Some(found) = lease.cache_match {
+            let blocks = &self.metrics.prompt_blocks;
+            blocks
+                .with_label_values(&[model_name, "true"])
+                .inc_by(found.cached as u64);
+            blocks
+                .with_label_values(&[model_name, "false"])
+                .inc_by((found.blocks - found.cached) as u64);
+        }
         lease.show_in(
             self.metrics
                 .in_flight
@@ -182,7 +230,7 @@ impl Router {
         &self,
         model_name: &str,
         mut model: Model,
-        prefix_key: Option<u64>,
+        affinity: &Affinity,
     ) -> Result<Lease, RouteError> {
         let _slot = self.take_hold_slot(model_name)?;
         let started = Instant::now();
@@ -199,7 +247,7 @@ impl Router {
                 break Err(("gone", RouteError::ModelNotFound(model_name.to_owned())));
             };
             model = current;
-            if let Some(lease) = self.pick(model_name, &model, prefix_key, &[]) {
+            if let Some(lease) = self.pick(model_name, &model, affinity, &[]) {
                 break Ok(lease);
             }
             if Instant::now() >= deadline {

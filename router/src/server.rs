@@ -16,7 +16,7 @@ use crate::grpc::GrpcFrontDoor;
 use crate::http::{HttpState, app};
 use crate::metrics::Metrics;
 use crate::pool::{PickSettings, Pool};
-use crate::prompt::PrefixBlocks;
+use crate::prompt::{PrefixBlocks, Recipes};
 use crate::retry::RetryPolicy;
 use crate::route::{Router, Settings};
 
@@ -138,15 +138,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         // on one it is closing.
         .pool_idle_timeout(ConnectionLimits::default().http1_keep_alive() / 2)
         .build()?;
+    let recipes = Arc::new(Recipes::new(upstream.clone()));
     let load_streams = crate::load::follow(
         discovery.fleet.clone(),
         pool.clone(),
+        recipes.clone(),
         upstream.clone(),
         Duration::from_millis(args.load_interval_ms.into()),
         Duration::from_millis(args.connect_timeout_ms),
     );
     let metrics = Metrics::new()?;
-    let router = Arc::new(Router::new(settings, discovery, pool, metrics, client));
+    let router = Arc::new(Router::new(
+        settings, discovery, pool, metrics, recipes, client,
+    ));
 
     let http_listener = tokio::net::TcpListener::bind(args.http_addr)
         .await

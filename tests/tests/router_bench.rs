@@ -1,9 +1,12 @@
 //! The routing benchmarks (`make bench-router`; minutes, so not in `make test`): the real
 //! control plane, the operator, the node agent running SmolLM2 workers, and the router as its
-//! own process. [`routing_benchmark`] measures, on three workers, for round-robin, least-load
-//! and prefix-affinity, throughput, time to first token and each replica's prefix-cache hits on
-//! a shared-prefix trace and on a trace with no shared prefix; then the time from a request at
-//! zero replicas to its first token against the worker's own ready time.
+//! own process. [`routing_benchmark`] measures, on three workers, for round-robin, least-load,
+//! prefix-affinity (the prompt's leading bytes hashed) and cache-aware (the workers' own cache
+//! events), throughput, time to first token and each replica's prefix-cache hits on four
+//! traces: shared system prompts that the caches cannot all hold, shared system prompts that
+//! every cache can hold, multi-turn conversations that outnumber what a cache holds, and
+//! prompts that share nothing; then the time from a request at zero replicas to its first
+//! token against the worker's own ready time.
 //! [`router_cost_benchmark`] measures the router's cost against talking to one worker directly
 //! (`cargo test --release -p npufleet-tests --test router_bench router_cost -- --ignored
 //! --nocapture` runs it alone). Each prints markdown tables; the two never run at once.
@@ -37,15 +40,23 @@ const REPLICAS: usize = 3;
 /// prompts beside the requests in flight, not for all of them.
 const KV_CACHE_BLOCKS: &str = "128";
 const SYSTEM_PROMPTS: usize = 6;
+/// System prompts of the trace whose prompts every replica's cache can hold at once (three of
+/// about 25 blocks, beside the requests in flight).
+const SYSTEM_PROMPTS_THAT_FIT: usize = 3;
+/// Conversations of the multi-turn trace, each with its own system prompt: about four times
+/// what one replica's cache holds, and more than all three hold together.
+const CONVERSATIONS: usize = 18;
+const TURNS: usize = 3;
 /// Sentences of about 22 tokens: a system prompt of about 400 tokens.
 const SYSTEM_PROMPT_SENTENCES: usize = 18;
 const CLIENTS: usize = 6;
 const REQUESTS_PER_RUN: usize = 36;
 const MAX_TOKENS: u32 = 8;
-const POLICIES: [RoutingPolicy; 3] = [
+const POLICIES: [RoutingPolicy; 4] = [
     RoutingPolicy::RoundRobin,
     RoutingPolicy::LeastLoad,
     RoutingPolicy::PrefixAffinity,
+    RoutingPolicy::CacheAware,
 ];
 
 /// What the service `bench` sets beside [`service::smollm2`]'s defaults.
@@ -95,29 +106,69 @@ fn system_prompt(tag: &str, n: usize) -> String {
     text
 }
 
-/// One trace's requests, in order: chat bodies that stream.
-fn trace(shared_prefix: bool, tag: &str) -> Vec<Value> {
-    let systems: Vec<String> = (0..SYSTEM_PROMPTS).map(|n| system_prompt(tag, n)).collect();
-    (0..REQUESTS_PER_RUN)
-        .map(|i| {
-            let system = if shared_prefix {
-                // A fixed shuffle of the system prompts, so consecutive requests differ.
-                systems[(i * 5 + i / SYSTEM_PROMPTS) % SYSTEM_PROMPTS].clone()
-            } else {
-                // As long as a shared-trace request, unique from its first token.
-                system_prompt(&format!("{tag}-{i}"), i)
-            };
-            json!({
-                "model": MODEL,
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": format!("Question {i}: name a river.")},
-                ],
-                "max_tokens": MAX_TOKENS,
-                "stream": true,
-            })
-        })
-        .collect()
+#[derive(Clone, Copy)]
+enum Trace {
+    /// Each request one of `prompts` system prompts and a short question.
+    SharedPrefix { prompts: usize },
+    /// [`CONVERSATIONS`] chats of [`TURNS`] turns, each turn's prompt the chat so far; the
+    /// conversations take turns, so a chat comes back after every other one has spoken.
+    MultiTurn,
+    /// Prompts as long as the shared ones, unique from their first token.
+    NoSharedPrefix,
+}
+
+impl Trace {
+    fn name(self) -> String {
+        match self {
+            Trace::SharedPrefix { prompts } if prompts == SYSTEM_PROMPTS_THAT_FIT => {
+                format!("{prompts} shared prompts, every cache holds all")
+            }
+            Trace::SharedPrefix { prompts } => format!("{prompts} shared prompts, evicting"),
+            Trace::MultiTurn => format!("{CONVERSATIONS} chats × {TURNS} turns, evicting"),
+            Trace::NoSharedPrefix => "no shared prefix".to_owned(),
+        }
+    }
+
+    /// The trace's requests, in order: chat bodies that stream. `tag` makes every prompt
+    /// unique to one run.
+    fn bodies(self, tag: &str) -> Vec<Value> {
+        let chat = |messages: Value| json!({"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true});
+        match self {
+            Trace::SharedPrefix { prompts } => {
+                let systems: Vec<String> = (0..prompts).map(|n| system_prompt(tag, n)).collect();
+                (0..REQUESTS_PER_RUN)
+                    .map(|i| {
+                        // A fixed shuffle of the system prompts, so consecutive requests differ.
+                        let system = &systems[(i * 5 + i / prompts) % prompts];
+                        chat(json!([
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": format!("Question {i}: name a river.")},
+                        ]))
+                    })
+                    .collect()
+            }
+            Trace::MultiTurn => (0..TURNS)
+                .flat_map(|turn| (0..CONVERSATIONS).map(move |c| (turn, c)))
+                .map(|(turn, c)| {
+                    let mut messages = vec![json!({"role": "system", "content": system_prompt(tag, c)})];
+                    for earlier in 0..turn {
+                        messages.push(json!({"role": "user", "content": format!("Question {earlier} of chat {c}: name a river.")}));
+                        messages.push(json!({"role": "assistant", "content": format!("The river {earlier} of chat {c} is the Loire.")}));
+                    }
+                    messages.push(json!({"role": "user", "content": format!("Question {turn} of chat {c}: name a river.")}));
+                    chat(Value::Array(messages))
+                })
+                .collect(),
+            Trace::NoSharedPrefix => (0..REQUESTS_PER_RUN)
+                .map(|i| {
+                    chat(json!([
+                        {"role": "system", "content": system_prompt(&format!("{tag}-{i}"), i)},
+                        {"role": "user", "content": format!("Question {i}: name a river.")},
+                    ]))
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Whether SSE `text` holds a chunk with generated text (the first event only names the role).
@@ -309,13 +360,20 @@ async fn routing_benchmark() -> Result<()> {
         let http = reqwest::Client::new();
 
         println!("\n### Routing policies: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
-        println!("| trace | policy | req/s | TTFT p50 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate |");
-        println!("|---|---|---|---|---|---|---|---|");
-        for (shared, trace_name) in [(true, "shared prefix"), (false, "no shared prefix")] {
+        println!("| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        let traces = [
+            Trace::SharedPrefix { prompts: SYSTEM_PROMPTS },
+            Trace::SharedPrefix { prompts: SYSTEM_PROMPTS_THAT_FIT },
+            Trace::MultiTurn,
+            Trace::NoSharedPrefix,
+        ];
+        for (t, trace) in traces.into_iter().enumerate() {
             for policy in POLICIES {
                 use_policy(services, router, policy).await?;
                 let before = cache_counters(&http, addresses).await?;
-                let bodies = trace(shared, &format!("{}-{}", shared, policy.as_str()));
+                let bodies = trace.bodies(&format!("{t}-{}", policy.as_str()));
+                let requests = bodies.len();
                 let mut run = run_trace(&router.url("/v1/chat/completions"), bodies, CLIENTS).await?;
                 let after = cache_counters(&http, addresses).await?;
                 let delta: Vec<[f64; 3]> = addresses
@@ -323,17 +381,27 @@ async fn routing_benchmark() -> Result<()> {
                     .map(|a| std::array::from_fn(|k| after[a][k] - before[a][k]))
                     .collect();
                 let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
+                let rates: Vec<String> = delta
+                    .iter()
+                    .map(|d| format!("{:.0}%", if d[1] > 0.0 { 100.0 * d[0] / d[1] } else { 0.0 }))
+                    .collect();
                 let (hit, queried, prompt) = delta
                     .iter()
                     .fold((0.0, 0.0, 0.0), |t, d| (t.0 + d[0], t.1 + d[1], t.2 + d[2]));
+                // The busiest replica's prompt tokens against the mean: 1.00 is an even spread.
+                let busiest = delta.iter().map(|d| d[2]).fold(0.0, f64::max);
+                let imbalance = busiest / (prompt / delta.len() as f64).max(1.0);
                 println!(
-                    "| {trace_name} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {} | {:.0}% |",
+                    "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0}% | {imbalance:.2} |",
+                    trace.name(),
                     policy.as_str(),
-                    REQUESTS_PER_RUN as f64 / run.elapsed.as_secs_f64(),
+                    requests as f64 / run.elapsed.as_secs_f64(),
                     ms(percentile(&mut run.ttft, 50.0)),
+                    ms(percentile(&mut run.ttft, 90.0)),
                     ms(percentile(&mut run.ttft, 99.0)),
-                    prompt / REQUESTS_PER_RUN as f64,
+                    prompt / requests as f64,
                     hits.join(" / "),
+                    rates.join(" / "),
                     if queried > 0.0 { 100.0 * hit / queried } else { 0.0 },
                 );
             }

@@ -91,6 +91,9 @@ pub struct GenerateRequest {
 /// the template).
 pub use crate::model::ChatMessage;
 
+pub use crate::engine::kv_events::{CacheEvent, KvEventLog};
+pub use npufleet_contract::prompt::PromptRecipe;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// An end-of-sequence token or a stop string/token.
@@ -280,4 +283,12 @@ pub trait Engine: Send + Sync + 'static {
     fn failure(&self) -> Option<String>;
     fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, SubmitError>;
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError>;
+    /// The prefix cache's changes, for routers that send a prompt where its prefix is cached.
+    fn kv_events(&self) -> Option<&KvEventLog> {
+        None
+    }
+    /// How prompts become this engine's token ids, for those routers to name blocks alike.
+    fn prompt_recipe(&self) -> anyhow::Result<PromptRecipe> {
+        anyhow::bail!("this engine publishes no prompt recipe")
+    }
 }

@@ -6,6 +6,7 @@ mod model_support;
 use std::sync::OnceLock;
 
 use model_support::*;
+use npufleet_contract::prompt::PromptTokenizer;
 use npufleet_worker::api::ChatMessage;
 use npufleet_worker::backend::KvDtype;
 use npufleet_worker::model::gguf::{GgufFile, TensorType, Value};
@@ -126,6 +127,51 @@ fn chat_template_renders_chatml() {
             .unwrap(),
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     );
+}
+
+/// A router rebuilding the tokenizer from the worker's published recipe gets the worker's
+/// own token ids, so the prefix-cache blocks it names are the ones the worker caches.
+#[test]
+fn the_published_prompt_recipe_tokenises_as_the_worker_does() {
+    let model = model();
+    let tok = model.tokenizer();
+    let recipe = tok.recipe(model.config(), "smollm2", 16).unwrap();
+    let wire = serde_json::to_string(&recipe).unwrap();
+    let router = PromptTokenizer::from_recipe(serde_json::from_str(&wire).unwrap()).unwrap();
+    let msg = |role: &str, content: &str| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    };
+    let chats = [
+        vec![msg("user", "Hi")],
+        vec![
+            msg("system", "You answer in French. Numbers: 12345, 3.14159."),
+            msg(
+                "user",
+                "Name three rivers of Europe, with their lengths in km.",
+            ),
+            msg("assistant", "Le Rhin, le Danube et la Loire."),
+            msg("user", "Et en Asie ?  Des fleuves chinois : 长江, 黄河 !"),
+        ],
+    ];
+    for chat in &chats {
+        let text = tok.apply_chat_template(chat, true).unwrap();
+        assert_eq!(
+            router.chat_tokens(chat).unwrap(),
+            tok.encode_prompt(model.config(), &text)
+        );
+    }
+    for text in PROMPTS
+        .iter()
+        .copied()
+        .chain(["  leading spaces\t\ttabs\n\n<|im_end|>", ""])
+    {
+        assert_eq!(
+            router.text_tokens(text).unwrap(),
+            tok.encode_prompt(model.config(), text),
+            "{text:?}"
+        );
+    }
 }
 
 const PROMPTS: [&str; 5] = [

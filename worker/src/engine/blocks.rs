@@ -10,6 +10,10 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use npufleet_contract::kv::block_hash;
+
+use super::kv_events::CacheEvent;
+
 pub type BlockId = u32;
 
 /// Identifies one block's content: the chain id of the block before it plus its own tokens.
@@ -29,8 +33,8 @@ const FIRST_CONTENT_CHAIN_ID: u64 = 1 << 16;
 #[derive(Default)]
 struct Block {
     ref_count: u32,
-    /// Set while the block is in the prefix cache.
-    cached: Option<BlockKey>,
+    /// Set while the block is in the prefix cache, with the block's published name.
+    cached: Option<(BlockKey, u64)>,
     /// Release order of a cached, unreferenced block, for least-recently-used eviction.
     released_at: u64,
 }
@@ -42,6 +46,8 @@ pub struct SequenceBlocks {
     pub table: Vec<BlockId>,
     /// Chain id of each leading full block whose content is known to the cache.
     chain: Vec<u64>,
+    /// The published name of each block in `chain`.
+    hashes: Vec<u64>,
     namespace: u64,
 }
 
@@ -68,6 +74,8 @@ pub struct BlockManager {
     cache: HashMap<BlockKey, (BlockId, u64)>,
     next_chain_id: u64,
     clock: u64,
+    /// Changes to the cache since [`BlockManager::take_events`] last ran.
+    events: Vec<CacheEvent>,
 }
 
 impl BlockManager {
@@ -82,7 +90,13 @@ impl BlockManager {
             cache: HashMap::new(),
             next_chain_id: FIRST_CONTENT_CHAIN_ID,
             clock: 0,
+            events: Vec::new(),
         }
+    }
+
+    /// The blocks entered into and evicted from the prefix cache since the last call.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        std::mem::take(&mut self.events)
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -122,6 +136,8 @@ impl BlockManager {
             self.retain(block);
             seq.table.push(block);
             seq.chain.push(chain_id);
+            seq.hashes
+                .push(block_hash(seq.hashes.last().copied(), chunk));
             parent = chain_id;
         }
         seq.table.len() * self.block_size
@@ -158,6 +174,8 @@ impl BlockManager {
                 parent,
                 tokens: tokens[start..start + self.block_size].into(),
             };
+            let parent_hash = seq.hashes.last().copied();
+            let hash = block_hash(parent_hash, &key.tokens);
             let chain_id = match self.cache.get(&key) {
                 // Another block already holds this content (computed concurrently); this
                 // one stays private and the chain continues from the cached one.
@@ -166,12 +184,17 @@ impl BlockManager {
                     let chain_id = self.next_chain_id;
                     self.next_chain_id += 1;
                     let block = seq.table[index];
-                    self.blocks[block as usize].cached = Some(key.clone());
+                    self.blocks[block as usize].cached = Some((key.clone(), hash));
                     self.cache.insert(key, (block, chain_id));
+                    self.events.push(CacheEvent::Stored {
+                        hash,
+                        parent: parent_hash,
+                    });
                     chain_id
                 }
             };
             seq.chain.push(chain_id);
+            seq.hashes.push(hash);
         }
     }
 
@@ -182,6 +205,7 @@ impl BlockManager {
             self.release(block);
         }
         seq.chain.clear();
+        seq.hashes.clear();
     }
 
     fn retain(&mut self, block: BlockId) {
@@ -216,11 +240,12 @@ impl BlockManager {
                     .evictable
                     .pop_first()
                     .expect("caller checked that a block is available");
-                let key = self.blocks[block as usize]
+                let (key, hash) = self.blocks[block as usize]
                     .cached
                     .take()
                     .expect("evictable blocks are cached");
                 self.cache.remove(&key);
+                self.events.push(CacheEvent::Removed { hash });
                 block
             }
         };
@@ -282,6 +307,47 @@ mod tests {
         // Another namespace shares nothing.
         let mut e = SequenceBlocks::in_namespace(1);
         assert_eq!(blocks.match_prefix(&prompt, &mut e), 0);
+    }
+
+    #[test]
+    fn the_cache_publishes_what_it_stores_and_evicts_under_the_routers_names() {
+        let mut blocks = BlockManager::new(4, 2);
+        let prompt = tokens(5, 1);
+        let names = npufleet_contract::kv::block_hashes(&prompt, 2);
+        let mut a = SequenceBlocks::default();
+        assert!(blocks.grow(&mut a, 5));
+        blocks.register_full_blocks(&mut a, &prompt, 5);
+        assert_eq!(
+            blocks.take_events(),
+            vec![
+                CacheEvent::Stored {
+                    hash: names[0],
+                    parent: None
+                },
+                CacheEvent::Stored {
+                    hash: names[1],
+                    parent: Some(names[0])
+                },
+            ]
+        );
+        // A second sequence reusing the blocks stores nothing new.
+        let mut b = SequenceBlocks::default();
+        assert_eq!(blocks.match_prefix(&prompt, &mut b), 4);
+        assert!(blocks.grow(&mut b, 5));
+        blocks.register_full_blocks(&mut b, &prompt, 5);
+        assert!(blocks.take_events().is_empty());
+        blocks.free(&mut a);
+        blocks.free(&mut b);
+        // Room for a new prompt is made by evicting, tail first.
+        let mut c = SequenceBlocks::default();
+        assert!(blocks.grow(&mut c, 8));
+        assert_eq!(
+            blocks.take_events(),
+            vec![
+                CacheEvent::Removed { hash: names[1] },
+                CacheEvent::Removed { hash: names[0] },
+            ]
+        );
     }
 
     #[test]

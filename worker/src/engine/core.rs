@@ -241,7 +241,8 @@ impl EngineCore {
                 self.compute_template(tokens, precision);
             }
         }
-        let mut state = self.shared.lock();
+        let shared = Arc::clone(&self.shared);
+        let mut state = shared.lock();
         state.warming_up = false;
         self.publish(&mut state);
         tracing::info!(
@@ -344,7 +345,8 @@ impl EngineCore {
         }
     }
 
-    fn publish(&self, state: &mut SharedState) {
+    fn publish(&mut self, state: &mut SharedState) {
+        self.shared.kv_events.publish(self.blocks.take_events());
         let total = self.blocks.num_blocks();
         state.stats = LoadSnapshot {
             waiting: state.waiting.len(),

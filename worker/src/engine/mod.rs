@@ -18,6 +18,7 @@
 
 mod blocks;
 mod core;
+pub mod kv_events;
 pub mod sampler;
 mod stop;
 mod stream;
@@ -32,7 +33,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{
     ChatMessage, Engine, EngineState, GenerateRequest, GenerationStream, LoadSnapshot, ModelInfo,
-    Prompt, SamplingParams, SubmitError,
+    Prompt, PromptRecipe, SamplingParams, SubmitError,
 };
 use crate::backend::KvDtype;
 use crate::model::{Model, PrecisionPolicy, WeightPrecision};
@@ -151,6 +152,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
             },
         }),
         wake: Condvar::new(),
+        kv_events: kv_events::KvEventLog::new(cfg.block_size),
     });
     let config = model.config();
     let info = ModelInfo {
@@ -211,6 +213,7 @@ struct Shared {
     state: Mutex<SharedState>,
     /// Signalled when work arrives or the engine must stop.
     wake: Condvar,
+    kv_events: kv_events::KvEventLog,
 }
 
 impl Shared {
@@ -563,6 +566,18 @@ impl Engine for EngineHandle {
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, SubmitError> {
         Ok(self.model.tokenizer().encode(text))
+    }
+
+    fn kv_events(&self) -> Option<&kv_events::KvEventLog> {
+        Some(&self.shared.kv_events)
+    }
+
+    fn prompt_recipe(&self) -> anyhow::Result<PromptRecipe> {
+        self.model.tokenizer().recipe(
+            self.model.config(),
+            &self.info.name,
+            self.shared.kv_events.block_size,
+        )
     }
 }
 

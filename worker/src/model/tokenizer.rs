@@ -17,6 +17,8 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
+use npufleet_contract::prompt::PromptRecipe;
+
 use super::ModelConfig;
 use super::gguf::{GgufFile, Value};
 
@@ -34,12 +36,7 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// DeepSeek-R1 distills): Llama 3's, but every digit is a piece of its own.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// One chat message, for chat-template application.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
+pub use npufleet_contract::prompt::{ChatMessage, render_chat_template};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -344,60 +341,36 @@ impl Tokenizer {
             .chat_template
             .as_deref()
             .context("the model has no chat template")?;
-        render_chat_template(
+        Ok(render_chat_template(
             template,
             messages,
             add_generation_prompt,
             &self.bos_token,
             &self.eos_token,
-        )
+        )?)
     }
-}
 
-pub fn render_chat_template(
-    template: &str,
-    messages: &[ChatMessage],
-    add_generation_prompt: bool,
-    bos_token: &str,
-    eos_token: &str,
-) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    minijinja_contrib::add_to_environment(&mut env);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    // Hugging Face transformers and llama.cpp render chat templates with these two on; a
-    // template with newlines after its block tags would otherwise render different prompts.
-    env.set_syntax(
-        minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .context("configuring the chat template syntax")?,
-    );
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", template)
-        .context("compiling the chat template")?;
-    let messages: Vec<_> = messages
-        .iter()
-        .map(|m| minijinja::context! { role => &m.role, content => &m.content })
-        .collect();
-    env.get_template("chat")
-        .and_then(|t| {
-            t.render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => bos_token,
-                eos_token => eos_token,
-            })
+    /// What a router needs to tokenise prompts as this worker does.
+    pub fn recipe(
+        &self,
+        config: &ModelConfig,
+        model: &str,
+        block_size: usize,
+    ) -> Result<PromptRecipe> {
+        Ok(PromptRecipe {
+            model: model.to_owned(),
+            tokenizer: serde_json::to_value(&self.inner).context("writing tokenizer.json")?,
+            chat_template: self.chat_template.clone(),
+            bos_token: self.bos_token.clone(),
+            eos_token: self.eos_token.clone(),
+            prefix_ids: config
+                .bos_token_id
+                .filter(|_| config.add_bos)
+                .into_iter()
+                .collect(),
+            block_size,
         })
-        .map_err(|e| anyhow::anyhow!("rendering the chat template: {e}"))
+    }
 }
 
 fn byte_level_bytes(tokens: &[String], special: &[bool]) -> Vec<Vec<u8>> {

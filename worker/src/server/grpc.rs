@@ -11,7 +11,7 @@ use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::api::{EngineState, GenerationEvent};
+use crate::api::{CacheEvent, EngineState, GenerationEvent};
 use crate::server::auth;
 use crate::server::error::ServeError;
 use crate::server::inference::{self, SERVER_NAME};
@@ -23,7 +23,8 @@ use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInfe
 use npufleet_contract::proto::inference::*;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoad;
 use npufleet_contract::proto::npufleet::v1::{
-    GetLoadRequest, LoadReport, WatchLoadRequest, WorkerState,
+    AllBlocksCleared, BlockRemoved, BlockStored, GetLoadRequest, KvEvent, KvEventBatch, LoadReport,
+    WatchKvEventsRequest, WatchLoadRequest, WorkerState, kv_event,
 };
 
 pub struct InferenceService {
@@ -388,6 +389,90 @@ impl WorkerLoad for LoadService {
             .take_until(closing);
         Ok(Response::new(Box::pin(reports)))
     }
+
+    type WatchKvEventsStream = ResponseStream<KvEventBatch>;
+
+    async fn watch_kv_events(
+        &self,
+        _request: Request<WatchKvEventsRequest>,
+    ) -> Result<Response<Self::WatchKvEventsStream>, Status> {
+        if self.shared.engine.kv_events().is_none() {
+            return Err(Status::unimplemented(
+                "this engine publishes no prefix-cache events",
+            ));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let closing = shared.closing();
+            tokio::select! {
+                () = forward_kv_events(&shared, &tx) => {}
+                () = closing => {}
+                () = tx.closed() => {}
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// A snapshot of the prefix cache, then its changes, until the subscriber hangs up. A
+/// subscriber that falls too far behind gets a new snapshot rather than a gap.
+async fn forward_kv_events(shared: &Shared, tx: &mpsc::Sender<Result<KvEventBatch, Status>>) {
+    let Some(log) = shared.engine.kv_events() else {
+        return;
+    };
+    let batch =
+        |seq: u64, snapshot: bool, events: &mut dyn Iterator<Item = KvEvent>| KvEventBatch {
+            epoch: log.epoch,
+            seq,
+            block_size: u32::try_from(log.block_size).unwrap_or(u32::MAX),
+            snapshot,
+            events: events.collect(),
+        };
+    loop {
+        let mut subscription = log.subscribe();
+        let cleared = KvEvent {
+            event: Some(kv_event::Event::AllCleared(AllBlocksCleared {})),
+        };
+        let snapshot = batch(
+            subscription.seq,
+            true,
+            &mut std::iter::once(cleared).chain(subscription.snapshot.iter().map(to_kv_event)),
+        );
+        if tx.send(Ok(snapshot)).await.is_err() {
+            return;
+        }
+        loop {
+            match subscription.changes.recv().await {
+                Ok(changes) if changes.seq <= subscription.seq => {}
+                Ok(changes) => {
+                    let sent = batch(
+                        changes.seq,
+                        false,
+                        &mut changes.events.iter().map(to_kv_event),
+                    );
+                    if tx.send(Ok(sent)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+}
+
+fn to_kv_event(event: &CacheEvent) -> KvEvent {
+    let event = match *event {
+        CacheEvent::Stored { hash, parent } => kv_event::Event::Stored(BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: parent,
+        }),
+        CacheEvent::Removed { hash } => kv_event::Event::Removed(BlockRemoved {
+            block_hashes: vec![hash],
+        }),
+    };
+    KvEvent { event: Some(event) }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use serde_json::json;
 use crate::api::EngineState;
 use crate::server::http::{HttpState, error_response};
 use crate::server::{auth, openai, rest, trace};
+use npufleet_contract::prompt::RECIPE_PATH;
 
 pub fn router(state: HttpState) -> Router {
     let limit = state.max_body_bytes;
@@ -50,6 +51,7 @@ pub fn router(state: HttpState) -> Router {
         )
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route(RECIPE_PATH, get(prompt_recipe))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -113,6 +115,22 @@ async fn health(State(state): State<HttpState>) -> Response {
             axum::Json(json!({"status": "draining"})),
         )
             .into_response(),
+    }
+}
+
+/// How this worker turns prompts into token ids, for a router that names the blocks of a
+/// prompt as this worker's prefix cache does. Open like the model metadata: it holds the
+/// tokenizer and chat template, which the model's own card publishes.
+async fn prompt_recipe(State(state): State<HttpState>) -> Response {
+    let engine = state.shared.clone();
+    match tokio::task::spawn_blocking(move || engine.engine.prompt_recipe()).await {
+        Ok(Ok(recipe)) => axum::Json(recipe).into_response(),
+        Ok(Err(error)) => error_response(StatusCode::NOT_FOUND, format!("{error:#}"), "not_found"),
+        Err(error) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("writing the prompt recipe: {error}"),
+            "internal_error",
+        ),
     }
 }
 
