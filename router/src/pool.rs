@@ -106,6 +106,8 @@ pub struct PickSettings {
     /// A replica takes a key only while its outstanding requests stay within this factor
     /// of the mean.
     pub load_factor: f64,
+    /// The same bound for cache-aware placement.
+    pub cache_load_factor: f64,
     /// Reports older than this are ignored (the worker or its stream is gone).
     pub report_max_age: Duration,
 }
@@ -194,7 +196,7 @@ impl Pool {
         let chosen = match (model.policy, affinity) {
             (RoutingPolicy::RoundRobin, _) => policy::round_robin(&candidates, turn),
             (RoutingPolicy::CacheAware, Affinity::Blocks(_)) => {
-                policy::cache_aware(&candidates, settings.load_factor, turn)
+                policy::cache_aware(&candidates, settings.cache_load_factor, turn)
             }
             (RoutingPolicy::PrefixAffinity | RoutingPolicy::CacheAware, &Affinity::Key(key)) => {
                 policy::bounded_load_consistent_hash(&candidates, key, settings.load_factor)
@@ -248,6 +250,7 @@ mod tests {
 
     const SETTINGS: PickSettings = PickSettings {
         load_factor: 1.25,
+        cache_load_factor: 2.0,
         report_max_age: Duration::from_secs(2),
     };
 

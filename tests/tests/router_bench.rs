@@ -43,10 +43,10 @@ const SYSTEM_PROMPTS: usize = 6;
 /// System prompts of the trace whose prompts every replica's cache can hold at once (three of
 /// about 25 blocks, beside the requests in flight).
 const SYSTEM_PROMPTS_THAT_FIT: usize = 3;
-/// Conversations of the multi-turn trace, each with its own system prompt: about four times
-/// what one replica's cache holds, and more than all three hold together.
-const CONVERSATIONS: usize = 18;
-const TURNS: usize = 3;
+/// Conversations of the multi-turn trace, each with its own system prompt: about twice what one
+/// replica's cache holds, and what the three hold together only when each keeps its own.
+const CONVERSATIONS: usize = 9;
+const TURNS: usize = 4;
 /// Sentences of about 22 tokens: a system prompt of about 400 tokens.
 const SYSTEM_PROMPT_SENTENCES: usize = 18;
 const CLIENTS: usize = 6;
