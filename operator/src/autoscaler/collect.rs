@@ -17,8 +17,9 @@ use npufleet_contract::ports;
 use npufleet_crds::{InferenceService, LoadSource};
 
 use super::load::{LoadReader, LoadTarget};
+use super::objectives::GroupSample;
 use super::policy::{GroupState, Observation};
-use super::{GroupView, group_loads, readings};
+use super::{GroupView, group_loads, group_samples, readings};
 use crate::cache::{WatchScope, without_managed_fields};
 use crate::external_metrics::{MetricsStore, ServiceLoad};
 use crate::fleet;
@@ -52,8 +53,9 @@ impl Collector {
     }
 
     /// Reads every service's workers once, publishes each service's load and forgets the
-    /// services that are gone; returns what it saw of each service.
-    pub async fn collect(&self) -> Vec<(Arc<InferenceService>, Observation)> {
+    /// services that are gone; returns what it saw of each service, and of each of its
+    /// groups what the latency objectives need.
+    pub async fn collect(&self) -> Vec<(Arc<InferenceService>, Observation, Vec<GroupSample>)> {
         let namespace = self.namespace.as_deref();
         let services = self
             .services
@@ -103,7 +105,7 @@ impl Collector {
                     readings: readings(&workers),
                 };
                 self.publish(&service, &observation);
-                (service, observation)
+                (service, observation, group_samples(&workers))
             })
             .collect()
     }
