@@ -178,16 +178,15 @@ impl Scaler for Objectives {
             .filter(|g| g.state == GroupState::Ready)
             .map(|g| g.waiting)
             .sum();
-        let demand = objectives::evaluate(
+        let evaluation = objectives::evaluate(
             &mut self.tracker,
             now,
             groups,
             (waiting, observation.ready()),
             &self.targets,
             self.policy.config().max_replicas,
-        )
-        .ok()
-        .map(|e| f64::from(e.sizing.replicas));
+        );
+        let demand = evaluation.ok().map(|e| f64::from(e.sizing.replicas));
         self.policy.decide_on(now, observation, demand).desired
     }
 }
