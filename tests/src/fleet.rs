@@ -426,3 +426,38 @@ mod tests {
         );
     }
 }
+
+/// The label and taint key of the nodes [`unreachable_node`] makes.
+pub const UNREACHABLE_NODE: &str = "npufleet.io/unreachable-node";
+
+/// A KWOK node whose pods get addresses from `127.78.<subnet>.0/24`, where nothing listens:
+/// workers that are Ready but that the autoscaler cannot reach, as behind a NetworkPolicy. A
+/// taint keeps other tests' pods off it; [`unreachable_placement`] tolerates it.
+pub async fn unreachable_node(client: &Client, name: &str, subnet: u8) -> Result<()> {
+    let c = crate::cluster::shared();
+    let mut node = crate::cluster::FakeNode::cpu(name);
+    node.labels
+        .insert(UNREACHABLE_NODE.to_owned(), name.to_owned());
+    c.add_fake_node(client, &node).await?;
+    let cidr = format!("127.78.{subnet}.0/24");
+    let spec = serde_json::json!({"spec": {
+        "podCIDR": cidr, "podCIDRs": [cidr],
+        "taints": [{"key": UNREACHABLE_NODE, "value": name, "effect": "NoSchedule"}],
+    }});
+    Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(spec),
+        )
+        .await?;
+    Ok(())
+}
+
+/// `spec.scheduling` that puts a service's pods on the [`unreachable_node`] `node`.
+pub fn unreachable_placement(node: &str) -> serde_json::Value {
+    serde_json::json!({
+        "nodeSelector": {UNREACHABLE_NODE: node},
+        "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
+    })
+}

@@ -294,7 +294,8 @@ struct ServiceState {
     tracker: Tracker,
     /// The last evaluation of the objectives, for the status.
     objectives: Option<ObjectivesStatus>,
-    /// The `ObjectivesMet` condition as last decided, and whether the status holds it.
+    /// The `ObjectivesMet` condition as last decided, and whether it turned since the event
+    /// that says so was recorded.
     objectives_met: Option<(Condition, bool)>,
 }
 
@@ -649,7 +650,7 @@ impl Autoscaler {
                                 .and_then(|a| {
                                     a.conditions.iter().find(|c| c.type_ == OBJECTIVES_MET)
                                 })
-                                .map(|c| (c.clone(), true)),
+                                .map(|c| (c.clone(), false)),
                         ),
                     };
                     self.policies.insert(
@@ -795,8 +796,9 @@ impl Autoscaler {
                 service.metadata.generation,
                 &Time(k8s_openapi::jiff::Timestamp::now()),
             );
-            let written = previous.is_some_and(|p| p == &condition);
-            state.objectives_met = Some((condition, written));
+            let turned = previous.is_none_or(|p| p.status != condition.status);
+            let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
+            state.objectives_met = Some((condition, turned || unannounced));
         }
         Some(f64::from(sizing.replicas))
     }
@@ -807,25 +809,18 @@ impl Autoscaler {
         let Some(state) = self.policies.get_mut(&key) else {
             return;
         };
-        let Some((condition, false)) = state.objectives_met.clone() else {
+        let Some((condition, true)) = state.objectives_met.clone() else {
             return;
         };
-        let written_status = service
-            .status
-            .as_ref()
-            .and_then(|s| s.autoscaling.as_ref())
-            .and_then(|a| a.conditions.iter().find(|c| c.type_ == OBJECTIVES_MET))
-            .map(|c| c.status.clone());
-        if written_status.as_deref() != Some(condition.status.as_str()) {
-            state.last_status = None;
-            let type_ = if condition.status == "True" {
-                EventType::Normal
-            } else {
-                EventType::Warning
-            };
-            self.publish(service, type_, &condition.reason, &condition.message)
-                .await;
-        }
+        state.objectives_met = Some((condition.clone(), false));
+        state.last_status = None;
+        let type_ = if condition.status == "True" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        self.publish(service, type_, &condition.reason, &condition.message)
+            .await;
     }
 
     /// Deletes the service's HPA if this operator made it (once per service and mode
@@ -1047,14 +1042,6 @@ impl Autoscaler {
         .await?;
         if let Some(scaling_active) = self.scaling_active.get_mut(&key) {
             scaling_active.written = true;
-        }
-        if decision.is_some()
-            && let Some((_, written)) = self
-                .policies
-                .get_mut(&key)
-                .and_then(|s| s.objectives_met.as_mut())
-        {
-            *written = true;
         }
         if let (Some(decision), Some(state)) = (decision, self.policies.get_mut(&key)) {
             let desired = i32::try_from(decision.desired).unwrap_or(i32::MAX);
@@ -1348,6 +1335,95 @@ mod tests {
                 && error.contains("\"soon\"")
                 && error.contains("RFC 3339"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn objectives_become_fractions_and_seconds_and_a_bad_one_is_named() {
+        let spec: ObjectivesSpec = serde_json::from_value(json!({
+            "ttft": {"percentile": 95, "target": "1.5s"},
+            "tpot": {"target": "80ms"},
+        }))
+        .unwrap();
+        let t = targets(&spec).unwrap();
+        assert_eq!(
+            t.ttft,
+            Some(Target {
+                quantile: 0.95,
+                seconds: 1.5
+            })
+        );
+        assert_eq!(t.tpot.map(|t| (t.quantile, t.seconds)), Some((0.9, 0.08)));
+        let bad: ObjectivesSpec =
+            serde_json::from_value(json!({"tpot": {"target": "soon"}})).unwrap();
+        let error = targets(&bad).unwrap_err();
+        assert!(
+            error.starts_with("spec.autoscaling.objectives.tpot.target: \"soon\""),
+            "{error}"
+        );
+        assert!(targets(&ObjectivesSpec::default()).is_err());
+    }
+
+    #[test]
+    fn objectives_met_names_the_objective_missed_and_the_count_that_would_meet_it() {
+        let t = Targets {
+            ttft: Some(Target {
+                quantile: 0.9,
+                seconds: 0.8,
+            }),
+            tpot: Some(Target {
+                quantile: 0.9,
+                seconds: 0.08,
+            }),
+        };
+        let sizing = Sizing {
+            replicas: 3,
+            met: true,
+            at_replicas: Prediction {
+                ttft: Some(0.5),
+                tpot: Some(0.04),
+            },
+        };
+        let at = |s: &str| Time(s.parse().unwrap());
+        let t0 = at("2026-01-01T10:00:00Z");
+        let slow = Prediction {
+            ttft: Some(1.42),
+            tpot: Some(0.05),
+        };
+        let missed = objectives_met(None, &t, &slow, 1, &sizing, Some(3), &t0);
+        assert_eq!(
+            (missed.status.as_str(), missed.reason.as_str()),
+            ("False", OBJECTIVE_MISSED)
+        );
+        assert_eq!(
+            missed.message,
+            "with 1 ready replica groups: ttft p90 predicted 1.42s over the target 800ms, tpot p90 predicted 50ms (target 80ms); 3 replica groups meet every objective"
+        );
+        let t1 = at("2026-01-01T10:00:30Z");
+        let still = objectives_met(Some(&missed), &t, &slow, 1, &sizing, Some(3), &t1);
+        assert_eq!(still.last_transition_time, t0);
+        let met = objectives_met(
+            Some(&still),
+            &t,
+            &sizing.at_replicas,
+            3,
+            &sizing,
+            Some(3),
+            &t1,
+        );
+        assert_eq!(
+            (met.status.as_str(), met.reason.as_str()),
+            ("True", OBJECTIVES_MET)
+        );
+        assert_eq!(met.last_transition_time, t1);
+        let overrun = Prediction {
+            ttft: None,
+            tpot: None,
+        };
+        let message = objectives_met(None, &t, &overrun, 1, &sizing, None, &t0).message;
+        assert!(
+            message.contains("ttft p90 unbounded (target 800ms): the arrivals outrun them"),
+            "{message}"
         );
     }
 

@@ -697,7 +697,9 @@ mod tests {
         let t = targets(0.8, 0.08);
         // A 4,000-token prefill alone takes 2 s: an idle group answers in 2.05 s.
         let long = demand(1.0, 4000.0, 10.0);
-        let idle = predict(&capacity, &demand(0.0, 4000.0, 10.0), &t, 1).ttft.unwrap();
+        let idle = predict(&capacity, &demand(0.0, 4000.0, 10.0), &t, 1)
+            .ttft
+            .unwrap();
         assert!((idle - 2.05).abs() < 1e-9, "{idle}");
         let sizing = size(&capacity, &long, &t, 50);
         assert!(!sizing.met);
