@@ -114,7 +114,7 @@ async fn a_burst_of_long_prompts_scales_up_to_meet_the_time_to_first_token() -> 
             missed.message
         );
         let objectives = status.objectives.context("no status.autoscaling.objectives")?;
-        let ttft = objectives.ttft.context("no ttft prediction")?;
+        let ttft = objectives.ttft.clone().context("no ttft prediction")?;
         assert_eq!((ttft.percentile, ttft.target_seconds), (90.0, 0.3));
         assert!(
             ttft.predicted_seconds.is_none_or(|p| p > 0.3),
