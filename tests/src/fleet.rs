@@ -279,6 +279,17 @@ impl Load {
 
     /// Starts `clients` loops posting `body` to `path`, until [`Load::stop`].
     pub fn start(self: &Arc<Self>, clients: u32, path: &'static str, body: serde_json::Value) {
+        self.start_varied(clients, path, Arc::new(move |_| body.clone()));
+    }
+
+    /// [`Load::start`] with the body of the `n`th request sent being `body(n)`: prompts that
+    /// differ, so that no worker serves them from its prefix cache.
+    pub fn start_varied(
+        self: &Arc<Self>,
+        clients: u32,
+        path: &'static str,
+        body: Arc<dyn Fn(u64) -> serde_json::Value + Send + Sync>,
+    ) {
         // A bound on each request, so that a hang fails the test instead of stalling it.
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
@@ -293,12 +304,12 @@ impl Load {
         self: Arc<Self>,
         http: reqwest::Client,
         path: &str,
-        body: serde_json::Value,
+        body: Arc<dyn Fn(u64) -> serde_json::Value + Send + Sync>,
     ) {
         let url = format!("{}{path}", self.base_url);
         while !self.stop.load(Ordering::Relaxed) {
-            self.sent.fetch_add(1, Ordering::Relaxed);
-            match request_once(&http, &url, &body).await {
+            let n = self.sent.fetch_add(1, Ordering::Relaxed);
+            match request_once(&http, &url, &body(n)).await {
                 Ok(replica) => *self.answered_by.lock().await.entry(replica).or_default() += 1,
                 Err(failure) if failure.is::<Overloaded>() => {
                     self.rejected.fetch_add(1, Ordering::Relaxed);
@@ -409,24 +420,6 @@ pub async fn request_once(
     Ok(replica)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_stream_that_says_error_is_not_a_failed_stream() {
-        let said = "data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\ndata: [DONE]\n\n";
-        assert_eq!(sse_data(said).last(), Some(&"[DONE]"));
-        assert!(sse_error(said).is_none());
-        let failed = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
-                      data: {\"error\":{\"message\":\"the worker went away\"}}\n\ndata: [DONE]\n\n";
-        assert_eq!(
-            sse_error(failed).unwrap()["error"]["message"],
-            "the worker went away"
-        );
-    }
-}
-
 /// The label and taint key of the nodes [`unreachable_node`] makes.
 pub const UNREACHABLE_NODE: &str = "npufleet.io/unreachable-node";
 
@@ -460,4 +453,22 @@ pub fn unreachable_placement(node: &str) -> serde_json::Value {
         "nodeSelector": {UNREACHABLE_NODE: node},
         "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_that_says_error_is_not_a_failed_stream() {
+        let said = "data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(sse_data(said).last(), Some(&"[DONE]"));
+        assert!(sse_error(said).is_none());
+        let failed = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+                      data: {\"error\":{\"message\":\"the worker went away\"}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            sse_error(failed).unwrap()["error"]["message"],
+            "the worker went away"
+        );
+    }
 }

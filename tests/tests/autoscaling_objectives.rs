@@ -36,12 +36,13 @@ fn condition(service: &InferenceService, type_: &str) -> Option<Condition> {
         .cloned()
 }
 
-/// A prompt of about 700 tokens: long next to the chat prompts of the other tests, a
-/// noticeable prefill for SmolLM2 on two cores.
-fn long_prompt() -> String {
+/// A prompt of about 700 tokens, long next to the chat prompts of the other tests and a
+/// noticeable prefill for SmolLM2 on two cores, that starts with `n` so that no two share a
+/// prefix the workers' prefix cache could serve.
+fn long_prompt(n: u64) -> String {
     let sentence = "The river runs past the old mill, under the stone bridge and out to the sea. ";
     format!(
-        "{}Summarise the text above in one sentence.",
+        "Text {n}: {}Summarise the text above in one sentence.",
         sentence.repeat(40)
     )
 }
@@ -69,10 +70,10 @@ async fn a_burst_of_long_prompts_scales_up_to_meet_the_time_to_first_token() -> 
         let load = Load::through(&router);
         let services = bed.services();
         let started = Instant::now();
-        load.start(
+        load.start_varied(
             CLIENTS,
             "/v1/chat/completions",
-            service::chat(&long_prompt(), 8),
+            std::sync::Arc::new(|n| service::chat(&long_prompt(n), 8)),
         );
 
         // The objective is predicted missed with one replica, the count implied rises and

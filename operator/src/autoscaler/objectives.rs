@@ -66,12 +66,18 @@ impl Counters {
         if report.timestamp_unix_ms == 0 {
             return None;
         }
+        // Prompt tokens found in the prefix cache are not computed: the prefill the model
+        // predicts is of the rest. The squared lengths are only known whole, so they shrink
+        // by the worker's overall share computed.
+        let prompt = report.prompt_tokens_total as f64;
+        let computed = (prompt - report.prefix_cache_hits_total as f64).max(0.0);
+        let share = if prompt > 0.0 { computed / prompt } else { 1.0 };
         Some(Self {
             requests: report.requests_total as f64,
             admitted: report.requests_admitted_total as f64,
             finished: report.requests_finished_total as f64,
-            prompt_tokens: report.prompt_tokens_total as f64,
-            prompt_tokens_squared: report.prompt_tokens_squared_total,
+            prompt_tokens: computed,
+            prompt_tokens_squared: report.prompt_tokens_squared_total * share * share,
             output_tokens: report.generation_tokens_total as f64,
             prefill: Sums {
                 n: report.prefill_steps_total as f64,
@@ -766,6 +772,14 @@ mod tests {
             (queued.rate - d.rate - 2.0).abs() < 1e-9,
             "{queued:?} {d:?}"
         );
+        // Prompt tokens the prefix cache held are not prefill work.
+        let cached = LoadReport {
+            prefix_cache_hits_total: 750,
+            ..report(10, 1000, 5, 200, 100)
+        };
+        let counters = Counters::of(&cached).unwrap();
+        assert_eq!(counters.prompt_tokens, 250.0);
+        assert!((counters.prompt_tokens_squared - 100_000.0 / 16.0).abs() < 1e-9);
         // Workers that answer without counters are named, not taken for idle.
         let mut blind = Tracker::new(Capacity::default(), None);
         blind.observe(s(0.0), &[sample(0, true, Some(LoadReport::default()))]);
