@@ -97,8 +97,9 @@ bench-router: setup
 	@# One benchmark at a time: side by side, each would time the other's load.
 	$(CARGO) test --release -p npufleet-tests --test router_bench -- --ignored --nocapture --test-threads=1
 
-# The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces
-# (seconds; the simulator's unit tests run in make test).
+# The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces, and
+# the latency objectives against queue depth on a trace of short and long prompts (seconds;
+# the simulator's unit tests run in make test).
 bench-autoscaler:
 	$(CARGO) run --release -p npufleet-operator --bin npufleet-autoscale-sim
 

@@ -526,6 +526,119 @@ pub struct AutoscalingSpec {
     #[serde(default = "default_target_queue_depth")]
     #[schemars(range(min = 1, max = 100000))]
     pub target_queue_depth: i32,
+
+    /// Latency targets to size the fleet by, in place of `targetQueueDepth`: the fewest
+    /// replica groups whose predicted time to first token and time per output token meet
+    /// them, predicted from the measured arrival rate, prompt and output lengths and a model
+    /// of the replicas' step times learned from the workers (`status.autoscaling.capacity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objectives: Option<ObjectivesSpec>,
+}
+
+/// Latency objectives; at least one is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("has(self.ttft) || has(self.tpot)")
+    .message("spec.autoscaling.objectives must set ttft, tpot or both"))]
+#[x_kube(validation = Rule::new(percentile_rule("ttft"))
+    .message("spec.autoscaling.objectives.ttft.percentile must be greater than 0 and less than 100")
+    .field_path(".ttft.percentile"))]
+#[x_kube(validation = Rule::new(target_rule("ttft"))
+    .message("spec.autoscaling.objectives.ttft.target must be a positive duration in ms or s, such as 800ms or 1.5s")
+    .field_path(".ttft.target"))]
+#[x_kube(validation = Rule::new(percentile_rule("tpot"))
+    .message("spec.autoscaling.objectives.tpot.percentile must be greater than 0 and less than 100")
+    .field_path(".tpot.percentile"))]
+#[x_kube(validation = Rule::new(target_rule("tpot"))
+    .message("spec.autoscaling.objectives.tpot.target must be a positive duration in ms or s, such as 80ms or 0.1s")
+    .field_path(".tpot.target"))]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectivesSpec {
+    /// Time to first token: from a request reaching a worker to its first output token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft: Option<LatencyObjective>,
+    /// Time per output token after the first (inter-token latency) of a request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpot: Option<LatencyObjective>,
+}
+
+/// `percentile` per cent of requests should see at most `target`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LatencyObjective {
+    /// In (0, 100), exclusive; 90 if unset.
+    #[serde(default = "default_objective_percentile")]
+    pub percentile: f64,
+    /// A duration as Kubernetes writes them, restricted to milliseconds or seconds: `800ms`,
+    /// `1.5s`.
+    #[schemars(length(max = 32))]
+    pub target: String,
+}
+
+fn default_objective_percentile() -> f64 {
+    90.0
+}
+
+/// The grammar of an objective's target, a decimal number and the unit `ms` or `s`, as a
+/// regular expression in a CEL string literal (hence the doubled backslash).
+const OBJECTIVE_DURATION_CEL: &str = "^[0-9]+(\\\\.[0-9]+)?(ms|s)$";
+
+fn percentile_rule(field: &str) -> String {
+    format!(
+        "!has(self.{field}) || (self.{field}.percentile > 0.0 && self.{field}.percentile < 100.0)"
+    )
+}
+
+fn target_rule(field: &str) -> String {
+    format!(
+        "!has(self.{field}) || (self.{field}.target.matches('{OBJECTIVE_DURATION_CEL}') && duration(self.{field}.target) > duration('0s'))"
+    )
+}
+
+impl LatencyObjective {
+    /// The target as a duration; `Err` names what is wrong with it (the apiserver refuses
+    /// such a value already, this guards objects admitted before the rule).
+    pub fn target(&self) -> Result<std::time::Duration, String> {
+        parse_objective_duration(&self.target)
+    }
+
+    /// The percentile as a fraction in (0, 1).
+    pub fn quantile(&self) -> Result<f64, String> {
+        let p = self.percentile;
+        if p > 0.0 && p < 100.0 {
+            Ok(p / 100.0)
+        } else {
+            Err(format!(
+                "percentile {p} is not greater than 0 and less than 100"
+            ))
+        }
+    }
+}
+
+/// Parses `800ms` or `1.5s` (a decimal number and the unit `ms` or `s`) into a positive
+/// duration.
+pub fn parse_objective_duration(text: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("{text:?} is not a positive duration in ms or s, such as 800ms or 1.5s");
+    let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        return Err(bad());
+    };
+    let well_formed = !number.is_empty()
+        && !number.starts_with('.')
+        && !number.ends_with('.')
+        && number.chars().filter(|&c| c == '.').count() <= 1
+        && number.chars().all(|c| c.is_ascii_digit() || c == '.');
+    if !well_formed {
+        return Err(bad());
+    }
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let seconds = value * scale;
+    if !(seconds > 0.0 && seconds.is_finite() && seconds < 1e9) {
+        return Err(bad());
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
 fn default_min_replicas() -> i32 {
@@ -908,15 +1021,119 @@ pub struct AutoscalingStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scale_time: Option<Time>,
     /// The autoscaler's own conditions, as a HorizontalPodAutoscaler has them: `ScalingActive`
-    /// says whether it can read the load of every serving worker.
+    /// says whether it can read the load of every serving worker; with
+    /// `spec.autoscaling.objectives`, `ObjectivesMet` whether the ready replica groups are
+    /// predicted to meet them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+    /// With `spec.autoscaling.objectives`: the demand measured, what the capacity model
+    /// predicts and the replica groups that implies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objectives: Option<ObjectivesStatus>,
+    /// The step-time model learned from the workers, kept here so that a restarted operator
+    /// starts from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityStatus>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectivesStatus {
+    /// Requests per second arriving at the fleet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival_rate: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_prompt_tokens: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_output_tokens: Option<f64>,
+    /// Seconds a new replica group took from being asked for to ready, as last measured
+    /// (a default until one is); the count covers the load expected that far ahead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_seconds: Option<f64>,
+    /// The fewest replica groups predicted to meet every objective.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas_implied: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft: Option<ObjectivePrediction>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpot: Option<ObjectivePrediction>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectivePrediction {
+    pub percentile: f64,
+    pub target_seconds: f64,
+    /// The percentile predicted with the ready replica groups; absent when they cannot keep
+    /// up with the arrivals at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_seconds: Option<f64>,
+    /// The percentile predicted with `replicasImplied` groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_seconds_at_implied: Option<f64>,
+}
+
+/// Least-squares sums of step durations against step sizes, over every step the workers
+/// reported, and the lines fitted to them.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct CapacityStatus {
+    /// Prefill steps: seconds against the prompt positions they compute.
+    pub prefill: StepFit,
+    /// Decode steps: seconds against their batch.
+    pub decode: StepFit,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct StepFit {
+    pub steps: f64,
+    pub size_sum: f64,
+    pub seconds_sum: f64,
+    pub size_squared_sum: f64,
+    pub size_seconds_sum: f64,
+    /// The fitted line, or the conservative default while too few steps were seen.
+    pub intercept_seconds: f64,
+    pub seconds_per_unit: f64,
+    /// Whether the line is learned (`true`) or the default.
+    pub learned: bool,
 }
 
 impl InferenceService {
     /// Pods in one replica group.
     pub fn pods_per_replica(&self) -> i32 {
         (self.spec.parallelism.tensor / self.spec.accelerator.devices_per_pod.max(1)).max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn objective_targets_parse_in_milliseconds_or_seconds_and_refuse_the_rest() {
+        assert_eq!(
+            parse_objective_duration("800ms"),
+            Ok(std::time::Duration::from_millis(800))
+        );
+        assert_eq!(
+            parse_objective_duration("1.5s"),
+            Ok(std::time::Duration::from_millis(1500))
+        );
+        for bad in [
+            "0ms", "0.0s", "", "ms", "1.s", ".5s", "1m", "-1s", "1e3ms", "1.2.3s", "80",
+        ] {
+            let error = parse_objective_duration(bad).unwrap_err();
+            assert!(
+                error.contains("positive duration in ms or s"),
+                "{bad}: {error}"
+            );
+        }
+        let objective = LatencyObjective {
+            percentile: 100.0,
+            target: "80ms".into(),
+        };
+        assert!(objective.quantile().unwrap_err().contains("less than 100"));
     }
 }

@@ -38,7 +38,10 @@ pub const GROUP_VERSION: &str = "external.metrics.k8s.io/v1beta1";
 pub const QUEUE_DEPTH: &str = "npufleet_queue_depth";
 /// KV-cache use (0..=1 per group) summed over a service's ready replica groups.
 pub const KV_CACHE_USAGE: &str = "npufleet_kv_cache_usage";
-pub const METRICS: [&str; 2] = [QUEUE_DEPTH, KV_CACHE_USAGE];
+/// With `spec.autoscaling.objectives` and `mode: hpa`: the fewest replica groups predicted to
+/// meet the objectives. An HPA with an `AverageValue` target of 1 asks for exactly that many.
+pub const OBJECTIVE_REPLICAS: &str = "npufleet_objective_replicas";
+pub const METRICS: [&str; 3] = [QUEUE_DEPTH, KV_CACHE_USAGE, OBJECTIVE_REPLICAS];
 
 /// Every service's metric labels carry its name under this key, so an HPA can select one
 /// service with `matchLabels`. It is also a valid Prometheus label name, so the same HPA
@@ -54,6 +57,8 @@ pub const MAX_AGE: Duration = Duration::from_secs(15);
 pub struct ServiceLoad {
     pub queue_depth: u32,
     pub kv_cache_usage: f64,
+    /// The replica groups the latency objectives ask for, or why there is no such count.
+    pub objective_replicas: Result<u32, String>,
 }
 
 #[derive(Clone, Debug)]
@@ -75,7 +80,7 @@ pub struct MetricsStore {
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum QueryError {
     #[error(
-        "external metric {0:?} is not served here; known metrics: npufleet_queue_depth, npufleet_kv_cache_usage"
+        "external metric {0:?} is not served here; known metrics: npufleet_queue_depth, npufleet_kv_cache_usage, npufleet_objective_replicas"
     )]
     UnknownMetric(String),
     #[error("invalid labelSelector {selector:?}: {problem}")]
@@ -175,10 +180,15 @@ impl MetricsStore {
                     )));
                 }
                 let load = entry.load.as_ref().map_err(|why| unknown(why.clone()))?;
-                let value = if metric == QUEUE_DEPTH {
-                    f64::from(load.queue_depth)
-                } else {
-                    load.kv_cache_usage
+                let value = match metric.as_str() {
+                    QUEUE_DEPTH => f64::from(load.queue_depth),
+                    KV_CACHE_USAGE => load.kv_cache_usage,
+                    _ => f64::from(
+                        *load
+                            .objective_replicas
+                            .as_ref()
+                            .map_err(|why| unknown(why.clone()))?,
+                    ),
                 };
                 Ok(json!({
                     "metricName": metric,
@@ -573,6 +583,7 @@ mod tests {
         let load = |q| ServiceLoad {
             queue_depth: q,
             kv_cache_usage: 0.25,
+            objective_replicas: Err("no objectives".into()),
         };
         store.update("a", "llm", &labels(&[("team", "x")]), load(7));
         store.update("a", "other", &labels(&[("team", "y")]), load(3));
@@ -610,6 +621,7 @@ mod tests {
         let load = ServiceLoad {
             queue_depth: 7,
             kv_cache_usage: 0.25,
+            objective_replicas: Ok(3),
         };
         store.update("a", "llm", &labels(&[("team", "x")]), load.clone());
         store.update("a", "other", &labels(&[("team", "y")]), load.clone());
@@ -629,6 +641,23 @@ mod tests {
         store.update("a", "llm", &labels(&[("team", "x")]), load);
         let items = store.query("a", QUEUE_DEPTH, "team=x").unwrap();
         assert_eq!(items[0]["value"], "7");
+        let replicas = store.query("a", OBJECTIVE_REPLICAS, "team=x").unwrap();
+        assert_eq!(replicas[0]["value"], "3");
+        let none = ServiceLoad {
+            objective_replicas: Err(
+                "InferenceService a/other has no spec.autoscaling.objectives".into(),
+            ),
+            queue_depth: 0,
+            kv_cache_usage: 0.0,
+        };
+        store.update("a", "other", &labels(&[("team", "y")]), none);
+        let error = store.query("a", OBJECTIVE_REPLICAS, "team=y").unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .ends_with("has no spec.autoscaling.objectives"),
+            "{error}"
+        );
     }
 
     /// A CA that signs client certificates, as kube-apiserver's front-proxy CA does.
@@ -672,6 +701,7 @@ mod tests {
             ServiceLoad {
                 queue_depth: 12,
                 kv_cache_usage: 1.5,
+                objective_replicas: Err("no objectives".into()),
             },
         );
         let serving = tls::ServingCertificate::generate(&["localhost".into()]).unwrap();

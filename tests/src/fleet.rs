@@ -279,6 +279,17 @@ impl Load {
 
     /// Starts `clients` loops posting `body` to `path`, until [`Load::stop`].
     pub fn start(self: &Arc<Self>, clients: u32, path: &'static str, body: serde_json::Value) {
+        self.start_varied(clients, path, Arc::new(move |_| body.clone()));
+    }
+
+    /// [`Load::start`] with the body of the `n`th request sent being `body(n)`: prompts that
+    /// differ, so that no worker serves them from its prefix cache.
+    pub fn start_varied(
+        self: &Arc<Self>,
+        clients: u32,
+        path: &'static str,
+        body: Arc<dyn Fn(u64) -> serde_json::Value + Send + Sync>,
+    ) {
         // A bound on each request, so that a hang fails the test instead of stalling it.
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
@@ -293,12 +304,12 @@ impl Load {
         self: Arc<Self>,
         http: reqwest::Client,
         path: &str,
-        body: serde_json::Value,
+        body: Arc<dyn Fn(u64) -> serde_json::Value + Send + Sync>,
     ) {
         let url = format!("{}{path}", self.base_url);
         while !self.stop.load(Ordering::Relaxed) {
-            self.sent.fetch_add(1, Ordering::Relaxed);
-            match request_once(&http, &url, &body).await {
+            let n = self.sent.fetch_add(1, Ordering::Relaxed);
+            match request_once(&http, &url, &body(n)).await {
                 Ok(replica) => *self.answered_by.lock().await.entry(replica).or_default() += 1,
                 Err(failure) if failure.is::<Overloaded>() => {
                     self.rejected.fetch_add(1, Ordering::Relaxed);
@@ -407,6 +418,41 @@ pub async fn request_once(
             .with_context(|| format!("the answer from {replica} is not JSON: {text}"))?;
     }
     Ok(replica)
+}
+
+/// The label and taint key of the nodes [`unreachable_node`] makes.
+pub const UNREACHABLE_NODE: &str = "npufleet.io/unreachable-node";
+
+/// A KWOK node whose pods get addresses from `127.78.<subnet>.0/24`, where nothing listens:
+/// workers that are Ready but that the autoscaler cannot reach, as behind a NetworkPolicy. A
+/// taint keeps other tests' pods off it; [`unreachable_placement`] tolerates it.
+pub async fn unreachable_node(client: &Client, name: &str, subnet: u8) -> Result<()> {
+    let c = crate::cluster::shared();
+    let mut node = crate::cluster::FakeNode::cpu(name);
+    node.labels
+        .insert(UNREACHABLE_NODE.to_owned(), name.to_owned());
+    c.add_fake_node(client, &node).await?;
+    let cidr = format!("127.78.{subnet}.0/24");
+    let spec = serde_json::json!({"spec": {
+        "podCIDR": cidr, "podCIDRs": [cidr],
+        "taints": [{"key": UNREACHABLE_NODE, "value": name, "effect": "NoSchedule"}],
+    }});
+    Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(spec),
+        )
+        .await?;
+    Ok(())
+}
+
+/// `spec.scheduling` that puts a service's pods on the [`unreachable_node`] `node`.
+pub fn unreachable_placement(node: &str) -> serde_json::Value {
+    serde_json::json!({
+        "nodeSelector": {UNREACHABLE_NODE: node},
+        "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
+    })
 }
 
 #[cfg(test)]

@@ -187,7 +187,7 @@ async fn the_hpa_scales_an_inference_service_on_the_operators_external_metric() 
 
         let labels: BTreeMap<String, String> = service.labels().clone();
         let publish = |queue_depth| {
-            store.update(&ns, "chat", &labels, ServiceLoad { queue_depth, kv_cache_usage: 0.0 })
+            store.update(&ns, "chat", &labels, ServiceLoad { queue_depth, kv_cache_usage: 0.0, objective_replicas: Err("no objectives".into()) })
         };
 
         // The aggregator reaches the server and the selector picks the service.

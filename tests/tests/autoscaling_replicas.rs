@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -27,8 +27,7 @@ use npufleet_operator::autoscaler::policy::Reason;
 use npufleet_operator::autoscaler::{
     FIELD_MANAGER as AUTOSCALER, MANUAL_SCALE_REVERTED, METRICS_UNAVAILABLE, SCALING_ACTIVE,
 };
-use npufleet_tests::cluster::FakeNode;
-use npufleet_tests::fleet::Testbed;
+use npufleet_tests::fleet::{Testbed, unreachable_node, unreachable_placement};
 use npufleet_tests::operator::OperatedNamespace;
 use npufleet_tests::{cluster, service, wait};
 use serde_json::json;
@@ -92,28 +91,6 @@ fn autoscaled_count(service: &InferenceService) -> Option<i32> {
         .desired_replicas
 }
 
-/// A KWOK node whose pods get addresses from `127.78.<subnet>.0/24`, where nothing listens:
-/// workers that are Ready but that the autoscaler cannot reach, as behind a NetworkPolicy. A
-/// taint keeps other tests' pods off it; [`unreachable_service`] tolerates it.
-async fn unreachable_node(client: &Client, name: &str, subnet: u8) -> Result<()> {
-    let c = cluster::shared();
-    let mut node = FakeNode::cpu(name);
-    node.labels
-        .insert(UNREACHABLE_NODE.to_owned(), name.to_owned());
-    c.add_fake_node(client, &node).await?;
-    let cidr = format!("127.78.{subnet}.0/24");
-    let spec = json!({"spec": {
-        "podCIDR": cidr, "podCIDRs": [cidr],
-        "taints": [{"key": UNREACHABLE_NODE, "value": name, "effect": "NoSchedule"}],
-    }});
-    Api::<Node>::all(client.clone())
-        .patch(name, &PatchParams::default(), &Patch::Merge(spec))
-        .await?;
-    Ok(())
-}
-
-const UNREACHABLE_NODE: &str = "npufleet.io/unreachable-node";
-
 /// A CPU service `chat` in `namespace` under the built-in autoscaler (at least one replica
 /// group, at most `max`) asking for `replicas`, its pods on the node made by
 /// [`unreachable_node`]: KWOK runs them, Ready, with no worker behind them.
@@ -129,10 +106,7 @@ fn unreachable_service(
         json!({
             "replicas": replicas,
             "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": max},
-            "scheduling": {
-                "nodeSelector": {UNREACHABLE_NODE: node},
-                "tolerations": [{"key": UNREACHABLE_NODE, "operator": "Exists", "effect": "NoSchedule"}],
-            },
+            "scheduling": unreachable_placement(node),
         }),
     )
 }

@@ -456,6 +456,68 @@ async fn an_optional_enum_offers_only_its_values_and_takes_null_as_unset() -> Re
 }
 
 #[tokio::test]
+async fn latency_objectives_take_positive_durations_and_open_percentiles_naming_the_field()
+-> Result<()> {
+    let (_, api) = namespace_with_crd("crd-objectives").await?;
+    let objectives = |value: Value| {
+        with(
+            valid("objectives"),
+            "/spec/autoscaling",
+            json!({"minReplicas": 1, "maxReplicas": 4, "objectives": value}),
+        )
+    };
+    let cases = [
+        (
+            json!({}),
+            "spec.autoscaling.objectives must set ttft, tpot or both",
+        ),
+        (
+            json!({"ttft": {"percentile": 100, "target": "800ms"}}),
+            "spec.autoscaling.objectives.ttft.percentile",
+        ),
+        (
+            json!({"tpot": {"percentile": 0, "target": "80ms"}}),
+            "spec.autoscaling.objectives.tpot.percentile",
+        ),
+        (
+            json!({"ttft": {"target": "0ms"}}),
+            "spec.autoscaling.objectives.ttft.target",
+        ),
+        (
+            json!({"tpot": {"target": "fast"}}),
+            "spec.autoscaling.objectives.tpot.target",
+        ),
+        (
+            json!({"tpot": {"target": "1m"}}),
+            "spec.autoscaling.objectives.tpot.target",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (value, field) in cases {
+        match rejection(&api, objectives(value.clone())).await {
+            Ok(message) if message.contains(field) => {}
+            Ok(message) => {
+                failures.push(format!("{value}: message does not name {field}: {message}"))
+            }
+            Err(e) => failures.push(format!("{value}: {e:#}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+
+    let accepted = objectives(json!({
+        "ttft": {"percentile": 99.5, "target": "1.5s"},
+        "tpot": {"target": "80ms"},
+    }));
+    let created = api
+        .create(&PostParams::default(), &serde_json::from_value(accepted)?)
+        .await
+        .context("valid objectives refused")?;
+    let objectives = &created.data["spec"]["autoscaling"]["objectives"];
+    assert_eq!(objectives["tpot"]["percentile"], 90.0, "{objectives}");
+    Ok(())
+}
+
+#[tokio::test]
 async fn samples_are_valid() -> Result<()> {
     let (ns, _) = namespace_with_crd("crd-samples").await?;
     let samples = paths::repo_root().join("deploy/samples");

@@ -257,6 +257,41 @@ pub struct LoadSnapshot {
     pub steps_total: u64,
     /// Batch size of the last engine step.
     pub last_batch_size: usize,
+    /// Steps that computed prompt positions, sized by the positions they computed.
+    pub prefill_steps: StepSums,
+    /// Steps of decodes only, sized by their batch.
+    pub decode_steps: StepSums,
+    /// Valid requests submitted, refused ones included.
+    pub requests_total: u64,
+    /// Requests admitted to the running batch (their prompts counted in
+    /// `prompt_tokens_total`).
+    pub requests_admitted_total: u64,
+    /// Requests that produced their last token.
+    pub requests_finished_total: u64,
+    /// Sum of the squared prompt lengths of admitted requests.
+    pub prompt_tokens_squared_total: f64,
+}
+
+/// Running sums over engine steps of one kind from which a reader fits the step's duration
+/// as a line in its size by least squares, using the differences of two readings.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepSums {
+    pub steps: u64,
+    pub size: u64,
+    pub seconds: f64,
+    pub size_squared: f64,
+    pub size_seconds: f64,
+}
+
+impl StepSums {
+    pub fn add(&mut self, size: usize, seconds: f64) {
+        let x = size as f64;
+        self.steps += 1;
+        self.size += size as u64;
+        self.seconds += seconds;
+        self.size_squared += x * x;
+        self.size_seconds += x * seconds;
+    }
 }
 
 /// What the served model is.

@@ -4,9 +4,9 @@
 //! whichever replica the metrics Service picks, so each must have the readings. Decisions
 //! and writes built on them stay with the leader ([`super::Autoscaler`]).
 
-use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -17,12 +17,14 @@ use npufleet_contract::ports;
 use npufleet_crds::{InferenceService, LoadSource};
 
 use super::load::{LoadReader, LoadTarget};
+use super::objectives::{self, GroupSample, Tracker};
 use super::policy::{GroupState, Observation};
-use super::{GroupView, group_loads, readings};
+use super::{GroupView, group_loads, group_samples, readings};
 use crate::cache::{WatchScope, without_managed_fields};
 use crate::external_metrics::{MetricsStore, ServiceLoad};
 use crate::fleet;
 use crate::labels::{self, FIELD_MANAGER};
+use npufleet_crds::AutoscalingMode;
 
 /// Reads the load of every service's workers and keeps the metrics store current.
 pub struct Collector {
@@ -32,6 +34,10 @@ pub struct Collector {
     namespace: Option<String>,
     services: Store<InferenceService>,
     pods: Store<Pod>,
+    /// With objectives under `mode: hpa`, what each service's objectives learned, by
+    /// namespace and name: every replica answers the HPA, so each keeps its own.
+    trackers: Mutex<HashMap<(String, String), Tracker>>,
+    started: Instant,
 }
 
 impl Collector {
@@ -48,12 +54,15 @@ impl Collector {
             namespace: namespace.map(str::to_owned),
             services,
             pods,
+            trackers: Mutex::new(HashMap::new()),
+            started: Instant::now(),
         }
     }
 
     /// Reads every service's workers once, publishes each service's load and forgets the
-    /// services that are gone; returns what it saw of each service.
-    pub async fn collect(&self) -> Vec<(Arc<InferenceService>, Observation)> {
+    /// services that are gone; returns what it saw of each service, and of each of its
+    /// groups what the latency objectives need.
+    pub async fn collect(&self) -> Vec<(Arc<InferenceService>, Observation, Vec<GroupSample>)> {
         let namespace = self.namespace.as_deref();
         let services = self
             .services
@@ -93,6 +102,7 @@ impl Collector {
             .collect();
         self.metrics
             .retain(|namespace, name| live.contains(&(namespace.to_owned(), name.to_owned())));
+        self.lock_trackers().retain(|key, _| live.contains(key));
 
         read.into_iter()
             .map(|(service, workers)| {
@@ -102,8 +112,9 @@ impl Collector {
                     wake_requested: false,
                     readings: readings(&workers),
                 };
-                self.publish(&service, &observation);
-                (service, observation)
+                let samples = group_samples(&workers);
+                self.publish(&service, &observation, &samples);
+                (service, observation, samples)
             })
             .collect()
     }
@@ -128,7 +139,12 @@ impl Collector {
 
     /// Publishes the service's load, or that it is not known: a sum over the workers that
     /// answered would read as a fall in load.
-    fn publish(&self, service: &InferenceService, observation: &Observation) {
+    fn publish(
+        &self,
+        service: &InferenceService,
+        observation: &Observation,
+        samples: &[GroupSample],
+    ) {
         let (namespace, name) = (service.namespace().unwrap_or_default(), service.name_any());
         if observation.readings.incomplete() {
             self.metrics.withhold(
@@ -151,8 +167,66 @@ impl Collector {
                     .filter(|g| g.state == GroupState::Ready)
                     .map(|g| g.kv_usage)
                     .sum(),
+                objective_replicas: self.objective_replicas(service, observation, samples),
             },
         );
+    }
+
+    /// The count the objectives of an HPA-scaled service ask for, or why there is none (the
+    /// built-in loop sizes its services itself).
+    fn objective_replicas(
+        &self,
+        service: &InferenceService,
+        observation: &Observation,
+        samples: &[GroupSample],
+    ) -> Result<u32, String> {
+        let (namespace, name) = (service.namespace().unwrap_or_default(), service.name_any());
+        let autoscaling = service.spec.autoscaling.as_ref();
+        let spec = match autoscaling.and_then(|a| a.objectives.as_ref()) {
+            Some(spec) if autoscaling.is_some_and(|a| a.mode == AutoscalingMode::Hpa) => spec,
+            _ => {
+                return Err(format!(
+                    "InferenceService {namespace}/{name} is not scaled by an HPA on spec.autoscaling.objectives"
+                ));
+            }
+        };
+        let targets = super::targets(spec)?;
+        let max_replicas = autoscaling.map_or(1, |a| u32::try_from(a.max_replicas).unwrap_or(1));
+        let waiting = observation
+            .groups
+            .iter()
+            .filter(|g| g.state == GroupState::Ready)
+            .map(|g| g.waiting)
+            .sum();
+        let mut trackers = self.lock_trackers();
+        let tracker = trackers.entry((namespace, name)).or_insert_with(|| {
+            let status = service.status.as_ref().and_then(|s| s.autoscaling.as_ref());
+            Tracker::new(
+                status
+                    .and_then(|a| a.capacity.as_ref())
+                    .map(super::capacity::Capacity::from_status)
+                    .unwrap_or_default(),
+                None,
+            )
+        });
+        match objectives::evaluate(
+            tracker,
+            self.started.elapsed(),
+            samples,
+            (waiting, observation.ready()),
+            &targets,
+            max_replicas,
+        ) {
+            Ok(evaluation) => Ok(evaluation.sizing.replicas),
+            Err(objectives::Unknown::Starting) => {
+                Err("the objectives have no readings to predict from yet".to_owned())
+            }
+            Err(objectives::Unknown::NoCounters(why)) => Err(why),
+        }
+    }
+
+    fn lock_trackers(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Tracker>> {
+        self.trackers.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -279,7 +353,7 @@ mod tests {
                 first_error: Some("no load report from 127.0.0.3:8001 within 100ms".into()),
             },
         };
-        collector.publish(&service, &observation);
+        collector.publish(&service, &observation, &[]);
         let refused = metrics.query("ml", QUEUE_DEPTH, "").unwrap_err();
         assert_eq!(
             refused.to_string(),
@@ -291,7 +365,7 @@ mod tests {
             asked: 3,
             ..Readings::default()
         };
-        collector.publish(&service, &observation);
+        collector.publish(&service, &observation, &[]);
         let items = metrics.query("ml", QUEUE_DEPTH, "").unwrap();
         assert_eq!(items[0]["value"], "7");
     }

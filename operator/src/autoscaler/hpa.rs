@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use kube::{Resource, ResourceExt};
 use npufleet_crds::{AutoscalingSpec, InferenceService};
 
-use crate::external_metrics::{QUEUE_DEPTH, SERVICE_LABEL};
+use crate::external_metrics::{OBJECTIVE_REPLICAS, QUEUE_DEPTH, SERVICE_LABEL};
 
 /// Why `mode: hpa` refuses `minReplicas: 0`: an HPA cannot wake a target from zero on the
 /// operator's metric, and its `minReplicas: 0` needs an alpha feature gate.
@@ -35,6 +35,12 @@ pub fn desired(
         "spec.autoscaling.maxReplicas must be at least 1, got {}",
         autoscaling.max_replicas
     );
+    // With objectives the metric is the count itself: replicas = ceil(count / 1). Else
+    // replicas = ceil(total queue depth / target per replica).
+    let (metric, per_replica) = match autoscaling.objectives {
+        Some(_) => (OBJECTIVE_REPLICAS, 1),
+        None => (QUEUE_DEPTH, autoscaling.target_queue_depth),
+    };
     Ok(HorizontalPodAutoscaler {
         metadata: ObjectMeta {
             name: Some(name.clone()),
@@ -59,16 +65,15 @@ pub fn desired(
                 type_: "External".to_owned(),
                 external: Some(ExternalMetricSource {
                     metric: MetricIdentifier {
-                        name: QUEUE_DEPTH.to_owned(),
+                        name: metric.to_owned(),
                         selector: Some(LabelSelector {
                             match_labels: Some([(SERVICE_LABEL.to_owned(), name)].into()),
                             ..LabelSelector::default()
                         }),
                     },
-                    // replicas = ceil(total queue depth / target per replica)
                     target: MetricTarget {
                         type_: "AverageValue".to_owned(),
-                        average_value: Some(Quantity(autoscaling.target_queue_depth.to_string())),
+                        average_value: Some(Quantity(per_replica.to_string())),
                         ..MetricTarget::default()
                     },
                 }),
@@ -122,6 +127,20 @@ mod tests {
         assert_eq!(metric["external"]["target"]["averageValue"], "3");
         assert_eq!(value["metadata"]["ownerReferences"][0]["uid"], "1234");
         assert_eq!(value["metadata"]["ownerReferences"][0]["controller"], true);
+    }
+
+    #[test]
+    fn with_objectives_the_hpa_asks_for_the_count_they_imply() {
+        let svc = service(serde_json::json!({
+            "mode": "hpa", "minReplicas": 1, "maxReplicas": 6,
+            "objectives": {"ttft": {"target": "800ms"}},
+        }));
+        let hpa = desired(&svc, svc.spec.autoscaling.as_ref().unwrap()).unwrap();
+        let value = serde_json::to_value(&hpa).unwrap();
+        let external = &value["spec"]["metrics"][0]["external"];
+        assert_eq!(external["metric"]["name"], OBJECTIVE_REPLICAS);
+        assert_eq!(external["target"]["type"], "AverageValue");
+        assert_eq!(external["target"]["averageValue"], "1");
     }
 
     #[test]

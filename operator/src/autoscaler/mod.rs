@@ -24,9 +24,11 @@
 //! `ScalingActive` condition in `status.autoscaling.conditions` turns `False` with reason
 //! `MetricsUnavailable` (and a warning event) until every serving worker answers again.
 
+pub mod capacity;
 pub mod collect;
 pub mod hpa;
 pub mod load;
+pub mod objectives;
 pub mod policy;
 pub mod sim;
 
@@ -41,7 +43,10 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
-use npufleet_crds::{AutoscalingMode, AutoscalingSpec, InferenceService};
+use npufleet_crds::{
+    AutoscalingMode, AutoscalingSpec, InferenceService, ObjectivePrediction, ObjectivesSpec,
+    ObjectivesStatus,
+};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -51,6 +56,7 @@ use crate::fleet::{self, SCALE_DOWN_ANNOTATION};
 use crate::labels::GROUP as GROUP_LABEL;
 use collect::Collector;
 use npufleet_contract::proto::npufleet::v1::{LoadReport, WorkerState};
+use objectives::{GroupSample, Prediction, Sizing, Target, Targets, Tracker};
 use policy::{Decision, GroupLoad, GroupState, Observation, Policy, PolicyConfig, Readings};
 
 /// Field manager of everything the autoscaler writes.
@@ -64,6 +70,11 @@ pub const METRICS_UNAVAILABLE: &str = policy::Reason::MetricsUnavailable.as_str(
 pub const VALID_METRIC_FOUND: &str = "ValidMetricFound";
 /// The warning when a `spec.replicas` set by someone else is put back to the autoscaler's count.
 pub const MANUAL_SCALE_REVERTED: &str = "ManualScaleReverted";
+/// The condition in `status.autoscaling.conditions` saying whether the ready replica groups
+/// are predicted to meet `spec.autoscaling.objectives` (also the reason when they are).
+pub const OBJECTIVES_MET: &str = "ObjectivesMet";
+/// `ObjectivesMet=False`: an objective is predicted to be missed (also the warning's reason).
+pub const OBJECTIVE_MISSED: &str = "ObjectiveMissed";
 
 /// How the loop runs.
 #[derive(Clone, Debug)]
@@ -181,6 +192,24 @@ pub fn group_loads(groups: &[GroupView]) -> Vec<GroupLoad> {
         .collect()
 }
 
+/// Each group as the objectives' tracker needs it: whether it serves, and its serving
+/// worker's counters.
+pub fn group_samples(groups: &[GroupView]) -> Vec<GroupSample> {
+    group_loads(groups)
+        .iter()
+        .zip(groups)
+        .map(|(load, view)| {
+            let report = view.report.as_ref().ok();
+            GroupSample {
+                group: view.group,
+                ready: load.state == GroupState::Ready,
+                counters: report.and_then(objectives::Counters::of),
+                max_batch: report.map(|r| r.max_batch_size).filter(|&b| b > 0),
+            }
+        })
+        .collect()
+}
+
 /// How the load reports of the ready groups' serving workers went, the first failure by
 /// group.
 pub fn readings(groups: &[GroupView]) -> Readings {
@@ -260,6 +289,158 @@ struct ServiceState {
     /// until the cache holds a later one, a `spec.replicas` that differs is the cache
     /// lagging the write, not someone else's.
     replicas_written_over: Option<i64>,
+    /// The latency objectives' memory; kept while the service has objectives or learns
+    /// its capacity.
+    tracker: Tracker,
+    /// The last evaluation of the objectives, for the status.
+    objectives: Option<ObjectivesStatus>,
+    /// The `ObjectivesMet` condition as last decided, and whether it turned since the event
+    /// that says so was recorded.
+    objectives_met: Option<(Condition, bool)>,
+}
+
+/// The objectives as fractions and seconds; `Err` names the field that is wrong.
+pub fn targets(spec: &ObjectivesSpec) -> Result<Targets, String> {
+    let target = |name: &str, objective: &Option<npufleet_crds::LatencyObjective>| {
+        objective
+            .as_ref()
+            .map(|o| {
+                let field = format!("spec.autoscaling.objectives.{name}");
+                Ok::<Target, String>(Target {
+                    quantile: o
+                        .quantile()
+                        .map_err(|e| format!("{field}.percentile: {e}"))?,
+                    seconds: o
+                        .target()
+                        .map_err(|e| format!("{field}.target: {e}"))?
+                        .as_secs_f64(),
+                })
+            })
+            .transpose()
+    };
+    let targets = Targets {
+        ttft: target("ttft", &spec.ttft)?,
+        tpot: target("tpot", &spec.tpot)?,
+    };
+    if targets.ttft.is_none() && targets.tpot.is_none() {
+        return Err("spec.autoscaling.objectives must set ttft, tpot or both".to_owned());
+    }
+    Ok(targets)
+}
+
+fn seconds(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.0}ms", s * 1000.0)
+    } else {
+        format!("{s:.2}s")
+    }
+}
+
+/// The status of an evaluation of the objectives: the prediction with the `ready` groups
+/// and with the count implied.
+fn objectives_status(
+    targets: &Targets,
+    demand: &objectives::Demand,
+    ready_seconds: f64,
+    sizing: &Sizing,
+    at_ready: &Prediction,
+) -> ObjectivesStatus {
+    let round = |x: f64, digits: i32| {
+        let scale = 10f64.powi(digits);
+        (x * scale).round() / scale
+    };
+    let entry = |target: Option<Target>, ready: Option<f64>, implied: Option<f64>| {
+        target.map(|t| ObjectivePrediction {
+            percentile: round(t.quantile * 100.0, 3),
+            target_seconds: round(t.seconds, 4),
+            predicted_seconds: ready.map(|p| round(p, 4)),
+            predicted_seconds_at_implied: implied.map(|p| round(p, 4)),
+        })
+    };
+    ObjectivesStatus {
+        arrival_rate: Some(round(demand.measured_rate, 3)),
+        mean_prompt_tokens: Some(round(demand.mean_prompt, 1)),
+        mean_output_tokens: Some(round(demand.mean_output, 1)),
+        ready_seconds: Some(round(ready_seconds, 2)),
+        replicas_implied: Some(i32::try_from(sizing.replicas).unwrap_or(i32::MAX)),
+        ttft: entry(targets.ttft, at_ready.ttft, sizing.at_replicas.ttft),
+        tpot: entry(targets.tpot, at_ready.tpot, sizing.at_replicas.tpot),
+    }
+}
+
+/// The `ObjectivesMet` condition for a prediction with the `ready` groups: which objective
+/// is missed, by how much, and what count would meet it.
+fn objectives_met(
+    previous: Option<&Condition>,
+    targets: &Targets,
+    at_ready: &Prediction,
+    ready: u32,
+    sizing: &Sizing,
+    generation: Option<i64>,
+    now: &Time,
+) -> Condition {
+    let mut missed = Vec::new();
+    let mut met = Vec::new();
+    for (name, target, predicted) in [
+        ("ttft", targets.ttft, at_ready.ttft),
+        ("tpot", targets.tpot, at_ready.tpot),
+    ] {
+        let Some(target) = target else { continue };
+        let p = target.quantile * 100.0;
+        let target_text = seconds(target.seconds);
+        match predicted {
+            Some(value) if value <= target.seconds => met.push(format!(
+                "{name} p{p} predicted {} (target {target_text})",
+                seconds(value)
+            )),
+            Some(value) => missed.push(format!(
+                "{name} p{p} predicted {} over the target {target_text}",
+                seconds(value)
+            )),
+            None => missed.push(format!(
+                "{name} p{p} unbounded (target {target_text}): the arrivals outrun them"
+            )),
+        }
+    }
+    let implied = if sizing.met {
+        format!("{} replica groups meet every objective", sizing.replicas)
+    } else {
+        format!(
+            "no count meets every objective; {} replica groups come closest",
+            sizing.replicas
+        )
+    };
+    let (status, reason, message) = if missed.is_empty() {
+        (
+            "True",
+            OBJECTIVES_MET,
+            format!(
+                "with {ready} ready replica groups: {}; {implied}",
+                met.join(", ")
+            ),
+        )
+    } else {
+        (
+            "False",
+            OBJECTIVE_MISSED,
+            format!(
+                "with {ready} ready replica groups: {}; {implied}",
+                missed.into_iter().chain(met).collect::<Vec<_>>().join(", ")
+            ),
+        )
+    };
+    let last_transition_time = match previous {
+        Some(p) if p.status == status => p.last_transition_time.clone(),
+        _ => now.clone(),
+    };
+    Condition {
+        type_: OBJECTIVES_MET.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    }
 }
 
 /// Events of one service with one reason. A recorder folds an event into the series of an
@@ -358,7 +539,7 @@ impl Autoscaler {
         let observed = self.collector.collect().await;
         let live: HashSet<ObjectRef<InferenceService>> = observed
             .iter()
-            .map(|(s, _)| ObjectRef::from_obj(s.as_ref()))
+            .map(|(s, _, _)| ObjectRef::from_obj(s.as_ref()))
             .collect();
         self.policies.retain(|k, _| live.contains(k));
         self.hpas.retain(|k, _| live.contains(k));
@@ -366,8 +547,8 @@ impl Autoscaler {
         self.scaling_active.retain(|k, _| live.contains(k));
         self.events.retain(|(k, _), _| live.contains(k));
 
-        for (service, observation) in observed {
-            if let Err(error) = self.handle(&service, observation).await {
+        for (service, observation, samples) in observed {
+            if let Err(error) = self.handle(&service, observation, samples).await {
                 tracing::warn!(
                     service = %service.name_any(),
                     namespace = service.namespace().unwrap_or_default(),
@@ -381,7 +562,8 @@ impl Autoscaler {
     async fn handle(
         &mut self,
         service: &InferenceService,
-        mut observation: Observation,
+        observation: Observation,
+        samples: Vec<GroupSample>,
     ) -> anyhow::Result<()> {
         let name = service.name_any();
         let namespace = service.namespace().unwrap_or_default();
@@ -390,10 +572,10 @@ impl Autoscaler {
             self.policies.remove(&key);
             return self.forget_hpa(service, &key).await;
         };
-        self.follow_readings(service, autoscaling.mode, &observation.readings)
-            .await;
         match autoscaling.mode {
             AutoscalingMode::Hpa => {
+                self.follow_readings(service, autoscaling.mode, &observation.readings)
+                    .await;
                 self.policies.remove(&key);
                 if self.scaling_active.get(&key).is_some_and(|s| !s.written) {
                     self.write_status(service, None).await?;
@@ -425,58 +607,220 @@ impl Autoscaler {
                 Ok(())
             }
             AutoscalingMode::Builtin => {
-                self.forget_hpa(service, &key).await?;
-                let config = policy_config(&self.settings.policy, autoscaling);
-                let current = self.policies.get(&key).map(|s| s.policy.config());
-                if current != Some(&config) {
-                    match Policy::new(config.clone()) {
-                        Ok(policy) => {
-                            self.policies.insert(
-                                key.clone(),
-                                ServiceState {
-                                    policy,
-                                    last_status: None,
-                                    last_scale_time: service
-                                        .status
-                                        .as_ref()
-                                        .and_then(|s| s.autoscaling.as_ref())
-                                        .and_then(|a| a.last_scale_time.clone()),
-                                    bad_wake_request: None,
-                                    replicas_written_over: None,
-                                },
-                            );
-                        }
-                        Err(error) => {
-                            if self.invalid.get(&key) != Some(&config) {
-                                self.warn(service, "InvalidAutoscaling", &error.to_string())
-                                    .await;
-                                self.invalid.insert(key, config);
-                            }
-                            return Ok(());
-                        }
-                    }
-                }
-                self.invalid.remove(&key);
-                if observation.spec_replicas == 0 {
-                    observation.wake_requested = match wake_requested(service) {
-                        Ok(requested) => requested,
-                        Err(problem) => {
-                            let value = service.annotations().get(WAKE_REQUESTED_AT).cloned();
-                            let state = self.policies.get_mut(&key).expect("inserted above");
-                            if state.bad_wake_request != value {
-                                state.bad_wake_request = value;
-                                self.warn(service, "InvalidWakeRequest", &problem).await;
-                            }
-                            false
-                        }
-                    };
-                }
-                let now = self.started.elapsed();
-                let state = self.policies.get_mut(&key).expect("inserted above");
-                let decision = state.policy.decide(now, &observation);
-                self.apply(service, &observation, &decision).await
+                self.handle_builtin(service, autoscaling, observation, samples)
+                    .await
             }
         }
+    }
+
+    /// The built-in loop's tick for one service: on its queue depth, or on its latency
+    /// objectives when it has some.
+    async fn handle_builtin(
+        &mut self,
+        service: &InferenceService,
+        autoscaling: &AutoscalingSpec,
+        mut observation: Observation,
+        samples: Vec<GroupSample>,
+    ) -> anyhow::Result<()> {
+        let key = ObjectRef::from_obj(service);
+        let objectives = autoscaling.objectives.as_ref();
+        self.forget_hpa(service, &key).await?;
+        let config = policy_config(&self.settings.policy, autoscaling);
+        let current = self.policies.get(&key).map(|s| s.policy.config());
+        if current != Some(&config) {
+            match Policy::new(config.clone()) {
+                Ok(policy) => {
+                    let status = service.status.as_ref().and_then(|s| s.autoscaling.as_ref());
+                    // The capacity learned so far outlives a change of bounds, and a
+                    // restart through the status.
+                    let (tracker, evaluated, objectives_met) = match self.policies.remove(&key) {
+                        Some(old) => (old.tracker, old.objectives, old.objectives_met),
+                        None => (
+                            Tracker::new(
+                                status
+                                    .and_then(|a| a.capacity.as_ref())
+                                    .map(capacity::Capacity::from_status)
+                                    .unwrap_or_default(),
+                                status
+                                    .and_then(|a| a.objectives.as_ref())
+                                    .and_then(|o| o.ready_seconds),
+                            ),
+                            status.and_then(|a| a.objectives.clone()),
+                            status
+                                .and_then(|a| {
+                                    a.conditions.iter().find(|c| c.type_ == OBJECTIVES_MET)
+                                })
+                                .map(|c| (c.clone(), false)),
+                        ),
+                    };
+                    self.policies.insert(
+                        key.clone(),
+                        ServiceState {
+                            policy,
+                            last_status: None,
+                            last_scale_time: status.and_then(|a| a.last_scale_time.clone()),
+                            bad_wake_request: None,
+                            replicas_written_over: None,
+                            tracker,
+                            objectives: evaluated,
+                            objectives_met,
+                        },
+                    );
+                }
+                Err(error) => {
+                    if self.invalid.get(&key) != Some(&config) {
+                        self.warn(service, "InvalidAutoscaling", &error.to_string())
+                            .await;
+                        self.invalid.insert(key, config);
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        self.invalid.remove(&key);
+        if observation.spec_replicas == 0 {
+            observation.wake_requested = match wake_requested(service) {
+                Ok(requested) => requested,
+                Err(problem) => {
+                    let value = service.annotations().get(WAKE_REQUESTED_AT).cloned();
+                    let state = self.policies.get_mut(&key).expect("inserted above");
+                    if state.bad_wake_request != value {
+                        state.bad_wake_request = value;
+                        self.warn(service, "InvalidWakeRequest", &problem).await;
+                    }
+                    false
+                }
+            };
+        }
+        let now = self.started.elapsed();
+        let demand = match objectives {
+            None => {
+                let state = self.policies.get_mut(&key).expect("inserted above");
+                // The capacity is learned whatever the service scales on.
+                state.tracker.observe(now, &samples);
+                None
+            }
+            Some(spec) => match targets(spec) {
+                Ok(targets) => {
+                    let demand =
+                        self.objective_demand(service, &targets, &mut observation, &samples, now);
+                    Some(demand)
+                }
+                Err(error) => {
+                    let config = policy_config(&self.settings.policy, autoscaling);
+                    if self.invalid.get(&key) != Some(&config) {
+                        self.warn(service, "InvalidAutoscaling", &error).await;
+                        self.invalid.insert(key, config);
+                    }
+                    return Ok(());
+                }
+            },
+        };
+        self.follow_readings(service, AutoscalingMode::Builtin, &observation.readings)
+            .await;
+        self.follow_objectives(service).await;
+        let state = self.policies.get_mut(&key).expect("inserted above");
+        let decision = match demand {
+            None => state.policy.decide(now, &observation),
+            Some(demand) => state.policy.decide_on(now, &observation, demand),
+        };
+        self.apply(service, &observation, &decision).await
+    }
+
+    /// The replica groups the objectives ask for this tick, the status and `ObjectivesMet`
+    /// condition that say why; `None` while the demand is not known. Workers that answer
+    /// without the counters the objectives need count as unread, so the count holds and
+    /// `ScalingActive` says why.
+    fn objective_demand(
+        &mut self,
+        service: &InferenceService,
+        targets: &Targets,
+        observation: &mut Observation,
+        samples: &[GroupSample],
+        now: std::time::Duration,
+    ) -> Option<f64> {
+        let key = ObjectRef::from_obj(service);
+        let max_replicas =
+            u32::try_from(service.spec.autoscaling.as_ref()?.max_replicas).unwrap_or(1);
+        let state = self.policies.get_mut(&key)?;
+        let waiting = observation
+            .groups
+            .iter()
+            .filter(|g| g.state == GroupState::Ready)
+            .map(|g| g.waiting)
+            .sum();
+        let ready = observation.ready();
+        let evaluation = match objectives::evaluate(
+            &mut state.tracker,
+            now,
+            samples,
+            (waiting, ready),
+            targets,
+            max_replicas,
+        ) {
+            Ok(evaluation) => evaluation,
+            Err(objectives::Unknown::Starting) => return None,
+            Err(objectives::Unknown::NoCounters(why)) => {
+                let readings = &mut observation.readings;
+                readings.failed = readings.asked.max(1);
+                readings.asked = readings.failed;
+                readings.first_error = Some(why);
+                return None;
+            }
+        };
+        let objectives::Evaluation {
+            demand,
+            sizing,
+            at_ready,
+        } = evaluation;
+        let ready_seconds = state
+            .tracker
+            .ready_seconds()
+            .unwrap_or(objectives::DEFAULT_READY_SECONDS);
+        state.objectives = Some(objectives_status(
+            targets,
+            &demand,
+            ready_seconds,
+            &sizing,
+            &at_ready,
+        ));
+        // A fleet at zero with nothing arriving misses nothing.
+        if ready > 0 || demand.measured_rate > 0.0 {
+            let previous = state.objectives_met.as_ref().map(|(c, _)| c);
+            let condition = objectives_met(
+                previous,
+                targets,
+                &at_ready,
+                ready,
+                &sizing,
+                service.metadata.generation,
+                &Time(k8s_openapi::jiff::Timestamp::now()),
+            );
+            let turned = previous.is_none_or(|p| p.status != condition.status);
+            let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
+            state.objectives_met = Some((condition, turned || unannounced));
+        }
+        Some(f64::from(sizing.replicas))
+    }
+
+    /// Records an event when `ObjectivesMet` turns, and has the status written at once.
+    async fn follow_objectives(&mut self, service: &InferenceService) {
+        let key = ObjectRef::from_obj(service);
+        let Some(state) = self.policies.get_mut(&key) else {
+            return;
+        };
+        let Some((condition, true)) = state.objectives_met.clone() else {
+            return;
+        };
+        state.objectives_met = Some((condition.clone(), false));
+        state.last_status = None;
+        let type_ = if condition.status == "True" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        self.publish(service, type_, &condition.reason, &condition.message)
+            .await;
     }
 
     /// Deletes the service's HPA if this operator made it (once per service and mode
@@ -654,8 +998,32 @@ impl Autoscaler {
                 autoscaling["lastScaleTime"] = json!(at);
             }
         }
+        let mut conditions = Vec::new();
         if let Some(scaling_active) = self.scaling_active.get(&key) {
-            autoscaling["conditions"] = json!([scaling_active.condition]);
+            conditions.push(scaling_active.condition.clone());
+        }
+        if decision.is_some()
+            && let Some(state) = self.policies.get(&key)
+        {
+            if service
+                .spec
+                .autoscaling
+                .as_ref()
+                .is_some_and(|a| a.objectives.is_some())
+            {
+                if let Some(objectives) = &state.objectives {
+                    autoscaling["objectives"] = json!(objectives);
+                }
+                if let Some((condition, _)) = &state.objectives_met {
+                    conditions.push(condition.clone());
+                }
+            }
+            if state.tracker.capacity() != &capacity::Capacity::default() {
+                autoscaling["capacity"] = json!(state.tracker.capacity().to_status());
+            }
+        }
+        if !conditions.is_empty() {
+            autoscaling["conditions"] = json!(conditions);
         }
         let status = json!({
             "apiVersion": InferenceService::api_version(&()),
@@ -967,6 +1335,95 @@ mod tests {
                 && error.contains("\"soon\"")
                 && error.contains("RFC 3339"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn objectives_become_fractions_and_seconds_and_a_bad_one_is_named() {
+        let spec: ObjectivesSpec = serde_json::from_value(json!({
+            "ttft": {"percentile": 95, "target": "1.5s"},
+            "tpot": {"target": "80ms"},
+        }))
+        .unwrap();
+        let t = targets(&spec).unwrap();
+        assert_eq!(
+            t.ttft,
+            Some(Target {
+                quantile: 0.95,
+                seconds: 1.5
+            })
+        );
+        assert_eq!(t.tpot.map(|t| (t.quantile, t.seconds)), Some((0.9, 0.08)));
+        let bad: ObjectivesSpec =
+            serde_json::from_value(json!({"tpot": {"target": "soon"}})).unwrap();
+        let error = targets(&bad).unwrap_err();
+        assert!(
+            error.starts_with("spec.autoscaling.objectives.tpot.target: \"soon\""),
+            "{error}"
+        );
+        assert!(targets(&ObjectivesSpec::default()).is_err());
+    }
+
+    #[test]
+    fn objectives_met_names_the_objective_missed_and_the_count_that_would_meet_it() {
+        let t = Targets {
+            ttft: Some(Target {
+                quantile: 0.9,
+                seconds: 0.8,
+            }),
+            tpot: Some(Target {
+                quantile: 0.9,
+                seconds: 0.08,
+            }),
+        };
+        let sizing = Sizing {
+            replicas: 3,
+            met: true,
+            at_replicas: Prediction {
+                ttft: Some(0.5),
+                tpot: Some(0.04),
+            },
+        };
+        let at = |s: &str| Time(s.parse().unwrap());
+        let t0 = at("2026-01-01T10:00:00Z");
+        let slow = Prediction {
+            ttft: Some(1.42),
+            tpot: Some(0.05),
+        };
+        let missed = objectives_met(None, &t, &slow, 1, &sizing, Some(3), &t0);
+        assert_eq!(
+            (missed.status.as_str(), missed.reason.as_str()),
+            ("False", OBJECTIVE_MISSED)
+        );
+        assert_eq!(
+            missed.message,
+            "with 1 ready replica groups: ttft p90 predicted 1.42s over the target 800ms, tpot p90 predicted 50ms (target 80ms); 3 replica groups meet every objective"
+        );
+        let t1 = at("2026-01-01T10:00:30Z");
+        let still = objectives_met(Some(&missed), &t, &slow, 1, &sizing, Some(3), &t1);
+        assert_eq!(still.last_transition_time, t0);
+        let met = objectives_met(
+            Some(&still),
+            &t,
+            &sizing.at_replicas,
+            3,
+            &sizing,
+            Some(3),
+            &t1,
+        );
+        assert_eq!(
+            (met.status.as_str(), met.reason.as_str()),
+            ("True", OBJECTIVES_MET)
+        );
+        assert_eq!(met.last_transition_time, t1);
+        let overrun = Prediction {
+            ttft: None,
+            tpot: None,
+        };
+        let message = objectives_met(None, &t, &overrun, 1, &sizing, None, &t0).message;
+        assert!(
+            message.contains("ttft p90 unbounded (target 800ms): the arrivals outrun them"),
+            "{message}"
         );
     }
 

@@ -406,8 +406,26 @@ impl Policy {
         &self.config
     }
 
-    /// Decides the replica-group count for time `now` (monotonic, any origin).
+    /// Decides the replica-group count for time `now` (monotonic, any origin) on the queue
+    /// depth.
     pub fn decide(&mut self, now: Duration, observation: &Observation) -> Decision {
+        let queue = f64::from(observation.queue_depth());
+        let mut demand = queue / self.config.target_queue_per_replica;
+        if let Some(kv_target) = self.config.target_kv_usage {
+            demand = demand.max(observation.kv_usage() / kv_target);
+        }
+        self.decide_on(now, observation, Some(demand))
+    }
+
+    /// Decides the count on a demand in replica groups measured elsewhere (the latency
+    /// objectives); `None` when none could be measured this tick, which holds the count as
+    /// a load not read does.
+    pub fn decide_on(
+        &mut self,
+        now: Duration,
+        observation: &Observation,
+        demand: Option<f64>,
+    ) -> Decision {
         let config = self.config.clone();
         // With no history the autoscaler cannot know a burst is over, so it starts as if
         // one were under way: a restart never scales down on an empty window.
@@ -416,12 +434,9 @@ impl Policy {
         }
 
         let queue = f64::from(observation.queue_depth());
-        let mut demand = queue / config.target_queue_per_replica;
-        if let Some(kv_target) = config.target_kv_usage {
-            demand = demand.max(observation.kv_usage() / kv_target);
-        }
         let readings = &observation.readings;
-        if !readings.none() {
+        let unknown = readings.none() || demand.is_none();
+        if let (false, Some(demand)) = (readings.none(), demand) {
             self.demand.push_back((now, demand));
         }
         prune(&mut self.demand, now, config.stable_window);
@@ -483,7 +498,7 @@ impl Policy {
             reason = Reason::HoldWhileWarming;
         }
 
-        (desired, reason) = self.limit(now, observation, desired, reason);
+        (desired, reason) = self.limit(now, observation, desired, reason, unknown);
 
         // Zero is never a load decision: only the idle window below takes a fleet there.
         let floor = config.min_replicas.max(1);
@@ -526,6 +541,7 @@ impl Policy {
         observation: &Observation,
         mut desired: u32,
         mut reason: Reason,
+        unknown: bool,
     ) -> (u32, Reason) {
         let config = &self.config;
         let current = observation.spec_replicas;
@@ -544,7 +560,7 @@ impl Policy {
 
         // A load not read is not a low one. What the readable groups ask for is a floor of
         // the demand, so it may still scale up; it never scales down.
-        if readings.none() || (readings.incomplete() && desired < current) {
+        if unknown || (readings.incomplete() && desired < current) {
             desired = current;
             reason = Reason::MetricsUnavailable;
         }

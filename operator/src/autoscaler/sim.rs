@@ -4,6 +4,8 @@
 //! and draining on scale-down. Time is simulated, so a ten-minute trace runs in
 //! milliseconds and every run is reproducible.
 
+pub mod tokens;
+
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -31,6 +33,16 @@ pub enum Trace {
 }
 
 impl Trace {
+    /// The highest rate the trace reaches.
+    pub fn peak(&self) -> f64 {
+        match *self {
+            Trace::Step { base, peak, .. } => base.max(peak),
+            Trace::Sine {
+                mean, amplitude, ..
+            } => mean + amplitude.abs(),
+        }
+    }
+
     pub fn rate(&self, t: f64) -> f64 {
         match *self {
             Trace::Step {

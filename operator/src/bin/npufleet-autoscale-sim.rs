@@ -1,9 +1,11 @@
 //! Replays bursty load traces on a simulated fleet with a model warm-up delay and compares
-//! the built-in queue-depth autoscaler with HPA- and KPA-equivalent policies.
+//! the built-in queue-depth autoscaler with HPA- and KPA-equivalent policies; then replays
+//! the token-level benchmark trace (short and long prompts) under the latency objectives and
+//! under queue depth at several targets.
 
 use clap::Parser;
 use npufleet_operator::autoscaler::policy::PolicyConfig;
-use npufleet_operator::autoscaler::sim::{FleetModel, Trace, compare};
+use npufleet_operator::autoscaler::sim::{FleetModel, Trace, compare, tokens};
 
 #[derive(Parser, Debug)]
 #[command(about = "Compare scaling policies on simulated bursty traces")]
@@ -122,5 +124,51 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    objectives_table(args.max_replicas);
     Ok(())
+}
+
+/// The latency objectives against queue depth on the token-level benchmark.
+fn objectives_table(max_replicas: u32) {
+    let (fleet, _, duration) = tokens::benchmark();
+    let objective = |t: Option<npufleet_operator::autoscaler::objectives::Target>| {
+        t.map_or_else(
+            || "none".to_owned(),
+            |t| format!("p{} {} ms", t.quantile * 100.0, t.seconds * 1000.0),
+        )
+    };
+    println!(
+        "\nLatency objectives: TTFT {}, TPOT {}. Trace: Poisson 2 req/s, 8 req/s from 120 s to \
+         360 s, {duration} s; prompts 80 % uniform 64..=512 and 20 % uniform 2,000..=4,000 \
+         tokens, outputs uniform 32..=256 (seed {}). Groups: prefill {} s + {} s a position, \
+         decode {} s + {} s a sequence, {} positions a step, batch {}, warm-up {} s.\n",
+        objective(fleet.targets.ttft),
+        objective(fleet.targets.tpot),
+        tokens::SEED,
+        fleet.prefill.intercept,
+        fleet.prefill.slope,
+        fleet.decode.intercept,
+        fleet.decode.slope,
+        fleet.step_tokens,
+        fleet.max_batch,
+        fleet.warm_up,
+    );
+    println!(
+        "| mode | TTFT met | TPOT met | replica-seconds | scale-up reaction (s) | failed requests | max replicas |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (mode, o) in tokens::compare(max_replicas) {
+        let reaction = o
+            .scale_up_reaction
+            .map_or_else(|| "never".to_owned(), |t| format!("{t:.1}"));
+        println!(
+            "| {mode} | {:.1} % | {:.1} % | {:.0} | {reaction} | {} / {} | {} |",
+            100.0 * o.ttft_met,
+            100.0 * o.tpot_met,
+            o.replica_seconds,
+            o.failed,
+            o.requests,
+            o.max_replicas
+        );
+    }
 }

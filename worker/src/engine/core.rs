@@ -321,8 +321,12 @@ impl EngineCore {
                 continue;
             }
             drop(state);
+            let started = Instant::now();
             match self.execute(&plan) {
-                Ok(()) => self.update(&plan),
+                Ok(()) => {
+                    self.count_step(&plan, started.elapsed().as_secs_f64());
+                    self.update(&plan);
+                }
                 Err(message) => {
                     tracing::error!(%message);
                     for item in &plan {
@@ -342,6 +346,17 @@ impl EngineCore {
             self.counters.steps_total += 1;
             self.counters.last_batch_size = plan.len();
             self.publish(&mut state);
+        }
+    }
+
+    /// Adds a step's duration to the sums of its kind: a step that computed more than one
+    /// position for some sequence ran a prompt chunk.
+    fn count_step(&mut self, plan: &[Scheduled], seconds: f64) {
+        let positions: usize = plan.iter().map(|item| item.len).sum();
+        if positions > plan.len() {
+            self.counters.prefill_steps.add(positions, seconds);
+        } else {
+            self.counters.decode_steps.add(plan.len(), seconds);
         }
     }
 
@@ -435,6 +450,8 @@ impl EngineCore {
                 sequence.cached_prompt_tokens = Some(cached_prompt);
                 sequence.admitted = Some(Instant::now());
                 self.counters.prompt_tokens_total += sequence.prompt_len as u64;
+                self.counters.requests_admitted_total += 1;
+                self.counters.prompt_tokens_squared_total += (sequence.prompt_len as f64).powi(2);
                 // Counted in tokens, as vLLM's prefix-cache queries and hits are.
                 self.counters.prefix_cache_queries_total += sequence.prompt_len as u64;
                 self.counters.prefix_cache_hits_total += cached_prompt as u64;
@@ -581,6 +598,7 @@ impl EngineCore {
             );
             let _ = sequence.outputs.send(output);
             if ends {
+                self.counters.requests_finished_total += 1;
                 finished.push((item.order, None));
             }
         }

@@ -143,6 +143,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
             shutdown: false,
             failure: None,
             next_order: 0,
+            requests_total: 0,
             stats: LoadSnapshot {
                 queue_limit: cfg.queue_limit,
                 max_batch_size: cfg.max_batch_size,
@@ -238,6 +239,9 @@ struct SharedState {
     /// Why the engine stopped for good, if it did.
     failure: Option<String>,
     next_order: u64,
+    /// Valid requests submitted while accepting, refused for a full queue included: the
+    /// demand the autoscaler sizes the fleet for.
+    requests_total: u64,
     /// Published by the engine thread after every step (`waiting` is filled in on read).
     stats: LoadSnapshot,
 }
@@ -494,6 +498,7 @@ impl Engine for EngineHandle {
         let mut sequence = self.validate(&request, outputs)?;
         let mut state = self.shared.lock();
         self.refuse_if_not_accepting(&state)?;
+        state.requests_total += 1;
         if state.waiting.len() >= self.queue_limit {
             return Err(SubmitError::QueueFull {
                 limit: self.queue_limit,
@@ -537,6 +542,7 @@ impl Engine for EngineHandle {
         let state = self.shared.lock();
         LoadSnapshot {
             waiting: state.waiting.len(),
+            requests_total: state.requests_total,
             ..state.stats
         }
     }

@@ -349,6 +349,20 @@ pub fn load_report(shared: &Shared) -> LoadReport {
         prefix_cache_queries_total: load.prefix_cache_queries_total,
         prefix_cache_hits_total: load.prefix_cache_hits_total,
         last_batch_size: saturate(load.last_batch_size),
+        prefill_steps_total: load.prefill_steps.steps,
+        prefill_step_tokens_total: load.prefill_steps.size,
+        prefill_step_seconds_total: load.prefill_steps.seconds,
+        prefill_step_tokens_squared_total: load.prefill_steps.size_squared,
+        prefill_step_tokens_seconds_total: load.prefill_steps.size_seconds,
+        decode_steps_total: load.decode_steps.steps,
+        decode_step_batch_total: load.decode_steps.size,
+        decode_step_seconds_total: load.decode_steps.seconds,
+        decode_step_batch_squared_total: load.decode_steps.size_squared,
+        decode_step_batch_seconds_total: load.decode_steps.size_seconds,
+        requests_total: load.requests_total,
+        requests_admitted_total: load.requests_admitted_total,
+        requests_finished_total: load.requests_finished_total,
+        prompt_tokens_squared_total: load.prompt_tokens_squared_total,
         timestamp_unix_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)

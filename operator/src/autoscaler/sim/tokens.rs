@@ -1,0 +1,602 @@
+//! A token-level simulated fleet for latency objectives: each request has a prompt and an
+//! output length, and each replica group runs the worker's continuous batching step by step
+//! (decodes first, then one prompt chunk within the step's token budget, as
+//! `worker/src/engine/core.rs` schedules), each step taking the time a line in its size
+//! gives. Time to first token and time per output token come out per request, so a policy can
+//! be judged on the share of requests meeting each objective, and the groups report the same
+//! counters the worker's `LoadReport` carries, so the objectives mode learns its capacity
+//! model as it would from real workers.
+//!
+//! The benchmark trace ([`mixed_prompts`]) is Poisson arrivals at a [`Trace`]'s rate (by
+//! thinning), 80 % short prompts (uniform 64..=512 tokens) and 20 % long ones (uniform
+//! 2,000..=4,000), outputs uniform 32..=256 tokens, all drawn from a seeded `StdRng` so that
+//! every run replays the same requests.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::Trace;
+use crate::autoscaler::capacity::{Line, Sums};
+use crate::autoscaler::objectives::{self, Counters, GroupSample, Targets, Tracker};
+use crate::autoscaler::policy::{
+    GroupLoad, GroupState, Observation, Policy, PolicyConfig, Readings, scale_down_victims,
+};
+
+/// One request of a trace.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Request {
+    pub arrival: f64,
+    pub prompt: u32,
+    pub output: u32,
+}
+
+/// The seed of the benchmark trace.
+pub const SEED: u64 = 20_261_204;
+
+/// The benchmark trace's requests over `duration` seconds (see the module docs).
+pub fn mixed_prompts(trace: &Trace, duration: f64, seed: u64) -> Vec<Request> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let peak = trace.peak().max(1e-9);
+    let mut requests = Vec::new();
+    let mut t = 0.0;
+    loop {
+        // Exponential gaps at the peak rate, kept with probability rate(t) / peak.
+        t += -(1.0_f64 - rng.random::<f64>()).ln() / peak;
+        if t >= duration {
+            return requests;
+        }
+        if rng.random::<f64>() * peak > trace.rate(t) {
+            continue;
+        }
+        let prompt = if rng.random::<f64>() < 0.2 {
+            rng.random_range(2000..=4000)
+        } else {
+            rng.random_range(64..=512)
+        };
+        let output = rng.random_range(32..=256);
+        requests.push(Request {
+            arrival: t,
+            prompt,
+            output,
+        });
+    }
+}
+
+/// The simulated hardware and service.
+#[derive(Clone, Debug)]
+pub struct Fleet {
+    /// Seconds from a group being asked for to it serving.
+    pub warm_up: f64,
+    /// Seconds of a step that computes prompt positions, in the positions it computes.
+    pub prefill: Line,
+    /// Seconds of a decode step, in its batch.
+    pub decode: Line,
+    /// Positions one step computes at most (the worker's `max_num_batched_tokens`).
+    pub step_tokens: u32,
+    pub max_batch: u32,
+    /// Requests a group queues before it refuses more (the worker's `queueLimit`).
+    pub queue_limit: usize,
+    pub initial_replicas: u32,
+    /// Seconds simulated after the last arrival, for the fleet to finish.
+    pub drain: f64,
+    pub targets: Targets,
+    /// When the trace's burst starts: scale-up reaction is measured from it.
+    pub burst_start: f64,
+}
+
+/// What one run measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    pub requests: usize,
+    /// Share of requests whose time to first token met the objective.
+    pub ttft_met: f64,
+    /// Share of requests (of more than one output token) whose time per output token met it.
+    pub tpot_met: f64,
+    pub replica_seconds: f64,
+    /// Seconds from the burst's start to the first scale-up after it.
+    pub scale_up_reaction: Option<f64>,
+    /// Refused by a full queue or never finished.
+    pub failed: usize,
+    pub max_replicas: u32,
+}
+
+impl Outcome {
+    /// The lower of the two attainments.
+    pub fn attainment(&self) -> f64 {
+        self.ttft_met.min(self.tpot_met)
+    }
+}
+
+/// A scaling policy shown the fleet every [`super::SAMPLE_INTERVAL`].
+pub trait Scaler {
+    fn name(&self) -> String;
+    fn observe(&mut self, now: f64, observation: &Observation, groups: &[GroupSample]) -> u32;
+}
+
+/// The built-in autoscaler on queue depth.
+pub struct QueueDepth {
+    policy: Policy,
+}
+
+impl QueueDepth {
+    pub fn new(config: PolicyConfig) -> Result<Self, crate::autoscaler::policy::ConfigError> {
+        Ok(Self {
+            policy: Policy::new(config)?,
+        })
+    }
+}
+
+impl Scaler for QueueDepth {
+    fn name(&self) -> String {
+        format!(
+            "queue depth (target {})",
+            self.policy.config().target_queue_per_replica
+        )
+    }
+
+    fn observe(&mut self, now: f64, observation: &Observation, _: &[GroupSample]) -> u32 {
+        self.policy
+            .decide(Duration::from_secs_f64(now), observation)
+            .desired
+    }
+}
+
+/// The built-in autoscaler on latency objectives, as the operator runs it: a tracker
+/// learning from the groups' counters from a cold start, its count through the same policy.
+pub struct Objectives {
+    policy: Policy,
+    tracker: Tracker,
+    targets: Targets,
+}
+
+impl Objectives {
+    pub fn new(
+        config: PolicyConfig,
+        targets: Targets,
+    ) -> Result<Self, crate::autoscaler::policy::ConfigError> {
+        Ok(Self {
+            policy: Policy::new(config)?,
+            tracker: Tracker::new(Default::default(), None),
+            targets,
+        })
+    }
+}
+
+impl Scaler for Objectives {
+    fn name(&self) -> String {
+        "objectives".to_owned()
+    }
+
+    fn observe(&mut self, now: f64, observation: &Observation, groups: &[GroupSample]) -> u32 {
+        let now = Duration::from_secs_f64(now);
+        let waiting = observation
+            .groups
+            .iter()
+            .filter(|g| g.state == GroupState::Ready)
+            .map(|g| g.waiting)
+            .sum();
+        let evaluation = objectives::evaluate(
+            &mut self.tracker,
+            now,
+            groups,
+            (waiting, observation.ready()),
+            &self.targets,
+            self.policy.config().max_replicas,
+        );
+        let demand = evaluation.ok().map(|e| f64::from(e.sizing.replicas));
+        self.policy.decide_on(now, observation, demand).desired
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Sequence {
+    request: usize,
+    /// Prompt positions still to compute, or output tokens still to produce.
+    remaining: u32,
+}
+
+struct Group {
+    id: u32,
+    state: GroupState,
+    ready_at: f64,
+    queue: VecDeque<usize>,
+    prefilling: Option<Sequence>,
+    decoding: Vec<Sequence>,
+    /// The step in flight: when it ends, the prompt chunk it computes.
+    step_end: Option<(f64, u32)>,
+    counters: Counters,
+}
+
+impl Group {
+    fn outstanding(&self) -> usize {
+        self.queue.len() + usize::from(self.prefilling.is_some()) + self.decoding.len()
+    }
+}
+
+/// Per request: (first token, finish) times.
+type Times = Vec<(Option<f64>, Option<f64>)>;
+
+const STEP: f64 = 0.01;
+
+/// Replays `requests` on `fleet` under `scaler`.
+pub fn run(fleet: &Fleet, requests: &[Request], scaler: &mut dyn Scaler) -> Outcome {
+    let new_group = |id, state, ready_at| Group {
+        id,
+        state,
+        ready_at,
+        queue: VecDeque::new(),
+        prefilling: None,
+        decoding: Vec::new(),
+        step_end: None,
+        counters: Counters::default(),
+    };
+    let mut groups: Vec<Group> = (0..fleet.initial_replicas)
+        .map(|id| new_group(id, GroupState::Ready, 0.0))
+        .collect();
+    let mut next_id = fleet.initial_replicas;
+    let mut spec = fleet.initial_replicas;
+    let mut max_replicas = spec;
+    let mut times: Times = vec![(None, None); requests.len()];
+    let mut held: VecDeque<usize> = VecDeque::new();
+    let mut next_request = 0;
+    let mut replica_seconds = 0.0;
+    let mut reaction = None;
+    let mut next_sample = 0.0;
+    let end = requests.last().map_or(0.0, |r| r.arrival) + fleet.drain;
+    let steps = (end / STEP).ceil() as u64;
+
+    for tick in 0..steps {
+        let now = tick as f64 * STEP;
+        while next_request < requests.len() && requests[next_request].arrival <= now {
+            held.push_back(next_request);
+            next_request += 1;
+        }
+        // The router holds requests while no group is ready.
+        while let Some(&index) = held.front() {
+            let Some(target) = groups
+                .iter_mut()
+                .filter(|g| g.state == GroupState::Ready)
+                .min_by_key(|g| g.outstanding())
+            else {
+                break;
+            };
+            held.pop_front();
+            target.counters.requests += 1.0;
+            // A full queue refuses the request: it never finishes, and counts as failed.
+            if target.queue.len() < fleet.queue_limit {
+                target.queue.push_back(index);
+            }
+        }
+        for group in &mut groups {
+            if group.state == GroupState::Warming && group.ready_at <= now {
+                group.state = GroupState::Ready;
+            }
+            advance(group, fleet, requests, now, &mut times);
+        }
+        groups.retain(|g| g.state != GroupState::Draining || g.outstanding() > 0);
+        replica_seconds += groups.len() as f64 * STEP;
+
+        if now + 1e-9 >= next_sample {
+            next_sample += super::SAMPLE_INTERVAL;
+            let (observation, samples) = observe(&groups, fleet, spec);
+            let desired = scaler.observe(now, &observation, &samples);
+            if desired > spec && reaction.is_none() && now >= fleet.burst_start {
+                reaction = Some(now - fleet.burst_start);
+            }
+            rescale(
+                &mut groups,
+                &observation,
+                (spec, desired),
+                fleet,
+                now,
+                &mut next_id,
+            );
+            spec = desired;
+            max_replicas = max_replicas.max(spec);
+        }
+    }
+
+    let (mut ttft_ok, mut tpot_ok, mut tpot_counted, mut unfinished) = (0usize, 0usize, 0, 0);
+    for (request, &(first, finish)) in requests.iter().zip(&times) {
+        let Some(finish) = finish else {
+            unfinished += 1;
+            continue;
+        };
+        let first = first.unwrap_or(finish);
+        if fleet
+            .targets
+            .ttft
+            .is_none_or(|t| first - request.arrival <= t.seconds)
+        {
+            ttft_ok += 1;
+        }
+        if request.output > 1 {
+            tpot_counted += 1;
+            let tpot = (finish - first) / f64::from(request.output - 1);
+            if fleet.targets.tpot.is_none_or(|t| tpot <= t.seconds) {
+                tpot_ok += 1;
+            }
+        }
+    }
+    let share = |n: usize, of: usize| if of == 0 { 1.0 } else { n as f64 / of as f64 };
+    Outcome {
+        requests: requests.len(),
+        ttft_met: share(ttft_ok, requests.len()),
+        tpot_met: share(tpot_ok, tpot_counted.max(1)),
+        replica_seconds,
+        scale_up_reaction: reaction,
+        failed: unfinished,
+        max_replicas,
+    }
+}
+
+/// Runs `group`'s steps up to `now`: each step starts when the last ended (or when work is
+/// there), decodes every running sequence and computes one prompt chunk in what is left of
+/// the token budget, and takes the time its line gives.
+fn advance(group: &mut Group, fleet: &Fleet, requests: &[Request], now: f64, times: &mut Times) {
+    let mut start = now;
+    loop {
+        if let Some((end, chunk)) = group.step_end {
+            if end > now {
+                return;
+            }
+            finish_step(group, requests, end, chunk, times);
+            group.step_end = None;
+            start = end;
+        }
+        if group.prefilling.is_none()
+            && group.decoding.len() < fleet.max_batch as usize
+            && let Some(request) = group.queue.pop_front()
+        {
+            let prompt = requests[request].prompt;
+            group.counters.admitted += 1.0;
+            group.counters.prompt_tokens += f64::from(prompt);
+            group.counters.prompt_tokens_squared += f64::from(prompt).powi(2);
+            group.prefilling = Some(Sequence {
+                request,
+                remaining: prompt,
+            });
+        }
+        let batch = u32::try_from(group.decoding.len()).unwrap_or(u32::MAX);
+        let chunk = group.prefilling.map_or(0, |s| {
+            s.remaining
+                .min(fleet.step_tokens.saturating_sub(batch).max(1))
+        });
+        if batch == 0 && chunk == 0 {
+            return;
+        }
+        let (sums, line, size) = if chunk > 0 {
+            (&mut group.counters.prefill, fleet.prefill, batch + chunk)
+        } else {
+            (&mut group.counters.decode, fleet.decode, batch)
+        };
+        let x = f64::from(size);
+        let seconds = line.at(x);
+        sums.add(&Sums {
+            n: 1.0,
+            x,
+            y: seconds,
+            xx: x * x,
+            xy: x * seconds,
+        });
+        group.step_end = Some((start + seconds, chunk));
+    }
+}
+
+fn finish_step(group: &mut Group, requests: &[Request], end: f64, chunk: u32, times: &mut Times) {
+    let mut produced = 0.0;
+    group.decoding.retain_mut(|s| {
+        produced += 1.0;
+        s.remaining -= 1;
+        if s.remaining == 0 {
+            times[s.request].1 = Some(end);
+            group.counters.finished += 1.0;
+            false
+        } else {
+            true
+        }
+    });
+    if let Some(mut s) = group.prefilling.take() {
+        s.remaining -= chunk;
+        if s.remaining > 0 {
+            group.prefilling = Some(s);
+        } else {
+            // The last chunk's step samples the first output token.
+            produced += 1.0;
+            times[s.request].0 = Some(end);
+            let output = requests[s.request].output;
+            if output <= 1 {
+                times[s.request].1 = Some(end);
+                group.counters.finished += 1.0;
+            } else {
+                group.decoding.push(Sequence {
+                    request: s.request,
+                    remaining: output - 1,
+                });
+            }
+        }
+    }
+    group.counters.output_tokens += produced;
+}
+
+/// What the autoscaler would read: each group's load, and its counters as a `LoadReport`
+/// carries them.
+fn observe(groups: &[Group], fleet: &Fleet, spec: u32) -> (Observation, Vec<GroupSample>) {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let observation = Observation {
+        spec_replicas: spec,
+        groups: groups
+            .iter()
+            .map(|g| GroupLoad {
+                group: g.id,
+                state: g.state,
+                waiting: count(g.queue.len()),
+                running: count(g.decoding.len() + usize::from(g.prefilling.is_some())),
+                kv_usage: 0.0,
+            })
+            .collect(),
+        wake_requested: false,
+        readings: Readings::default(),
+    };
+    let samples = groups
+        .iter()
+        .map(|g| GroupSample {
+            group: g.id,
+            ready: g.state == GroupState::Ready,
+            counters: (g.state != GroupState::Warming).then_some(g.counters),
+            max_batch: Some(fleet.max_batch),
+        })
+        .collect();
+    (observation, samples)
+}
+
+/// Goes from `spec` to `desired` groups: new ones warm up, removed ones drain (or go at once
+/// while still warming).
+fn rescale(
+    groups: &mut Vec<Group>,
+    observation: &Observation,
+    (spec, desired): (u32, u32),
+    fleet: &Fleet,
+    now: f64,
+    next_id: &mut u32,
+) {
+    if desired > spec {
+        for _ in spec..desired {
+            groups.push(Group {
+                id: *next_id,
+                state: GroupState::Warming,
+                ready_at: now + fleet.warm_up,
+                queue: VecDeque::new(),
+                prefilling: None,
+                decoding: Vec::new(),
+                step_end: None,
+                counters: Counters::default(),
+            });
+            *next_id += 1;
+        }
+    } else if desired < spec {
+        let victims = scale_down_victims(&observation.groups, (spec - desired) as usize);
+        groups.retain(|g| !(victims.contains(&g.id) && g.state == GroupState::Warming));
+        for group in groups.iter_mut().filter(|g| victims.contains(&g.id)) {
+            group.state = GroupState::Draining;
+        }
+    }
+}
+
+/// The benchmark: a fleet of NPU-like groups (prefill 15 ms a step + 0.12 ms a position,
+/// decode 20 ms + 0.4 ms a sequence, 512 positions a step, batch 64, 30 s warm-up), objectives
+/// TTFT p90 800 ms and TPOT p90 80 ms, and a trace of 2 req/s with a burst to 8 req/s from
+/// 120 s to 360 s, 600 s in all.
+pub fn benchmark() -> (Fleet, Trace, f64) {
+    let targets = Targets {
+        ttft: Some(objectives::Target {
+            quantile: 0.9,
+            seconds: 0.8,
+        }),
+        tpot: Some(objectives::Target {
+            quantile: 0.9,
+            seconds: 0.08,
+        }),
+    };
+    let fleet = Fleet {
+        warm_up: 30.0,
+        prefill: Line {
+            intercept: 0.015,
+            slope: 0.000_12,
+        },
+        decode: Line {
+            intercept: 0.02,
+            slope: 0.000_4,
+        },
+        step_tokens: 512,
+        max_batch: 64,
+        queue_limit: 1024,
+        initial_replicas: 1,
+        drain: 120.0,
+        targets,
+        burst_start: 120.0,
+    };
+    let trace = Trace::Step {
+        base: 2.0,
+        peak: 8.0,
+        start: 120.0,
+        end: 360.0,
+    };
+    (fleet, trace, 600.0)
+}
+
+/// Queue-depth targets the comparison tries, to find the cheapest that meets the objectives
+/// as often as the objectives mode.
+pub const QUEUE_TARGETS: [f64; 7] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0];
+
+/// Every mode on the benchmark: the objectives mode, then queue depth at each of
+/// [`QUEUE_TARGETS`].
+pub fn compare(max_replicas: u32) -> Vec<(String, Outcome)> {
+    let (fleet, trace, duration) = benchmark();
+    let requests = mixed_prompts(&trace, duration, SEED);
+    let config = PolicyConfig {
+        max_replicas,
+        ..PolicyConfig::default()
+    };
+    let mut scalers: Vec<Box<dyn Scaler>> = vec![Box::new(
+        Objectives::new(config.clone(), fleet.targets).expect("a valid configuration"),
+    )];
+    for target in QUEUE_TARGETS {
+        let config = PolicyConfig {
+            target_queue_per_replica: target,
+            ..config.clone()
+        };
+        scalers.push(Box::new(
+            QueueDepth::new(config).expect("a valid configuration"),
+        ));
+    }
+    scalers
+        .iter_mut()
+        .map(|s| (s.name(), run(&fleet, &requests, s.as_mut())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_trace_is_the_same_every_run_and_mixes_short_and_long_prompts() {
+        let (_, trace, duration) = benchmark();
+        let a = mixed_prompts(&trace, duration, SEED);
+        assert_eq!(a, mixed_prompts(&trace, duration, SEED));
+        let expected = 2.0 * 360.0 + 8.0 * 240.0;
+        assert!(
+            (a.len() as f64 - expected).abs() < 0.1 * expected,
+            "{}",
+            a.len()
+        );
+        let long = a.iter().filter(|r| r.prompt >= 2000).count() as f64 / a.len() as f64;
+        assert!((0.15..0.25).contains(&long), "{long}");
+    }
+
+    #[test]
+    fn objectives_mode_meets_them_with_a_quarter_fewer_replica_seconds_than_queue_depth() {
+        let outcomes = compare(20);
+        for (name, o) in &outcomes {
+            eprintln!("{name}: {o:?}");
+        }
+        let (_, objectives) = &outcomes[0];
+        assert!(objectives.attainment() >= 0.95, "{objectives:?}");
+        assert_eq!(objectives.failed, 0);
+        let cheapest_queue = outcomes[1..]
+            .iter()
+            .filter(|(_, o)| o.attainment() >= 0.95 && o.failed == 0)
+            .map(|(_, o)| o.replica_seconds)
+            .min_by(f64::total_cmp)
+            .expect("some queue-depth target meets the objectives");
+        assert!(
+            objectives.replica_seconds <= 0.75 * cheapest_queue,
+            "objectives {} replica-seconds against {cheapest_queue}",
+            objectives.replica_seconds
+        );
+    }
+}
