@@ -53,11 +53,6 @@ impl ReplicaState {
         self.cached.lock().expect("cache lock").clear();
     }
 
-    /// Distinct blocks the router knows the replica's cache holds.
-    pub fn cached_blocks(&self) -> usize {
-        self.cached.lock().expect("cache lock").len()
-    }
-
     pub fn set_report(&self, report: Report) {
         *self.report.lock().expect("report lock") = Some(report);
     }
