@@ -61,17 +61,19 @@ pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
         })
 }
 
-/// Cache-aware placement: among the replicas within the bounded-load bound (as
-/// [`bounded_load_consistent_hash`] sets it), the one whose cache holds most of the prompt's
-/// leading blocks, so a prompt stays where its prefix is until that replica is loaded past
-/// the bound and then spills to the next best; ties (no replica holds anything, or several
-/// hold as much) go by least load, in turn.
-pub fn cache_aware(candidates: &[Candidate], load_factor: f64, rotation: usize) -> Option<usize> {
-    let bound = load_bound(candidates, load_factor)?;
+/// Cache-aware placement: among the replicas with at most `slack` requests outstanding beyond
+/// the least loaded one's, the one whose cache holds most of the prompt's leading blocks, so
+/// a prompt stays where its prefix is until that replica runs ahead of the others, then
+/// spills to the next best (which then holds it too, and the two share it by load); ties
+/// (no replica holds anything, or several hold as much) go by least load, in turn. The bound
+/// is a gap rather than a factor of the mean: a factor of the mean never excludes anything
+/// on two replicas, where one would keep a hot prompt however far ahead it ran.
+pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Option<usize> {
+    let least = candidates.iter().map(Candidate::outstanding).min()?;
     let n = candidates.len();
     (0..n)
         .map(|i| (rotation.wrapping_add(i)) % n)
-        .filter(|&i| u64::from(candidates[i].outstanding()) < bound)
+        .filter(|&i| candidates[i].outstanding() <= least.saturating_add(slack))
         .min_by(|&a, &b| {
             let (a, b) = (&candidates[a], &candidates[b]);
             b.cached_blocks
@@ -202,22 +204,26 @@ mod tests {
     #[test]
     fn cache_aware_goes_where_most_of_the_prompt_is_cached() {
         let candidates = [holding("a", 1, 2), holding("b", 1, 5), holding("c", 0, 0)];
-        assert_eq!(cache_aware(&candidates, 1.25, 0), Some(1));
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(1));
         // Nothing cached anywhere: least load.
         let cold = [holding("a", 2, 0), holding("b", 1, 0), holding("c", 2, 0)];
-        assert_eq!(cache_aware(&cold, 1.25, 0), Some(1));
+        assert_eq!(cache_aware(&cold, 2, 0), Some(1));
     }
 
     #[test]
-    fn cache_aware_spills_to_the_next_best_once_the_holder_reaches_the_bound() {
-        // Six outstanding: the bound is ceil(1.25 × 7 / 3) = 3, which "b" has reached.
-        let candidates = [holding("a", 1, 3), holding("b", 3, 8), holding("c", 2, 0)];
-        assert_eq!(cache_aware(&candidates, 1.25, 0), Some(0));
+    fn cache_aware_spills_to_the_next_best_once_the_holder_runs_ahead() {
+        // "b" is three requests ahead of the least loaded: past a slack of 2.
+        let candidates = [holding("a", 1, 3), holding("b", 3, 8), holding("c", 0, 0)];
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(0));
+        assert_eq!(cache_aware(&candidates, 3, 0), Some(1));
+        // On two replicas a hot prompt's holder spills too, once it runs ahead.
+        let pair = [holding("a", 3, 8), holding("b", 0, 0)];
+        assert_eq!(cache_aware(&pair, 2, 0), Some(1));
         // Equal holdings split by load, and equal loads take turns.
         let even = [holding("a", 1, 4), holding("b", 1, 4)];
-        let picks: Vec<_> = (0..2).map(|turn| cache_aware(&even, 1.25, turn)).collect();
+        let picks: Vec<_> = (0..2).map(|turn| cache_aware(&even, 2, turn)).collect();
         assert_eq!(picks, vec![Some(0), Some(1)]);
-        assert_eq!(cache_aware(&[], 1.25, 0), None);
+        assert_eq!(cache_aware(&[], 2, 0), None);
     }
 
     #[test]

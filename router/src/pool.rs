@@ -101,8 +101,9 @@ pub struct PickSettings {
     /// A replica takes a key only while its outstanding requests stay within this factor
     /// of the mean.
     pub load_factor: f64,
-    /// The same bound for cache-aware placement.
-    pub cache_load_factor: f64,
+    /// Cache-aware placement keeps a prompt on the replica holding most of it while that
+    /// replica has at most this many requests outstanding beyond the least loaded one's.
+    pub cache_slack: u32,
     /// Reports older than this are ignored (the worker or its stream is gone).
     pub report_max_age: Duration,
 }
@@ -191,7 +192,7 @@ impl Pool {
         let chosen = match (model.policy, affinity) {
             (RoutingPolicy::RoundRobin, _) => policy::round_robin(&candidates, turn),
             (RoutingPolicy::CacheAware, Affinity::Blocks(_)) => {
-                policy::cache_aware(&candidates, settings.cache_load_factor, turn)
+                policy::cache_aware(&candidates, settings.cache_slack, turn)
             }
             (RoutingPolicy::PrefixAffinity | RoutingPolicy::CacheAware, &Affinity::Key(key)) => {
                 policy::bounded_load_consistent_hash(&candidates, key, settings.load_factor)
@@ -245,7 +246,7 @@ mod tests {
 
     const SETTINGS: PickSettings = PickSettings {
         load_factor: 1.25,
-        cache_load_factor: 2.0,
+        cache_slack: 2,
         report_max_age: Duration::from_secs(2),
     };
 

@@ -69,11 +69,11 @@ pub struct Args {
     #[arg(long, default_value_t = 1.25)]
     pub prefix_load_factor: f64,
     /// Cache-aware routing keeps a prompt on the replica holding most of it while that
-    /// replica's outstanding requests stay within this factor of the mean. Higher than the
-    /// hash's: the bound is all that moves a prompt off its holder, and every move costs the
-    /// next replica a prefill and evicts what it held.
-    #[arg(long, default_value_t = 2.0)]
-    pub cache_load_factor: f64,
+    /// replica has at most this many requests outstanding beyond the least loaded replica's.
+    /// Every move costs the next replica a prefill and evicts what it held, so the holder
+    /// keeps a prompt through small imbalances.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub cache_slack: u32,
     /// Largest accepted request body (HTTP) or message (gRPC), in bytes; larger get 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -89,12 +89,6 @@ pub struct Args {
 
 impl Args {
     fn settings(&self) -> anyhow::Result<Settings> {
-        if !(self.cache_load_factor.is_finite() && self.cache_load_factor >= 1.0) {
-            anyhow::bail!(
-                "--cache-load-factor must be a number of at least 1, got {}",
-                self.cache_load_factor
-            );
-        }
         if !(self.prefix_load_factor.is_finite() && self.prefix_load_factor >= 1.0) {
             anyhow::bail!(
                 "--prefix-load-factor must be a number of at least 1.0, got {}",
@@ -124,7 +118,7 @@ impl Args {
             wake_interval: Duration::from_secs(self.wake_interval_seconds),
             pick: PickSettings {
                 load_factor: self.prefix_load_factor,
-                cache_load_factor: self.cache_load_factor,
+                cache_slack: self.cache_slack,
                 // Three missed reports: the stream is gone.
                 report_max_age: load_interval * 3,
             },
