@@ -192,12 +192,7 @@ impl Collector {
         };
         let targets = super::targets(spec)?;
         let max_replicas = autoscaling.map_or(1, |a| u32::try_from(a.max_replicas).unwrap_or(1));
-        let waiting = observation
-            .groups
-            .iter()
-            .filter(|g| g.state == GroupState::Ready)
-            .map(|g| g.waiting)
-            .sum();
+        let waiting = observation.waiting();
         let mut trackers = self.lock_trackers();
         let tracker = trackers.entry((namespace, name)).or_insert_with(|| {
             let status = service.status.as_ref().and_then(|s| s.autoscaling.as_ref());

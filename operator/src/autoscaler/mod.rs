@@ -743,12 +743,7 @@ impl Autoscaler {
         let max_replicas =
             u32::try_from(service.spec.autoscaling.as_ref()?.max_replicas).unwrap_or(1);
         let state = self.policies.get_mut(&key)?;
-        let waiting = observation
-            .groups
-            .iter()
-            .filter(|g| g.state == GroupState::Ready)
-            .map(|g| g.waiting)
-            .sum();
+        let waiting = observation.waiting();
         let ready = observation.ready();
         let evaluation = match objectives::evaluate(
             &mut state.tracker,
@@ -814,13 +809,7 @@ impl Autoscaler {
         };
         state.objectives_met = Some((condition.clone(), false));
         state.last_status = None;
-        let type_ = if condition.status == "True" {
-            EventType::Normal
-        } else {
-            EventType::Warning
-        };
-        self.publish(service, type_, &condition.reason, &condition.message)
-            .await;
+        self.publish_condition(service, &condition).await;
     }
 
     /// Deletes the service's HPA if this operator made it (once per service and mode
@@ -963,13 +952,7 @@ impl Autoscaler {
             return;
         };
         if previous.is_none_or(|p| p.status != condition.status) {
-            let type_ = if condition.status == "True" {
-                EventType::Normal
-            } else {
-                EventType::Warning
-            };
-            self.publish(service, type_, &condition.reason, &condition.message)
-                .await;
+            self.publish_condition(service, &condition).await;
         }
         let known = ScalingActive {
             condition,
@@ -1107,6 +1090,17 @@ impl Autoscaler {
 
     async fn warn(&mut self, service: &InferenceService, reason: &str, note: &str) {
         self.publish(service, EventType::Warning, reason, note)
+            .await;
+    }
+
+    /// A condition's turn as an event: a warning when it turns `False`.
+    async fn publish_condition(&mut self, service: &InferenceService, condition: &Condition) {
+        let type_ = if condition.status == "True" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        self.publish(service, type_, &condition.reason, &condition.message)
             .await;
     }
 

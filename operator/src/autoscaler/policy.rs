@@ -125,6 +125,11 @@ impl Observation {
         self.serving().map(GroupLoad::queue_depth).sum()
     }
 
+    /// Requests waiting (not yet in a running batch) over the ready groups.
+    pub fn waiting(&self) -> u32 {
+        self.serving().map(|g| g.waiting).sum()
+    }
+
     fn kv_usage(&self) -> f64 {
         self.serving().map(|g| g.kv_usage.clamp(0.0, 1.0)).sum()
     }

@@ -172,12 +172,7 @@ impl Scaler for Objectives {
 
     fn observe(&mut self, now: f64, observation: &Observation, groups: &[GroupSample]) -> u32 {
         let now = Duration::from_secs_f64(now);
-        let waiting = observation
-            .groups
-            .iter()
-            .filter(|g| g.state == GroupState::Ready)
-            .map(|g| g.waiting)
-            .sum();
+        let waiting = observation.waiting();
         let evaluation = objectives::evaluate(
             &mut self.tracker,
             now,
