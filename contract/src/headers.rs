@@ -9,3 +9,7 @@ pub const TRACEPARENT: &str = "traceparent";
 
 /// The client's name for its request (HTTP), which the router's logs carry.
 pub const REQUEST_ID: &str = "x-request-id";
+
+/// The priority a request asks for in the router's flow control (an integer; higher is served
+/// first), capped at its API key's (HTTP header and gRPC metadata).
+pub const FLOW_PRIORITY: &str = "x-npufleet-priority";

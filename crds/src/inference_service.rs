@@ -578,7 +578,7 @@ fn default_objective_percentile() -> f64 {
     90.0
 }
 
-/// The grammar of an objective's target, a decimal number and the unit `ms` or `s`, as a
+/// The grammar of an objective's target and of a queue's time to live, a decimal number and the unit `ms` or `s`, as a
 /// regular expression in a CEL string literal (hence the doubled backslash).
 const OBJECTIVE_DURATION_CEL: &str = "^[0-9]+(\\\\.[0-9]+)?(ms|s)$";
 
@@ -652,9 +652,9 @@ fn default_target_queue_depth() -> i32 {
 #[serde(rename_all = "camelCase")]
 pub struct RoutingSpec {
     /// `cache-aware` (default): the replica whose prefix cache holds the longest part of the
-    /// prompt, as the workers' own cache events tell, among those not loaded beyond a bound
-    /// over the mean (then by least load); for an engine that publishes no cache events, as
-    /// `prefix-affinity`. `least-load`: the replica with the fewest requests outstanding (the
+    /// prompt, as the workers' own cache events tell, among those with at most the router's
+    /// `--cache-slack` requests outstanding beyond the least loaded replica's (then by least
+    /// load); for an engine that publishes no cache events, as `prefix-affinity`. `least-load`: the replica with the fewest requests outstanding (the
     /// router's own count and the worker's reported queue) and the emptiest KV cache.
     /// `prefix-affinity`: requests whose prompts start with the same bytes go to the same
     /// replica, as long as it is not loaded beyond that bound. `round-robin`: in turn.
@@ -667,6 +667,104 @@ pub struct RoutingSpec {
     /// this picker, so an inference gateway (CCE's AI inference gateway, llm-d) can route to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint_picker: Option<EndpointPicker>,
+
+    /// Priorities, fairness and per-key limits in the router. Without it every request is
+    /// sent to a replica as it arrives and waits in the replica's own queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_control: Option<FlowControl>,
+}
+
+/// The router's flow control for one InferenceService. Each router replica holds requests
+/// beyond `maxConcurrencyPerReplica` per replica in its own queue, one band per priority:
+/// the highest band is served first, and within a band the key that has been served the
+/// fewest tokens goes next. A request whose band is full, or that waited `queueTtl`, is
+/// answered 429 with Retry-After; so is one over its key's rate limits.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(validation = Rule::new(format!("self.queueTtl.matches('{OBJECTIVE_DURATION_CEL}') && duration(self.queueTtl) > duration('0s')"))
+    .message("spec.routing.flowControl.queueTtl must be a positive duration in ms or s, such as 500ms or 30s")
+    .field_path(".queueTtl"))]
+#[x_kube(validation = Rule::new("self.keys.all(k, self.keys.exists_one(o, o.name == k.name) && self.keys.exists_one(o, o.apiKeySha256 == k.apiKeySha256))")
+    .message("spec.routing.flowControl.keys must not repeat a name or an apiKeySha256")
+    .field_path(".keys"))]
+#[serde(rename_all = "camelCase")]
+pub struct FlowControl {
+    /// Requests one router sends a replica at once; more wait in the router, where priority
+    /// and fairness decide which goes next. Default: `engine.maxBatchSize` plus the
+    /// autoscaler's `targetQueueDepth` (when autoscaling), so a replica runs full batches and
+    /// its own queue still shows the autoscaler the demand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_concurrency_per_replica: Option<u32>,
+    /// Requests that may wait in one priority band of a router's queue; more get 429.
+    #[serde(default = "default_max_queued")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_queued: u32,
+    /// How long a request may wait in the queue before it is answered 429: `500ms`, `30s`.
+    #[serde(default = "default_queue_ttl")]
+    #[schemars(length(max = 32))]
+    pub queue_ttl: String,
+    /// Priority and limits of requests whose API key is not in `keys` (or that carry none).
+    #[serde(default)]
+    pub default: KeyPolicy,
+    /// Priority and limits per API key.
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    pub keys: Vec<FlowKey>,
+}
+
+/// One API key's place in the flow control. The router matches the key a request presents
+/// (`Authorization: Bearer <key>`) by its SHA-256, so neither the resource nor the router
+/// holds the key: `printf %s "$KEY" | sha256sum`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct FlowKey {
+    /// The name metrics and logs use for the key.
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// Lower-case hex SHA-256 of the key.
+    #[schemars(length(min = 64, max = 64), regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub api_key_sha256: String,
+    #[serde(flatten)]
+    pub policy: KeyPolicy,
+}
+
+/// The priority and rate limits of a key's requests.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyPolicy {
+    /// Higher is served first. A request may ask for a lower priority with the
+    /// `x-npufleet-priority` header, never a higher one.
+    #[serde(default)]
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: i32,
+    /// Requests per minute, per router replica; over it, 429 with Retry-After.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub requests_per_minute: Option<u32>,
+    /// Prompt and requested output tokens per minute, per router replica (a request is
+    /// charged its prompt and its `max_tokens` as it is admitted); over it, 429 with
+    /// Retry-After.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub tokens_per_minute: Option<u32>,
+}
+
+fn default_max_queued() -> u32 {
+    256
+}
+fn default_queue_ttl() -> String {
+    "30s".to_owned()
+}
+
+impl FlowControl {
+    /// The queue's time to live; `Err` names what is wrong (the apiserver refuses such a
+    /// value already; this guards objects admitted before the rule).
+    pub fn queue_ttl(&self) -> Result<std::time::Duration, String> {
+        parse_objective_duration(&self.queue_ttl)
+    }
 }
 
 /// The endpoint picker Service an InferencePool names (its `endpointPickerRef`).

@@ -17,6 +17,8 @@ use npufleet_contract::{labels, pods};
 use npufleet_crds::{Engine, InferenceService, LoadSource, RoutingPolicy};
 use tokio::sync::watch;
 
+use crate::flow::FlowConfig;
+
 /// One serving replica: the rank-0 pod of a replica group.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {
@@ -42,6 +44,8 @@ pub struct Model {
     pub desired_replicas: i32,
     /// Ready, non-terminating rank-0 pods with an IP, by pod name.
     pub endpoints: Vec<Endpoint>,
+    /// `spec.routing.flowControl`, when set (and readable).
+    pub flow: Option<Arc<FlowConfig>>,
 }
 
 impl Model {
@@ -56,6 +60,29 @@ impl Model {
         self.endpoints
             .first()
             .map(|e| std::net::SocketAddr::new(e.ip, self.http_port))
+    }
+}
+
+/// The service's flow control; one the router cannot read (admitted before the CRD's rules)
+/// is logged and left off, and requests go straight to the replicas.
+fn flow_config(service: &InferenceService) -> Option<Arc<FlowConfig>> {
+    let spec = service.spec.routing.flow_control.as_ref()?;
+    let queue_target = service
+        .spec
+        .autoscaling
+        .as_ref()
+        .map_or(0, |a| a.target_queue_depth);
+    let default_concurrency = service
+        .spec
+        .engine
+        .max_batch_size
+        .saturating_add(queue_target);
+    match FlowConfig::from_spec(spec, u32::try_from(default_concurrency).unwrap_or(1)) {
+        Ok(config) => Some(Arc::new(config)),
+        Err(error) => {
+            tracing::warn!(namespace = ?service.namespace(), service = %service.name_any(), %error, "spec.routing.flowControl ignored");
+            None
+        }
     }
 }
 
@@ -113,6 +140,7 @@ impl Fleet {
                     load: service.spec.runtime.load_source(),
                     desired_replicas: service.spec.replicas,
                     endpoints: std::mem::take(endpoints),
+                    flow: flow_config(service),
                 });
             }
         }

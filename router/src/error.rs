@@ -23,6 +23,37 @@ pub enum RouteError {
         limit: usize,
         retry_after: Duration,
     },
+    #[error(
+        "API key '{key}' is over its {limit} limit for model '{model}'; retry after {} s",
+        retry_after.as_secs().max(1)
+    )]
+    RateLimited {
+        model: String,
+        key: String,
+        limit: &'static str,
+        retry_after: Duration,
+    },
+    #[error(
+        "the request asks for {tokens} tokens (prompt and max_tokens), more than API key '{key}' may use in a minute on model '{model}' (tokensPerMinute {per_minute})"
+    )]
+    OverTokenBudget {
+        model: String,
+        key: String,
+        tokens: u32,
+        per_minute: u32,
+    },
+    #[error(
+        "model '{model}' is saturated and {limit} requests of priority {priority} are already waiting; retry later"
+    )]
+    FlowQueueFull {
+        model: String,
+        priority: i32,
+        limit: usize,
+    },
+    #[error(
+        "model '{model}' was saturated for the whole {waited:?} the request may wait in the queue; retry later"
+    )]
+    FlowQueueTimedOut { model: String, waited: Duration },
     #[error("model '{model}' had no ready replica within {waited:?} of holding the request")]
     HoldTimedOut { model: String, waited: Duration },
     #[error("every replica of model '{model}' that was tried failed: {last}")]
@@ -39,7 +70,11 @@ impl RouteError {
             RouteError::BadRequest(_) => StatusCode::BAD_REQUEST,
             RouteError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             RouteError::ModelNotFound(_) => StatusCode::NOT_FOUND,
-            RouteError::HoldQueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            RouteError::HoldQueueFull { .. }
+            | RouteError::RateLimited { .. }
+            | RouteError::OverTokenBudget { .. }
+            | RouteError::FlowQueueFull { .. }
+            | RouteError::FlowQueueTimedOut { .. } => StatusCode::TOO_MANY_REQUESTS,
             RouteError::HoldTimedOut { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RouteError::ReplicasFailed { .. } => StatusCode::BAD_GATEWAY,
             RouteError::NoGrpc { .. } => StatusCode::NOT_IMPLEMENTED,
@@ -52,7 +87,11 @@ impl RouteError {
             RouteError::BadRequest(_) => tonic::Status::invalid_argument(message),
             RouteError::TooLarge { .. } => tonic::Status::out_of_range(message),
             RouteError::ModelNotFound(_) => tonic::Status::not_found(message),
-            RouteError::HoldQueueFull { .. } => tonic::Status::resource_exhausted(message),
+            RouteError::HoldQueueFull { .. }
+            | RouteError::RateLimited { .. }
+            | RouteError::OverTokenBudget { .. }
+            | RouteError::FlowQueueFull { .. }
+            | RouteError::FlowQueueTimedOut { .. } => tonic::Status::resource_exhausted(message),
             RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
                 tonic::Status::unavailable(message)
             }
@@ -66,7 +105,11 @@ impl RouteError {
             RouteError::BadRequest(_) => "invalid_request",
             RouteError::TooLarge { .. } => "request_too_large",
             RouteError::ModelNotFound(_) => "model_not_found",
-            RouteError::HoldQueueFull { .. } => "queue_full",
+            RouteError::HoldQueueFull { .. } | RouteError::FlowQueueFull { .. } => "queue_full",
+            RouteError::RateLimited { .. } | RouteError::OverTokenBudget { .. } => {
+                "rate_limit_exceeded"
+            }
+            RouteError::FlowQueueTimedOut { .. } => "queue_timeout",
             RouteError::HoldTimedOut { .. } => "no_ready_replica",
             RouteError::ReplicasFailed { .. } => "upstream_failed",
             RouteError::NoGrpc { .. } => "not_implemented",
@@ -79,19 +122,36 @@ impl RouteError {
             | RouteError::TooLarge { .. }
             | RouteError::ModelNotFound(_)
             | RouteError::NoGrpc { .. } => "invalid_request_error",
-            RouteError::HoldQueueFull { .. } => "rate_limit_error",
+            RouteError::HoldQueueFull { .. }
+            | RouteError::RateLimited { .. }
+            | RouteError::OverTokenBudget { .. }
+            | RouteError::FlowQueueFull { .. }
+            | RouteError::FlowQueueTimedOut { .. } => "rate_limit_error",
             RouteError::HoldTimedOut { .. } | RouteError::ReplicasFailed { .. } => {
                 "service_unavailable"
             }
         }
     }
 
-    fn retry_after(&self, response: &mut Response) {
-        if let RouteError::HoldQueueFull { retry_after, .. } = self {
-            let seconds = retry_after.as_secs().max(1);
+    /// When a refused request may come back (the `Retry-After` of its 429).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            RouteError::HoldQueueFull { retry_after, .. }
+            | RouteError::RateLimited { retry_after, .. } => Some(*retry_after),
+            RouteError::FlowQueueFull { .. } | RouteError::FlowQueueTimedOut { .. } => {
+                Some(Duration::from_secs(1))
+            }
+            _ => None,
+        }
+    }
+
+    fn set_retry_after(&self, response: &mut Response) {
+        if let Some(after) = self.retry_after() {
+            // Whole seconds, rounded up: a client retrying sooner would be refused again.
+            let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
         }
     }
 }
@@ -117,7 +177,7 @@ impl RouteError {
             Flavor::V2 => json!({"error": self.to_string()}),
         };
         let mut response = (self.http_status(), Json(body)).into_response();
-        self.retry_after(&mut response);
+        self.set_retry_after(&mut response);
         response
     }
 }

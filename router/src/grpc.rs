@@ -35,7 +35,7 @@ use tracing::Instrument;
 use crate::error::RouteError;
 use crate::metrics::NO_REPLICA;
 use crate::pool::Lease;
-use crate::request::{RoutedRequest, grpc_trace};
+use crate::request::{Caller, RoutedRequest, grpc_trace};
 use crate::retry::{self, Attempt, Reason, Unanswered};
 use crate::route::Router;
 
@@ -132,8 +132,13 @@ impl GrpcFrontDoor {
         status
     }
 
-    fn routed(&self, message: &ModelInferRequest, trace: Option<TraceParent>) -> RoutedRequest {
-        RoutedRequest::oip(message, trace, |model, prompt| {
+    fn routed(
+        &self,
+        message: &ModelInferRequest,
+        trace: Option<TraceParent>,
+        caller: &Caller,
+    ) -> RoutedRequest {
+        RoutedRequest::oip(message, trace, caller.clone(), |model, prompt| {
             self.router.affinity(model, prompt)
         })
     }
@@ -366,7 +371,8 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let routed = self.routed(request.get_ref(), grpc_trace(request.metadata()));
+        let caller = Caller::from_metadata(request.metadata());
+        let routed = self.routed(request.get_ref(), grpc_trace(request.metadata()), &caller);
         let span = routed.span();
         self.unary(routed, request, |mut client, request| async move {
             client.model_infer(request).await
@@ -389,13 +395,14 @@ impl GrpcInferenceService for GrpcFrontDoor {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let credentials = credentials(request.metadata());
         let trace = grpc_trace(request.metadata());
+        let caller = Caller::from_metadata(request.metadata());
         let mut incoming = request.into_inner();
         let Some(first) = incoming.message().await? else {
             return Err(Status::invalid_argument(
                 "the stream ended before its first request",
             ));
         };
-        let routed = self.routed(&first, trace);
+        let routed = self.routed(&first, trace, &caller);
         let lease = self
             .router
             .lease(&routed, &[])
@@ -418,7 +425,7 @@ impl GrpcInferenceService for GrpcFrontDoor {
                 tokio::select! {
                     message = incoming.message(), if !client_done => match message {
                         Ok(Some(message)) => {
-                            let routed = door.routed(&message, trace);
+                            let routed = door.routed(&message, trace, &caller);
                             let span = routed.span();
                             requests.spawn(
                                 door.clone()

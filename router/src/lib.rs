@@ -5,7 +5,8 @@
 //! requests for a fleet with no ready replica while it wakes.
 //!
 //! Where a request goes: [`http`] or [`grpc`] read it into a [`request::RoutedRequest`] and
-//! send it through [`retry`] (the attempts) → [`route`] (lookup, hold, wake) → [`pool`]
+//! send it through [`retry`] (the attempts) → [`route`] (lookup, [`flow`] control, hold,
+//! wake) → [`pool`]
 //! (per-replica state) → [`policy`] (the pick, pure) — with [`discovery`] (watches) and
 //! [`load`] (the workers' load and cache-event streams, into [`cache_index`]) keeping the view
 //! current, and [`prompt`] naming a prompt's blocks as the workers do.
@@ -13,6 +14,7 @@
 pub mod cache_index;
 pub mod discovery;
 pub mod error;
+pub mod flow;
 pub mod grpc;
 pub mod http;
 pub mod load;

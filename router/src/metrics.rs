@@ -34,6 +34,14 @@ pub struct Metrics {
     /// Full token blocks of cache-aware routed prompts, by whether the chosen replica's
     /// cache held them (`cached`: `true` or `false`).
     pub prompt_blocks: IntCounterVec,
+    /// Requests waiting in a model's flow-control queue, by priority.
+    pub flow_queued: IntGaugeVec,
+    /// How long requests waited in the flow-control queue, by outcome (`replica`, `timeout`,
+    /// `cancelled`).
+    pub flow_wait_seconds: HistogramVec,
+    /// Requests flow control refused, by model, API key name and reason (`queue_full`,
+    /// `queue_timeout`, `requestsPerMinute`, `tokensPerMinute`).
+    pub flow_rejected: IntCounterVec,
 }
 
 impl Metrics {
@@ -122,6 +130,33 @@ impl Metrics {
             ),
             &["model", "cached"],
         )?;
+        let flow_queued = IntGaugeVec::new(
+            Opts::new(
+                "npufleet_router_flow_queued_requests",
+                "Requests waiting in the model's flow-control queue for a replica with room, by priority",
+            ),
+            &["model", "priority"],
+        )?;
+        let flow_wait_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "npufleet_router_flow_wait_seconds",
+                "Time requests waited in the flow-control queue, by outcome",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ]),
+            &["model", "outcome"],
+        )?;
+        let flow_rejected = IntCounterVec::new(
+            Opts::new(
+                "npufleet_router_flow_rejected_total",
+                "Requests flow control answered 429, by model, API key name and reason",
+            ),
+            &["model", "key", "reason"],
+        )?;
+        registry.register(Box::new(flow_queued.clone()))?;
+        registry.register(Box::new(flow_wait_seconds.clone()))?;
+        registry.register(Box::new(flow_rejected.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_blocks.clone()))?;
         registry.register(Box::new(retries.clone()))?;
@@ -146,6 +181,9 @@ impl Metrics {
             in_flight,
             upstream_ttft_seconds,
             prompt_blocks,
+            flow_queued,
+            flow_wait_seconds,
+            flow_rejected,
         })
     }
 

@@ -12,6 +12,7 @@ use prometheus::IntGauge;
 
 use crate::cache_index::{CachedBlocks, Gap};
 use crate::discovery::{Endpoint, Model};
+use crate::flow::Flow;
 use crate::policy::{self, Candidate, ReportedLoad};
 use crate::prompt::Affinity;
 use npufleet_contract::proto::npufleet::v1::KvEventBatch;
@@ -76,6 +77,8 @@ pub struct Lease {
     pub cache_match: Option<CacheMatch>,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
+    /// The model's flow-control queue, told when this lease frees a place.
+    released: Option<Arc<Flow>>,
 }
 
 impl Lease {
@@ -84,6 +87,11 @@ impl Lease {
         gauge.inc();
         self.shown = Some(gauge);
     }
+
+    /// Wakes `flow`'s waiting requests when the lease ends.
+    pub fn on_release(&mut self, flow: Arc<Flow>) {
+        self.released = Some(flow);
+    }
 }
 
 impl Drop for Lease {
@@ -91,6 +99,9 @@ impl Drop for Lease {
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
         if let Some(gauge) = &self.shown {
             gauge.dec();
+        }
+        if let Some(flow) = &self.released {
+            flow.wake_all();
         }
     }
 }
@@ -154,7 +165,8 @@ impl Pool {
     }
 
     /// A replica of `model` for one request, by the model's policy, skipping the pods in
-    /// `exclude` (already tried) and any whose worker reports it is draining. `None` when no
+    /// `exclude` (already tried), any whose worker reports it is draining and, under flow
+    /// control, any with `maxConcurrencyPerReplica` requests outstanding. `None` when no
     /// replica is left.
     pub fn pick(
         &self,
@@ -179,9 +191,17 @@ impl Pool {
                 }
                 _ => 0,
             };
+            let in_flight = state.in_flight.load(Ordering::Relaxed);
+            if model
+                .flow
+                .as_ref()
+                .is_some_and(|flow| in_flight >= flow.max_concurrency_per_replica)
+            {
+                continue;
+            }
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
-                in_flight: state.in_flight.load(Ordering::Relaxed),
+                in_flight,
                 reported: report.map(|r| r.load),
                 cached_blocks,
             };
@@ -200,7 +220,17 @@ impl Pool {
             _ => policy::least_load(&candidates, turn),
         }?;
         let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
-        state.in_flight.fetch_add(1, Ordering::Relaxed);
+        let cap = model
+            .flow
+            .as_ref()
+            .map_or(u32::MAX, |flow| flow.max_concurrency_per_replica);
+        // Another request may have taken the last place since it was counted.
+        state
+            .in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .ok()?;
         Some(Lease {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
@@ -214,6 +244,7 @@ impl Pool {
             },
             state,
             shown: None,
+            released: None,
         })
     }
 }
@@ -241,6 +272,7 @@ mod tests {
                     ip: "127.0.0.3".parse().unwrap(),
                 },
             ],
+            flow: None,
         }
     }
 

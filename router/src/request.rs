@@ -4,7 +4,8 @@
 //! itself is passed on to the replica untouched.
 
 use http::HeaderMap;
-use npufleet_contract::headers::{REQUEST_ID, TRACEPARENT};
+use npufleet_contract::auth::AUTHORIZATION;
+use npufleet_contract::headers::{FLOW_PRIORITY, REQUEST_ID, TRACEPARENT};
 use npufleet_contract::proto::inference::ModelInferRequest;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::trace::TraceParent;
@@ -33,6 +34,41 @@ pub struct RoutedRequest {
     pub id: String,
     /// The client's trace, or one the router started; passed on to the replica.
     pub trace: TraceParent,
+    /// Who sent it, as flow control tells keys apart.
+    pub caller: Caller,
+    /// What flow control charges it: its prompt (a token for each four bytes) and the
+    /// output tokens it asks for.
+    pub tokens: u32,
+}
+
+/// The caller of a request as flow control sees it: the SHA-256 of the API key it presents
+/// (never the key) and the priority it asks for in `x-npufleet-priority`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Caller {
+    pub key_sha256: Option<[u8; 32]>,
+    pub priority: Option<i32>,
+}
+
+impl Caller {
+    pub fn from_headers(headers: &HeaderMap) -> Self {
+        Caller {
+            key_sha256: headers
+                .get(AUTHORIZATION)
+                .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
+            priority: header(headers, FLOW_PRIORITY).and_then(|p| p.trim().parse().ok()),
+        }
+    }
+
+    pub fn from_metadata(metadata: &MetadataMap) -> Self {
+        Caller {
+            key_sha256: metadata
+                .get(AUTHORIZATION)
+                .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
+            priority: metadata
+                .get(FLOW_PRIORITY)
+                .and_then(|p| p.to_str().ok()?.trim().parse().ok()),
+        }
+    }
 }
 
 /// Each constructor takes the affinity of a model's prompt as `affinity`:
@@ -53,16 +89,22 @@ impl RoutedRequest {
         span
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn new(
         model: String,
         prompt: Option<Prompt>,
         priority: Option<i64>,
         id: Option<&str>,
         trace: Option<TraceParent>,
+        caller: Caller,
+        output_tokens: u64,
         affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Self {
         let trace = trace.unwrap_or_else(|| TraceParent::start(rand::random(), rand::random()));
+        let prompt_tokens = prompt.as_ref().map_or(0, |p| p.flat.len().div_ceil(4)) as u64;
         RoutedRequest {
+            tokens: u32::try_from(prompt_tokens.saturating_add(output_tokens)).unwrap_or(u32::MAX),
+            caller,
             affinity: prompt.map_or(Affinity::None, |prompt| affinity(&model, &prompt)),
             model,
             priority,
@@ -93,12 +135,18 @@ impl RoutedRequest {
                 ));
             }
         };
+        let output_tokens = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|field| json.get(*field)?.as_u64())
+            .unwrap_or(0);
         Ok(Self::new(
             model,
             openai_prompt(&json),
             json.get(PRIORITY).and_then(Value::as_i64),
             header(headers, REQUEST_ID),
             http_trace(headers),
+            Caller::from_headers(headers),
+            output_tokens,
             affinity,
         ))
     }
@@ -127,6 +175,8 @@ impl RoutedRequest {
             None,
             id,
             http_trace(headers),
+            Caller::from_headers(headers),
+            0,
             affinity,
         ))
     }
@@ -136,6 +186,7 @@ impl RoutedRequest {
     pub fn oip(
         message: &ModelInferRequest,
         trace: Option<TraceParent>,
+        caller: Caller,
         affinity: impl Fn(&str, &Prompt) -> Affinity,
     ) -> Self {
         let priority = message
@@ -158,6 +209,8 @@ impl RoutedRequest {
             priority,
             Some(&message.id),
             trace,
+            caller,
+            oip_max_tokens(message),
             affinity,
         )
     }
@@ -170,6 +223,8 @@ impl RoutedRequest {
             None,
             None,
             trace,
+            Caller::default(),
+            0,
             |_: &str, _: &Prompt| Affinity::None,
         )
     }
@@ -217,6 +272,19 @@ fn v2_rest_prompt(body: &Value) -> Option<String> {
         .iter()
         .find_map(|input| input.get("data")?.as_array()?.first()?.as_str())
         .map(str::to_owned)
+}
+
+/// The output tokens an Open Inference Protocol request asks for (its `max_tokens` parameter).
+fn oip_max_tokens(message: &ModelInferRequest) -> u64 {
+    match message
+        .parameters
+        .get("max_tokens")
+        .and_then(|p| p.parameter_choice.as_ref())
+    {
+        Some(ParameterChoice::Int64Param(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(ParameterChoice::Uint64Param(n)) => *n,
+        _ => 0,
+    }
 }
 
 /// The prompt of an Open Inference Protocol infer request: its `text_input` tensor's first
@@ -402,7 +470,7 @@ mod tests {
             },
         );
         let client = TraceParent::parse(CLIENT_TRACE);
-        let request = RoutedRequest::oip(&message, client, length_key);
+        let request = RoutedRequest::oip(&message, client, Caller::default(), length_key);
         assert_eq!(request.model, "m");
         assert_eq!(request.affinity, Affinity::Key(5));
         assert_eq!(request.priority, Some(2));

@@ -1,5 +1,7 @@
-//! From a model name to a leased replica: the lookup, the pick, and, when the model has no
-//! ready replica, the bounded hold that wakes a fleet scaled to zero and waits for it.
+//! From a model name to a leased replica: the lookup, the pick, flow control (a key's rate
+//! limits, and the queue a request waits in while every replica of a model with
+//! `spec.routing.flowControl` has its fill), and, when the model has no ready replica, the
+//! bounded hold that wakes a fleet scaled to zero and waits for it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,6 +15,7 @@ use serde_json::json;
 
 use crate::discovery::{Discovery, Model};
 use crate::error::RouteError;
+use crate::flow::{Admission, Flow, FlowConfig, Limit, QueueFull};
 use crate::metrics::Metrics;
 use crate::pool::{Lease, PickSettings, Pool};
 use crate::prompt::{Affinity, ExactPrompt, PrefixBlocks, Prompt, Recipes};
@@ -49,6 +52,8 @@ pub struct Router {
     client: Client,
     held: Mutex<HashMap<String, usize>>,
     last_wake: Mutex<HashMap<(String, String), Instant>>,
+    /// Each flow-controlled model's queue and its keys' counters and limits.
+    flows: Mutex<HashMap<String, Arc<Flow>>>,
 }
 
 /// A place in a model's hold queue, given back on drop.
@@ -74,6 +79,70 @@ impl Drop for HoldSlot<'_> {
     }
 }
 
+/// A request's place in a flow-control queue: it leaves the queue when dropped, and the
+/// others look again (the head may have changed).
+struct Waiting<'a> {
+    router: &'a Router,
+    model: &'a str,
+    flow: &'a Flow,
+    ticket: u64,
+    priority: String,
+    started: Instant,
+    /// How the wait ended, for the metrics: `replica`, `timeout`, else `cancelled`.
+    outcome: &'static str,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(router: &'a Router, model: &'a str, flow: &'a Flow, ticket: u64, priority: i32) -> Self {
+        let priority = priority.to_string();
+        router
+            .metrics
+            .flow_queued
+            .with_label_values(&[model, &priority])
+            .inc();
+        Waiting {
+            router,
+            model,
+            flow,
+            ticket,
+            priority,
+            started: Instant::now(),
+            outcome: "cancelled",
+        }
+    }
+
+    /// The request leaves the queue for a replica; its key is charged its tokens.
+    fn dispatched(&mut self) {
+        self.flow
+            .queue
+            .lock()
+            .expect("flow lock")
+            .dispatched(self.ticket);
+        self.outcome = "replica";
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        // A no-op once dispatched.
+        self.flow
+            .queue
+            .lock()
+            .expect("flow lock")
+            .leave(self.ticket);
+        self.flow.wake_all();
+        let metrics = &self.router.metrics;
+        metrics
+            .flow_queued
+            .with_label_values(&[self.model, &self.priority])
+            .dec();
+        metrics
+            .flow_wait_seconds
+            .with_label_values(&[self.model, self.outcome])
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
 impl Router {
     pub fn new(
         settings: Settings,
@@ -92,6 +161,7 @@ impl Router {
             client,
             held: Mutex::default(),
             last_wake: Mutex::default(),
+            flows: Mutex::default(),
         }
     }
 
@@ -153,9 +223,11 @@ impl Router {
         }
     }
 
-    /// A replica of the request's model for one attempt, skipping the pods in `tried`. With
-    /// nothing tried yet and no replica ready, holds the request until one is (or the hold
-    /// ends); with every replica tried, fails at once, as retrying the same replicas would.
+    /// A replica of the request's model for one attempt, skipping the pods in `tried`. Under
+    /// flow control the first attempt is charged to its key's limits, and an attempt that
+    /// finds every replica full (or others already waiting) waits in the queue. With nothing
+    /// tried yet and no replica ready, holds the request until one is (or the hold ends); with
+    /// every replica tried, fails at once, as retrying the same replicas would.
     pub async fn lease(
         &self,
         request: &RoutedRequest,
@@ -163,8 +235,34 @@ impl Router {
     ) -> Result<Lease, RouteError> {
         let (model_name, affinity) = (request.model.as_str(), &request.affinity);
         let model = self.model(model_name)?;
-        if let Some(lease) = self.pick(model_name, &model, affinity, tried) {
+        let flow = match &model.flow {
+            Some(config) => {
+                let admission = config.admit(
+                    request.caller.key_sha256.as_ref(),
+                    request.caller.priority,
+                    request.tokens,
+                );
+                let flow = self.flow(model_name);
+                if tried.is_empty() {
+                    self.charge(model_name, &flow, &admission)?;
+                }
+                Some((config.clone(), flow, admission))
+            }
+            None => None,
+        };
+        let others_wait = flow
+            .as_ref()
+            .is_some_and(|(_, flow, _)| !flow.queue.lock().expect("flow lock").is_empty());
+        if !others_wait && let Some(lease) = self.pick(model_name, &model, affinity, tried) {
             return Ok(lease);
+        }
+        let untried = model.endpoints.iter().any(|e| !tried.contains(&e.pod));
+        if let Some((config, flow, admission)) = &flow
+            && untried
+        {
+            return self
+                .queue(model_name, request, tried, config, flow, admission)
+                .await;
         }
         if !tried.is_empty() {
             return Err(RouteError::ReplicasFailed {
@@ -175,6 +273,112 @@ impl Router {
         self.hold(model_name, model, affinity).await
     }
 
+    fn flow(&self, model_name: &str) -> Arc<Flow> {
+        self.flows
+            .lock()
+            .expect("flows lock")
+            .entry(model_name.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Charges a request to its key's rate limits; a refusal is counted and names the limit.
+    fn charge(
+        &self,
+        model_name: &str,
+        flow: &Flow,
+        admission: &Admission,
+    ) -> Result<(), RouteError> {
+        let limited = flow.queue.lock().expect("flow lock").charge(admission);
+        let Err(limited) = limited else { return Ok(()) };
+        self.metrics
+            .flow_rejected
+            .with_label_values(&[model_name, &admission.key, limited.limit.as_str()])
+            .inc();
+        let (model, key) = (model_name.to_owned(), admission.key.clone());
+        Err(match (limited.limit, limited.retry_after) {
+            (limit, Some(retry_after)) => RouteError::RateLimited {
+                model,
+                key,
+                limit: limit.as_str(),
+                retry_after,
+            },
+            (Limit::TokensPerMinute | Limit::RequestsPerMinute, None) => {
+                RouteError::OverTokenBudget {
+                    model,
+                    key,
+                    tokens: admission.tokens,
+                    per_minute: admission.policy.tokens_per_minute.unwrap_or(0),
+                }
+            }
+        })
+    }
+
+    /// Waits in the model's flow-control queue until the request is at its head and a replica
+    /// has room, or its time to live ends.
+    async fn queue(
+        &self,
+        model_name: &str,
+        request: &RoutedRequest,
+        tried: &[String],
+        config: &FlowConfig,
+        flow: &Arc<Flow>,
+        admission: &Admission,
+    ) -> Result<Lease, RouteError> {
+        let enqueued = flow
+            .queue
+            .lock()
+            .expect("flow lock")
+            .enqueue(admission, config.max_queued);
+        let ticket = enqueued.map_err(|QueueFull| {
+            self.metrics
+                .flow_rejected
+                .with_label_values(&[model_name, &admission.key, "queue_full"])
+                .inc();
+            RouteError::FlowQueueFull {
+                model: model_name.to_owned(),
+                priority: admission.priority,
+                limit: config.max_queued,
+            }
+        })?;
+        let mut waiting = Waiting::new(self, model_name, flow, ticket, admission.priority);
+        let deadline = tokio::time::Instant::now() + config.queue_ttl;
+        let mut fleet = self.discovery.fleet.clone();
+        loop {
+            let notified = flow.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            fleet.borrow_and_update();
+            let model = self.model(model_name)?;
+            let head = flow.queue.lock().expect("flow lock").head();
+            if head == Some(ticket)
+                && let Some(lease) = self.pick(model_name, &model, &request.affinity, tried)
+            {
+                waiting.dispatched();
+                return Ok(lease);
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                changed = fleet.changed() => {
+                    if changed.is_err() {
+                        return Err(RouteError::ModelNotFound(model_name.to_owned()));
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    waiting.outcome = "timeout";
+                    self.metrics
+                        .flow_rejected
+                        .with_label_values(&[model_name, &admission.key, "queue_timeout"])
+                        .inc();
+                    return Err(RouteError::FlowQueueTimedOut {
+                        model: model_name.to_owned(),
+                        waited: config.queue_ttl,
+                    });
+                }
+            }
+        }
+    }
+
     fn pick(
         &self,
         model_name: &str,
@@ -183,6 +387,9 @@ impl Router {
         tried: &[String],
     ) -> Option<Lease> {
         let mut lease = self.pool.pick(model, affinity, tried, self.settings.pick)?;
+        if model.flow.is_some() {
+            lease.on_release(self.flow(model_name));
+        }
         self.metrics
             .picks
             .with_label_values(&[model_name, model.policy.as_str()])

@@ -85,6 +85,25 @@ async fn rejection(api: &Api<DynamicObject>, object: Value) -> Result<String> {
     }
 }
 
+/// Each case's value, put in place by `build`, is refused with a message naming its field.
+async fn expect_rejections(
+    api: &Api<DynamicObject>,
+    cases: &[(Value, &str)],
+    build: impl Fn(Value) -> Value,
+) {
+    let mut failures = Vec::new();
+    for (value, field) in cases {
+        match rejection(api, build(value.clone())).await {
+            Ok(message) if message.contains(field) => {}
+            Ok(message) => {
+                failures.push(format!("{value}: message does not name {field}: {message}"))
+            }
+            Err(e) => failures.push(format!("{value}: {e:#}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[tokio::test]
 async fn invalid_inference_services_are_rejected_naming_the_field() -> Result<()> {
     let (_, api) = namespace_with_crd("crd-validation").await?;
@@ -492,17 +511,7 @@ async fn latency_objectives_take_positive_durations_and_open_percentiles_naming_
             "spec.autoscaling.objectives.tpot.target",
         ),
     ];
-    let mut failures = Vec::new();
-    for (value, field) in cases {
-        match rejection(&api, objectives(value.clone())).await {
-            Ok(message) if message.contains(field) => {}
-            Ok(message) => {
-                failures.push(format!("{value}: message does not name {field}: {message}"))
-            }
-            Err(e) => failures.push(format!("{value}: {e:#}")),
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    expect_rejections(&api, &cases, objectives).await;
 
     let accepted = objectives(json!({
         "ttft": {"percentile": 99.5, "target": "1.5s"},
@@ -514,6 +523,77 @@ async fn latency_objectives_take_positive_durations_and_open_percentiles_naming_
         .context("valid objectives refused")?;
     let objectives = &created.data["spec"]["autoscaling"]["objectives"];
     assert_eq!(objectives["tpot"]["percentile"], 90.0, "{objectives}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn flow_control_refuses_bad_durations_digests_and_repeated_keys_naming_the_field()
+-> Result<()> {
+    let (_, api) = namespace_with_crd("crd-flow-control").await?;
+    let flow = |value: Value| {
+        with(
+            valid("flow"),
+            "/spec/routing",
+            json!({"flowControl": value}),
+        )
+    };
+    let digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    let key = |name: &str, sha: &str| json!({"name": name, "apiKeySha256": sha});
+    let cases = [
+        (
+            json!({"queueTtl": "1m"}),
+            "spec.routing.flowControl.queueTtl",
+        ),
+        (
+            json!({"queueTtl": "0s"}),
+            "spec.routing.flowControl.queueTtl",
+        ),
+        (
+            json!({"maxQueued": 0}),
+            "spec.routing.flowControl.maxQueued",
+        ),
+        (
+            json!({"maxConcurrencyPerReplica": 0}),
+            "spec.routing.flowControl.maxConcurrencyPerReplica",
+        ),
+        (
+            json!({"keys": [key("gold", "NOTHEX")]}),
+            "spec.routing.flowControl.keys[0].apiKeySha256",
+        ),
+        (
+            json!({"keys": [key("Gold!", digest)]}),
+            "spec.routing.flowControl.keys[0].name",
+        ),
+        (
+            json!({"keys": [key("gold", digest), key("gold", &digest.replace('9', "8"))]}),
+            "spec.routing.flowControl.keys must not repeat a name or an apiKeySha256",
+        ),
+        (
+            json!({"keys": [key("gold", digest), key("bulk", digest)]}),
+            "spec.routing.flowControl.keys must not repeat a name or an apiKeySha256",
+        ),
+        (
+            json!({"default": {"requestsPerMinute": 0}}),
+            "spec.routing.flowControl.default.requestsPerMinute",
+        ),
+    ];
+    expect_rejections(&api, &cases, flow).await;
+
+    let created = api
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(flow(json!({
+                "keys": [{"name": "gold", "apiKeySha256": digest, "priority": 10, "tokensPerMinute": 100000}],
+            })))?,
+        )
+        .await
+        .context("valid flow control refused")?;
+    let flow = &created.data["spec"]["routing"]["flowControl"];
+    assert_eq!(
+        (flow["queueTtl"].as_str(), flow["maxQueued"].as_u64()),
+        (Some("30s"), Some(256)),
+        "{flow}"
+    );
     Ok(())
 }
 
