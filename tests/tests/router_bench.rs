@@ -30,7 +30,7 @@ use npufleet_contract::env as worker_env;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
 use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, worker_metrics};
-use npufleet_tests::{cluster, service, wait};
+use npufleet_tests::{cluster, paths, service, wait};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "router-bench";
@@ -58,6 +58,76 @@ const POLICIES: [RoutingPolicy; 4] = [
     RoutingPolicy::PrefixAffinity,
     RoutingPolicy::CacheAware,
 ];
+
+/// The engine a benchmark's replicas run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    /// This project's worker, with its KV cache held to [`KV_CACHE_BLOCKS`].
+    Worker,
+    /// llama.cpp's own `llama-server` as the generic runtime: no cache events, so
+    /// `cache-aware` is the byte-hash policy there and is not run twice. Each of its two
+    /// slots keeps the last prompt it served, so a replica holds two prompts at most.
+    LlamaServer,
+}
+
+impl Engine {
+    fn policies(self) -> &'static [RoutingPolicy] {
+        match self {
+            Engine::Worker => &POLICIES,
+            Engine::LlamaServer => &POLICIES[..3],
+        }
+    }
+
+    fn spec(self, replicas: usize) -> Value {
+        match self {
+            Engine::Worker => bench_spec(replicas),
+            Engine::LlamaServer => service::merged(
+                service::llama_server_runtime(),
+                json!({"replicas": replicas, "engine": {"drainSeconds": 5}}),
+            ),
+        }
+    }
+
+    /// Every answer runs to max_tokens, so runs differ only in where requests went (the
+    /// worker is told by its environment, llama-server per request).
+    fn body(self, mut body: Value) -> Value {
+        if self == Engine::LlamaServer {
+            body["ignore_eos"] = json!(true);
+        }
+        body
+    }
+
+    /// The replica's cache counters: prefix-cache hit and queried tokens and prompt tokens
+    /// for the worker; for llama-server, which counts no hits, the prompt tokens it evaluated
+    /// (those its slot did not hold) as the third.
+    async fn counters(self, http: &reqwest::Client, address: &str) -> Result<[f64; 3]> {
+        Ok(match self {
+            Engine::Worker => {
+                let metrics = worker_metrics(http, address).await?;
+                [
+                    series_sum(&metrics, "vllm:prefix_cache_hits_total"),
+                    series_sum(&metrics, "vllm:prefix_cache_queries_total"),
+                    series_sum(&metrics, "vllm:prompt_tokens_total"),
+                ]
+            }
+            Engine::LlamaServer => {
+                let port = service::LLAMA_SERVER_PORT;
+                let metrics = http
+                    .get(format!("http://{address}:{port}/metrics"))
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .text()
+                    .await?;
+                [
+                    0.0,
+                    0.0,
+                    series_sum(&metrics, "llamacpp:prompt_tokens_total"),
+                ]
+            }
+        })
+    }
+}
 
 /// What the service `bench` sets beside [`service::smollm2`]'s defaults.
 fn bench_spec(replicas: usize) -> Value {
@@ -187,8 +257,13 @@ async fn stream_once(
     url: &str,
     body: &Value,
 ) -> Result<(Duration, Duration)> {
+    stream_request(http.post(url).json(body)).await
+}
+
+/// [`stream_once`] for a request built with its own headers.
+async fn stream_request(request: reqwest::RequestBuilder) -> Result<(Duration, Duration)> {
     let started = Instant::now();
-    let response = http.post(url).json(body).send().await?;
+    let response = request.send().await?;
     let status = response.status();
     ensure!(
         status.is_success(),
@@ -255,22 +330,15 @@ async fn run_trace(url: &str, bodies: Vec<Value>, clients: usize) -> Result<RunR
     Ok(result)
 }
 
-/// Prefix-cache hits and queries (tokens) and prompt tokens so far, per worker address.
+/// [`Engine::counters`] so far, per replica address.
 async fn cache_counters(
+    engine: Engine,
     http: &reqwest::Client,
     addresses: &[String],
 ) -> Result<BTreeMap<String, [f64; 3]>> {
     let mut counters = BTreeMap::new();
     for address in addresses {
-        let metrics = worker_metrics(http, address).await?;
-        counters.insert(
-            address.clone(),
-            [
-                series_sum(&metrics, "vllm:prefix_cache_hits_total"),
-                series_sum(&metrics, "vllm:prefix_cache_queries_total"),
-                series_sum(&metrics, "vllm:prompt_tokens_total"),
-            ],
-        );
+        counters.insert(address.clone(), engine.counters(http, address).await?);
     }
     Ok(counters)
 }
@@ -331,14 +399,22 @@ struct Bench {
 }
 
 impl Bench {
-    async fn start(name: &str, subnet: u8, replicas: usize) -> Result<Bench> {
+    async fn start(name: &str, subnet: u8, replicas: usize, engine: Engine) -> Result<Bench> {
         let c = cluster::shared();
-        let bed = Testbed::start(c, &c.client().await?, name, subnet, MANAGER).await?;
+        let client = c.client().await?;
+        let bed = match engine {
+            Engine::Worker => Testbed::start(c, &client, name, subnet, MANAGER).await?,
+            Engine::LlamaServer => {
+                let llama_server = tokio::task::spawn_blocking(paths::llama_server).await??;
+                let programs = [("llama-server", llama_server)];
+                Testbed::start_with_programs(c, &client, name, subnet, MANAGER, &programs).await?
+            }
+        };
         let operator = bed.start_operator()?;
         let router =
             RunningRouter::start(c, name, &bed.namespace, &["--wake-interval-seconds", "1"])
                 .await?;
-        bed.apply_smollm2("bench", bench_spec(replicas)).await?;
+        bed.apply_smollm2("bench", engine.spec(replicas)).await?;
         let addresses = bed.wait_serving(replicas).await?;
         Ok(Bench {
             services: bed.services(),
@@ -349,50 +425,72 @@ impl Bench {
             _operator: operator,
         })
     }
-}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "minutes on a 2-core machine: run by make bench-router"]
-async fn routing_benchmark() -> Result<()> {
-    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
-    npufleet_tests::on_shared_cluster(|_, _| async move {
-        let Bench { services, pods, router, addresses, .. } = &Bench::start("router-bench", 81, REPLICAS).await?;
+    /// Each of `engine`'s policies on each trace: one table row per run.
+    async fn policy_table(&self, engine: Engine) -> Result<()> {
+        let Bench {
+            services,
+            router,
+            addresses,
+            ..
+        } = self;
         let http = reqwest::Client::new();
-
-        println!("\n### Routing policies: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
-        println!("| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |");
+        println!(
+            "| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |"
+        );
         println!("|---|---|---|---|---|---|---|---|---|---|---|");
         let traces = [
-            Trace::SharedPrefix { prompts: SYSTEM_PROMPTS },
-            Trace::SharedPrefix { prompts: SYSTEM_PROMPTS_THAT_FIT },
+            Trace::SharedPrefix {
+                prompts: SYSTEM_PROMPTS,
+            },
+            Trace::SharedPrefix {
+                prompts: SYSTEM_PROMPTS_THAT_FIT,
+            },
             Trace::MultiTurn,
             Trace::NoSharedPrefix,
         ];
         for (t, trace) in traces.into_iter().enumerate() {
-            for policy in POLICIES {
+            for &policy in engine.policies() {
                 use_policy(services, router, policy).await?;
-                let before = cache_counters(&http, addresses).await?;
-                let bodies = trace.bodies(&format!("{t}-{}", policy.as_str()));
+                let before = cache_counters(engine, &http, addresses).await?;
+                let bodies: Vec<Value> = trace
+                    .bodies(&format!("{t}-{}", policy.as_str()))
+                    .into_iter()
+                    .map(|body| engine.body(body))
+                    .collect();
                 let requests = bodies.len();
-                let mut run = run_trace(&router.url("/v1/chat/completions"), bodies, CLIENTS).await?;
-                let after = cache_counters(&http, addresses).await?;
+                let mut run =
+                    run_trace(&router.url("/v1/chat/completions"), bodies, CLIENTS).await?;
+                let after = cache_counters(engine, &http, addresses).await?;
                 let delta: Vec<[f64; 3]> = addresses
                     .iter()
                     .map(|a| std::array::from_fn(|k| after[a][k] - before[a][k]))
                     .collect();
-                let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
-                let rates: Vec<String> = delta
-                    .iter()
-                    .map(|d| format!("{:.0}%", if d[1] > 0.0 { 100.0 * d[0] / d[1] } else { 0.0 }))
-                    .collect();
                 let (hit, queried, prompt) = delta
                     .iter()
                     .fold((0.0, 0.0, 0.0), |t, d| (t.0 + d[0], t.1 + d[1], t.2 + d[2]));
+                let (hits, rates, rate) = if engine == Engine::Worker {
+                    let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
+                    let rates: Vec<String> = delta
+                        .iter()
+                        .map(|d| {
+                            format!("{:.0}%", if d[1] > 0.0 { 100.0 * d[0] / d[1] } else { 0.0 })
+                        })
+                        .collect();
+                    let rate = if queried > 0.0 {
+                        100.0 * hit / queried
+                    } else {
+                        0.0
+                    };
+                    (hits.join(" / "), rates.join(" / "), format!("{rate:.0}%"))
+                } else {
+                    ("–".to_owned(), "–".to_owned(), "–".to_owned())
+                };
                 // The busiest replica's prompt tokens against the mean: 1.00 is an even spread.
                 let busiest = delta.iter().map(|d| d[2]).fold(0.0, f64::max);
                 let imbalance = busiest / (prompt / delta.len() as f64).max(1.0);
                 println!(
-                    "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0}% | {imbalance:.2} |",
+                    "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {hits} | {rates} | {rate} | {imbalance:.2} |",
                     trace.name(),
                     policy.as_str(),
                     requests as f64 / run.elapsed.as_secs_f64(),
@@ -400,14 +498,37 @@ async fn routing_benchmark() -> Result<()> {
                     ms(percentile(&mut run.ttft, 90.0)),
                     ms(percentile(&mut run.ttft, 99.0)),
                     prompt / requests as f64,
-                    hits.join(" / "),
-                    rates.join(" / "),
-                    if queried > 0.0 { 100.0 * hit / queried } else { 0.0 },
                 );
             }
         }
-        wake_from_zero(services, pods, router).await?;
         Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn routing_benchmark() -> Result<()> {
+    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let bench = Bench::start("router-bench", 81, REPLICAS, Engine::Worker).await?;
+        println!("\n### Routing policies: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
+        bench.policy_table(Engine::Worker).await?;
+        wake_from_zero(&bench.services, &bench.pods, &bench.router).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// The same traces on an engine this project did not write: the policies that need no cache
+/// events, on llama.cpp's `llama-server`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn generic_engine_routing_benchmark() -> Result<()> {
+    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let bench = Bench::start("router-bench-generic", 83, REPLICAS, Engine::LlamaServer).await?;
+        println!("\n### Routing policies on llama.cpp's llama-server (generic runtime): {REPLICAS} SmolLM2-135M replicas (1 thread, 2 slots each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer; prompt tokens/req counts the tokens llama-server evaluated, those its slots did not hold\n");
+        bench.policy_table(Engine::LlamaServer).await
     })
     .await
 }
@@ -417,7 +538,7 @@ async fn routing_benchmark() -> Result<()> {
 async fn router_cost_benchmark() -> Result<()> {
     let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let bench = Bench::start("router-cost", 82, 1).await?;
+        let bench = Bench::start("router-cost", 82, 1, Engine::Worker).await?;
         router_cost(&reqwest::Client::new(), &bench.router, &bench.addresses[0]).await
     })
     .await
@@ -594,4 +715,182 @@ async fn wake_from_zero(
         (first_token.saturating_sub(worker_ready)).as_secs_f64()
     );
     Ok(())
+}
+
+/// Replica places per worker under flow control in [`flow_control_benchmark`].
+const FLOW_CONCURRENCY: u32 = 2;
+const GOLD_KEY: &str = "gold-bench-key";
+const BULK_KEY: &str = "bulk-bench-key";
+/// How long each overload run offers its load.
+const OVERLOAD_SECONDS: u64 = 40;
+
+fn sha256_hex(key: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(key)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn short_chat(i: u64, max_tokens: u32) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": format!("Question {i}: name a river in Europe.")}], "max_tokens": max_tokens, "stream": true})
+}
+
+/// What one key's requests met in a run.
+#[derive(Default)]
+struct KeyRun {
+    ttft: Vec<Duration>,
+    served: usize,
+    refused: usize,
+    failed: Vec<String>,
+}
+
+/// One streamed request with `key`; a 429 counts as refused, anything else not 2xx as failed.
+async fn keyed_request(
+    http: &reqwest::Client,
+    router: &str,
+    key: &str,
+    body: &Value,
+    run: &tokio::sync::Mutex<KeyRun>,
+) {
+    let request = http
+        .post(format!("{router}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(body);
+    let outcome = stream_request(request).await;
+    let mut run = run.lock().await;
+    match outcome {
+        Ok((ttft, _)) => {
+            run.ttft.push(ttft);
+            run.served += 1;
+        }
+        Err(error) if error.to_string().starts_with("HTTP 429") => run.refused += 1,
+        Err(error) => run.failed.push(format!("{error:#}")),
+    }
+}
+
+/// The high-priority key's closed-loop client and, if `bulk_rate` is set, the low-priority
+/// key's open-loop arrivals at that rate, for `seconds`.
+async fn overload_run(
+    router: &str,
+    bulk_rate: Option<f64>,
+    seconds: u64,
+) -> Result<(KeyRun, KeyRun, Duration)> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(180))
+        .build()?;
+    let gold = Arc::new(tokio::sync::Mutex::new(KeyRun::default()));
+    let bulk = Arc::new(tokio::sync::Mutex::new(KeyRun::default()));
+    let started = Instant::now();
+    let until = started + Duration::from_secs(seconds);
+    let arrivals = bulk_rate.map(|rate| {
+        let (http, router, bulk) = (http.clone(), router.to_owned(), bulk.clone());
+        tokio::spawn(async move {
+            let mut sent = tokio::task::JoinSet::new();
+            let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+            let mut i = 0u64;
+            while Instant::now() < until {
+                ticks.tick().await;
+                i += 1;
+                let (http, router, bulk) = (http.clone(), router.clone(), bulk.clone());
+                sent.spawn(async move {
+                    keyed_request(
+                        &http,
+                        &router,
+                        BULK_KEY,
+                        &short_chat(1_000_000 + i, MAX_TOKENS * 2),
+                        &bulk,
+                    )
+                    .await
+                });
+            }
+            while sent.join_next().await.is_some() {}
+        })
+    });
+    let mut i = 0u64;
+    while Instant::now() < until {
+        i += 1;
+        keyed_request(
+            &http,
+            router,
+            GOLD_KEY,
+            &short_chat(i, MAX_TOKENS * 2),
+            &gold,
+        )
+        .await;
+    }
+    let elapsed = started.elapsed();
+    if let Some(arrivals) = arrivals {
+        arrivals.await?;
+    }
+    let take = |run: Arc<tokio::sync::Mutex<KeyRun>>| {
+        Arc::try_unwrap(run)
+            .ok()
+            .expect("every request joined")
+            .into_inner()
+    };
+    Ok((take(gold), take(bulk), elapsed))
+}
+
+/// Under twice the load the fleet can serve, a high-priority key against a low-priority one:
+/// its time to first token against an idle fleet's, with and without flow control, and the
+/// low-priority key's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn flow_control_benchmark() -> Result<()> {
+    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let bench = Bench::start("router-flow-bench", 84, REPLICAS, Engine::Worker).await?;
+        let flow_control = json!({
+            "maxConcurrencyPerReplica": FLOW_CONCURRENCY,
+            "maxQueued": 64,
+            "queueTtl": "30s",
+            "keys": [
+                {"name": "gold", "apiKeySha256": sha256_hex(GOLD_KEY), "priority": 10},
+                {"name": "bulk", "apiKeySha256": sha256_hex(BULK_KEY), "priority": 0},
+            ],
+        });
+        set_spec(&bench.services, json!({"routing": {"policy": "least-load", "flowControl": flow_control}})).await?;
+        let router = bench.router.url("");
+
+        // The fleet's capacity: as many closed-loop clients as it has places.
+        let places = REPLICAS * FLOW_CONCURRENCY as usize;
+        let bodies: Vec<Value> = (0..places as u64 * 8).map(|i| short_chat(2_000_000 + i, MAX_TOKENS * 2)).collect();
+        let requests = bodies.len();
+        let capacity_run = run_trace(&bench.router.url("/v1/chat/completions"), bodies, places).await?;
+        let capacity = requests as f64 / capacity_run.elapsed.as_secs_f64();
+        let (mut idle, _, _) = overload_run(&router, None, 15).await?;
+
+        println!("\n### Flow control under 2× overload: {REPLICAS} SmolLM2-135M replicas, {FLOW_CONCURRENCY} places each; capacity {capacity:.2} req/s ({} tokens per answer); low-priority key arriving at {:.2} req/s for {OVERLOAD_SECONDS} s, one high-priority client in a closed loop\n", MAX_TOKENS * 2, 2.0 * capacity);
+        println!("| run | high-priority TTFT p50 ms | p90 ms | p99 ms | vs idle p90 | high served | low served | low refused (429) | low share of served | failed |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        let idle_p90 = percentile(&mut idle.ttft, 90.0);
+        println!(
+            "| idle fleet | {:.0} | {:.0} | {:.0} | 1.00 | {} | – | – | – | {} |",
+            ms(percentile(&mut idle.ttft, 50.0)), ms(idle_p90), ms(percentile(&mut idle.ttft, 99.0)), idle.served, idle.failed.len()
+        );
+        let mut failures = idle.failed;
+        for (label, spec) in [
+            ("2× overload, flow control", json!({"flowControl": flow_control})),
+            ("2× overload, no flow control", json!({"flowControl": null})),
+        ] {
+            set_spec(&bench.services, json!({"routing": spec})).await?;
+            // The router follows the change within a watch event; one request makes sure.
+            stream_once(&reqwest::Client::new(), &bench.router.url("/v1/chat/completions"), &short_chat(0, 1)).await?;
+            let (mut gold, bulk, _) = overload_run(&router, Some(2.0 * capacity), OVERLOAD_SECONDS).await?;
+            let p90 = percentile(&mut gold.ttft, 90.0);
+            println!(
+                "| {label} | {:.0} | {:.0} | {:.0} | {:.2} | {} | {} | {} | {:.0}% | {} |",
+                ms(percentile(&mut gold.ttft, 50.0)), ms(p90), ms(percentile(&mut gold.ttft, 99.0)),
+                p90.as_secs_f64() / idle_p90.as_secs_f64(), gold.served, bulk.served, bulk.refused,
+                100.0 * bulk.served as f64 / (gold.served + bulk.served).max(1) as f64,
+                gold.failed.len() + bulk.failed.len(),
+            );
+            failures.extend(gold.failed);
+            failures.extend(bulk.failed);
+        }
+        ensure!(failures.is_empty(), "requests failed: {failures:?}");
+        Ok(())
+    })
+    .await
 }
