@@ -99,9 +99,12 @@ bench-router: setup
 
 # The built-in autoscaler against HPA- and KPA-like policies on simulated bursty traces, and
 # the latency objectives against queue depth on a trace of short and long prompts (seconds;
-# the simulator's unit tests run in make test).
-bench-autoscaler:
+# the simulator's unit tests run in make test); then the objectives against queue depth on
+# real SmolLM2 workers through the router, on a trace from the same generator (minutes).
+bench-autoscaler: setup
 	$(CARGO) run --release -p npufleet-operator --bin npufleet-autoscale-sim
+	$(CARGO) build --release --workspace --bins
+	$(CARGO) test --release -p npufleet-tests --test autoscaling_bench -- --ignored --nocapture
 
 # 500 InferenceServices on KWOK: reconcile throughput and the operator's peak memory
 # (minutes; kept out of make test).

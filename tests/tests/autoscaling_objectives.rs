@@ -2,7 +2,9 @@
 //! - real workers (SmolLM2 on CPU, run by the node agent) under a burst of long prompts: the
 //!   autoscaler learns their step times from their load reports, predicts the time to first
 //!   token one replica would give, says in status and in the `ObjectivesMet` condition that
-//!   the objective is missed, and scales up to the count it predicts meets it;
+//!   the objective is missed, and scales up to the count it predicts meets it, while the
+//!   queue-depth policy under the same burst never scales (four clients queue at most four
+//!   requests, under its default target of five);
 //! - workers whose load cannot be read (Ready pods where nothing listens): the count holds,
 //!   with `ScalingActive=False` reason `MetricsUnavailable`, and never falls.
 
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Patch, PatchParams};
 use npufleet_crds::InferenceService;
 use npufleet_operator::autoscaler::{
     METRICS_UNAVAILABLE, OBJECTIVE_MISSED, OBJECTIVES_MET, SCALING_ACTIVE,
@@ -17,7 +20,7 @@ use npufleet_operator::autoscaler::{
 use npufleet_tests::fleet::{
     Load, RunningRouter, Testbed, unreachable_node, unreachable_placement,
 };
-use npufleet_tests::operator::OperatedNamespace;
+use npufleet_tests::operator::{OperatedNamespace, ReplicaWatch};
 use npufleet_tests::{service, wait};
 use serde_json::json;
 
@@ -50,7 +53,7 @@ fn long_prompt(n: u64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_long_prompts_scales_up_to_meet_the_time_to_first_token() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let bed = Testbed::start(c, &client, "autoscaling-objectives", 44, MANAGER).await?;
+        let bed = Testbed::start(c, &client, "autoscaling-objectives", 46, MANAGER).await?;
         let _operator = bed.start_operator()?;
         bed.apply_smollm2(
             "chat",
@@ -147,6 +150,55 @@ async fn a_burst_of_long_prompts_scales_up_to_meet_the_time_to_first_token() -> 
             load.sent(),
             load.failed()
         );
+        assert_eq!(load.failed(), 0, "failed requests: {:?}", load.failures().await);
+
+        // The same burst under the queue-depth policy at its default target: four clients
+        // never queue more than four requests, under the target of five, so it never scales,
+        // though each prompt waits seconds for its first token.
+        services
+            .patch(
+                "chat",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"replicas": 1, "autoscaling": {
+                    "mode": "builtin", "minReplicas": 1, "maxReplicas": 3,
+                    "targetQueueDepth": 5, "objectives": null,
+                }}})),
+            )
+            .await?;
+        bed.wait_scaled_to("chat", (1, 1), "back to one replica under queue depth").await?;
+        let replicas = ReplicaWatch::start(&services, "chat");
+        let load = Load::through(&router);
+        load.start_varied(
+            CLIENTS,
+            "/v1/chat/completions",
+            std::sync::Arc::new(|n| service::chat(&long_prompt(1_000_000 + n), 8)),
+        );
+        // Twice as long as the objectives took to decide, and at least as long as the queue
+        // policy's own window, with a request answered on the way.
+        let watched = (decided_in * 2).max(Duration::from_secs(20));
+        let until = Instant::now() + watched;
+        let deepest = std::sync::Mutex::new(0.0_f64);
+        wait::until("the queue-depth run to last as long", watched + Duration::from_secs(30), || async {
+            let queue = services
+                .get("chat")
+                .await?
+                .status
+                .and_then(|s| s.autoscaling)
+                .and_then(|a| a.queue_depth)
+                .unwrap_or(0.0);
+            let mut deepest = deepest.lock().expect("not poisoned");
+            *deepest = deepest.max(queue);
+            Ok((Instant::now() >= until && load.sent() > 0).then_some(()))
+        })
+        .await?;
+        load.stop().await?;
+        let deepest = *deepest.lock().expect("not poisoned");
+        eprintln!(
+            "queue depth at target 5 over {:.1} s of the same burst: deepest queue {deepest}, most replicas {}",
+            watched.as_secs_f64(),
+            replicas.max()
+        );
+        assert_eq!(replicas.max(), 1, "queue depth scaled the burst too (deepest queue {deepest})");
         assert_eq!(load.failed(), 0, "failed requests: {:?}", load.failures().await);
         Ok(())
     })

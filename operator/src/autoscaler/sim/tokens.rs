@@ -8,9 +8,11 @@
 //! model as it would from real workers.
 //!
 //! The benchmark trace ([`mixed_prompts`]) is Poisson arrivals at a [`Trace`]'s rate (by
-//! thinning), 80 % short prompts (uniform 64..=512 tokens) and 20 % long ones (uniform
-//! 2,000..=4,000), outputs uniform 32..=256 tokens, all drawn from a seeded `StdRng` so that
-//! every run replays the same requests.
+//! thinning) with prompt and output lengths from a [`Mix`]: for the simulated NPU fleet
+//! ([`Mix::NPU`]) 80 % short prompts (uniform 64..=512 tokens) and 20 % long ones (uniform
+//! 2,000..=4,000), outputs uniform 32..=256 tokens; all drawn from a seeded `StdRng` so that
+//! every run replays the same requests. The benchmark on real workers draws its requests from
+//! the same generator at a size SmolLM2 on a CPU serves ([`Mix::SMALL_CPU`]).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -36,8 +38,36 @@ pub struct Request {
 /// The seed of the benchmark trace.
 pub const SEED: u64 = 20_261_204;
 
+/// The lengths of a trace's requests: a share of long prompts, the rest short, each length
+/// uniform in its inclusive range.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Mix {
+    pub long_share: f64,
+    pub short_prompt: (u32, u32),
+    pub long_prompt: (u32, u32),
+    pub output: (u32, u32),
+}
+
+impl Mix {
+    /// The simulated NPU fleet's trace.
+    pub const NPU: Mix = Mix {
+        long_share: 0.2,
+        short_prompt: (64, 512),
+        long_prompt: (2000, 4000),
+        output: (32, 256),
+    };
+    /// The same shape scaled to a 135M-parameter model on two CPU cores (a long prompt's
+    /// prefill takes about two seconds there).
+    pub const SMALL_CPU: Mix = Mix {
+        long_share: 0.2,
+        short_prompt: (32, 128),
+        long_prompt: (500, 800),
+        output: (8, 24),
+    };
+}
+
 /// The benchmark trace's requests over `duration` seconds (see the module docs).
-pub fn mixed_prompts(trace: &Trace, duration: f64, seed: u64) -> Vec<Request> {
+pub fn mixed_prompts(trace: &Trace, duration: f64, seed: u64, mix: &Mix) -> Vec<Request> {
     let mut rng = StdRng::seed_from_u64(seed);
     let peak = trace.peak().max(1e-9);
     let mut requests = Vec::new();
@@ -51,12 +81,13 @@ pub fn mixed_prompts(trace: &Trace, duration: f64, seed: u64) -> Vec<Request> {
         if rng.random::<f64>() * peak > trace.rate(t) {
             continue;
         }
-        let prompt = if rng.random::<f64>() < 0.2 {
-            rng.random_range(2000..=4000)
+        let (low, high) = if rng.random::<f64>() < mix.long_share {
+            mix.long_prompt
         } else {
-            rng.random_range(64..=512)
+            mix.short_prompt
         };
-        let output = rng.random_range(32..=256);
+        let prompt = rng.random_range(low..=high);
+        let output = rng.random_range(mix.output.0..=mix.output.1);
         requests.push(Request {
             arrival: t,
             prompt,
@@ -531,7 +562,7 @@ pub const QUEUE_TARGETS: [f64; 7] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0];
 /// [`QUEUE_TARGETS`].
 pub fn compare(max_replicas: u32) -> Vec<(String, Outcome)> {
     let (fleet, trace, duration) = benchmark();
-    let requests = mixed_prompts(&trace, duration, SEED);
+    let requests = mixed_prompts(&trace, duration, SEED, &Mix::NPU);
     let config = PolicyConfig {
         max_replicas,
         ..PolicyConfig::default()
@@ -561,8 +592,8 @@ mod tests {
     #[test]
     fn the_trace_is_the_same_every_run_and_mixes_short_and_long_prompts() {
         let (_, trace, duration) = benchmark();
-        let a = mixed_prompts(&trace, duration, SEED);
-        assert_eq!(a, mixed_prompts(&trace, duration, SEED));
+        let a = mixed_prompts(&trace, duration, SEED, &Mix::NPU);
+        assert_eq!(a, mixed_prompts(&trace, duration, SEED, &Mix::NPU));
         let expected = 2.0 * 360.0 + 8.0 * 240.0;
         assert!(
             (a.len() as f64 - expected).abs() < 0.1 * expected,

@@ -1,0 +1,241 @@
+//! The latency objectives against queue depth on real workers (`make bench-autoscaler`;
+//! minutes, so not in `make test`): the real control plane, the operator's built-in
+//! autoscaler, SmolLM2 workers run by the node agent and the router as its own process. One
+//! seeded trace (the simulator's generator, `sim::tokens::mixed_prompts`, at the size
+//! [`Mix::SMALL_CPU`] gives: Poisson arrivals at 0.3 req/s with a burst to 1.5 req/s from 30 s
+//! to 120 s, 20 % long prompts) is replayed through the router under each mode; per mode, the
+//! share of requests meeting the TTFT and TPOT objectives, replica-seconds (ready serving
+//! replicas, sampled each half second), the scale-up reaction to the burst and the requests
+//! failed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use futures::StreamExt;
+use kube::api::{ListParams, Patch, PatchParams};
+use npufleet_contract::pods;
+use npufleet_operator::autoscaler::sim::Trace;
+use npufleet_operator::autoscaler::sim::tokens::{Mix, Request, SEED, mixed_prompts};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error};
+use npufleet_tests::{cluster, service};
+use serde_json::{Value, json};
+
+const MANAGER: &str = "autoscaling-bench";
+const TRACE: Trace = Trace::Step {
+    base: 0.3,
+    peak: 1.5,
+    start: 30.0,
+    end: 120.0,
+};
+const DURATION: f64 = 180.0;
+const TTFT_TARGET: f64 = 2.0;
+const TPOT_TARGET: f64 = 0.15;
+const MAX_REPLICAS: i32 = 3;
+
+/// A prompt of about `tokens` tokens (one a word) that shares no prefix with another request's.
+fn prompt(n: usize, tokens: u32) -> String {
+    let words = [
+        "the", "river", "runs", "past", "old", "mill", "and", "under", "stone", "bridge",
+    ];
+    let mut text = format!("Request {n}:");
+    for i in 0..tokens.saturating_sub(4) as usize {
+        text.push(' ');
+        text.push_str(words[i % words.len()]);
+    }
+    text
+}
+
+/// One request's time to first token and time per output token after it.
+struct Timing {
+    ttft: f64,
+    tpot: Option<f64>,
+}
+
+async fn replay(http: &reqwest::Client, url: &str, n: usize, request: Request) -> Result<Timing> {
+    let body = json!({
+        "model": service::SMOLLM2,
+        "messages": [{"role": "user", "content": prompt(n, request.prompt)}],
+        "max_tokens": request.output,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let started = Instant::now();
+    let response = http.post(url).json(&body).send().await?;
+    ensure!(
+        response.status().is_success(),
+        "HTTP {}: {}",
+        response.status(),
+        response.text().await?
+    );
+    let mut stream = response.bytes_stream();
+    let (mut text, mut first) = (String::new(), None);
+    while let Some(bytes) = stream.next().await {
+        text.push_str(&String::from_utf8_lossy(&bytes?));
+        if first.is_none() && text.contains("\"content\":\"") {
+            first = Some(started.elapsed());
+        }
+    }
+    ensure!(sse_error(&text).is_none(), "the stream failed: {text}");
+    let total = started.elapsed().as_secs_f64();
+    let ttft = first.map_or(total, |f| f.as_secs_f64());
+    let tokens = text
+        .split("\"completion_tokens\":")
+        .nth(1)
+        .and_then(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(1.0);
+    Ok(Timing {
+        ttft,
+        tpot: (tokens > 1.0).then(|| (total - ttft) / (tokens - 1.0)),
+    })
+}
+
+struct ModeRun {
+    ttft_met: f64,
+    tpot_met: f64,
+    replica_seconds: f64,
+    reaction: Option<f64>,
+    failed: usize,
+    most: usize,
+}
+
+/// Replays `requests` through the router with the fleet at one replica under `autoscaling`.
+async fn run_mode(
+    bed: &Testbed,
+    router: &RunningRouter,
+    requests: &[Request],
+    autoscaling: Value,
+) -> Result<ModeRun> {
+    let services = bed.services();
+    services
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1, "autoscaling": autoscaling}})),
+        )
+        .await?;
+    bed.wait_scaled_to("chat", (1, 1), "one replica before the run")
+        .await?;
+    let pod_api = bed.pods();
+    let serving = Arc::new(AtomicUsize::new(1));
+    let started = Instant::now();
+    let sampler = tokio::spawn({
+        let serving = serving.clone();
+        async move {
+            let (mut replica_seconds, mut first_up, mut most) = (0.0, None, 1);
+            let mut ticks = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                ticks.tick().await;
+                let Ok(list) = pod_api.list(&ListParams::default()).await else {
+                    continue;
+                };
+                let now = list.items.iter().filter(|p| pods::serves(p)).count();
+                serving.store(now, Ordering::Relaxed);
+                replica_seconds += 0.5 * now as f64;
+                most = most.max(now);
+                let t = started.elapsed().as_secs_f64();
+                if now > 1 && t >= 30.0 && first_up.is_none() {
+                    first_up = Some(t - 30.0);
+                }
+                if t >= DURATION + 30.0 {
+                    return (replica_seconds, first_up, most);
+                }
+            }
+        }
+    });
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()?;
+    let url = router.url("/v1/chat/completions");
+    let mut sent = tokio::task::JoinSet::new();
+    for (n, request) in requests.iter().copied().enumerate() {
+        tokio::time::sleep_until((started + Duration::from_secs_f64(request.arrival)).into()).await;
+        let (http, url) = (http.clone(), url.clone());
+        sent.spawn(async move { replay(&http, &url, n, request).await });
+    }
+    let (mut timings, mut failed) = (Vec::new(), 0);
+    while let Some(done) = sent.join_next().await {
+        match done? {
+            Ok(timing) => timings.push(timing),
+            Err(error) => {
+                eprintln!("failed: {error:#}");
+                failed += 1;
+            }
+        }
+    }
+    let (replica_seconds, reaction, most) = sampler.await?;
+    let share = |met: usize, of: usize| met as f64 / of.max(1) as f64;
+    let with_tpot: Vec<f64> = timings.iter().filter_map(|t| t.tpot).collect();
+    Ok(ModeRun {
+        ttft_met: share(
+            timings.iter().filter(|t| t.ttft <= TTFT_TARGET).count(),
+            requests.len(),
+        ),
+        tpot_met: share(
+            with_tpot.iter().filter(|&&t| t <= TPOT_TARGET).count(),
+            with_tpot.len(),
+        ),
+        replica_seconds,
+        reaction,
+        failed,
+        most,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-autoscaler"]
+async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "autoscaling-bench", 48, MANAGER).await?;
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2("chat", json!({"replicas": 1, "engine": {"drainSeconds": 10}})).await?;
+        bed.wait_serving(1).await?;
+        let router = RunningRouter::start(cluster::shared(), "router-autoscaling-bench", &bed.namespace, &[]).await?;
+        let requests = mixed_prompts(&TRACE, DURATION, SEED, &Mix::SMALL_CPU);
+        let objectives = json!({
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
+            "objectives": {
+                "ttft": {"percentile": 90, "target": format!("{TTFT_TARGET}s")},
+                "tpot": {"percentile": 90, "target": format!("{}ms", TPOT_TARGET * 1000.0)},
+            },
+        });
+        let queue = |target: u32| json!({
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
+            "targetQueueDepth": target, "objectives": null,
+        });
+        println!(
+            "\n### Objectives against queue depth on real workers: SmolLM2-135M (1 thread a replica, 2 cores), {} requests over {DURATION} s (seed {SEED}), objectives TTFT p90 {TTFT_TARGET} s and TPOT p90 {} ms, 1 to {MAX_REPLICAS} replicas\n",
+            requests.len(),
+            TPOT_TARGET * 1000.0
+        );
+        println!("| mode | TTFT met | TPOT met | replica-seconds | scale-up after the burst began | most replicas | failed |");
+        println!("|---|---|---|---|---|---|---|");
+        let mut failed = 0;
+        for (name, autoscaling) in [
+            ("objectives".to_owned(), objectives),
+            ("queue depth 1".to_owned(), queue(1)),
+            ("queue depth 3".to_owned(), queue(3)),
+        ] {
+            let run = run_mode(&bed, &router, &requests, autoscaling).await?;
+            println!(
+                "| {name} | {:.1}% | {:.1}% | {:.0} | {} | {} | {} |",
+                100.0 * run.ttft_met,
+                100.0 * run.tpot_met,
+                run.replica_seconds,
+                run.reaction.map_or("none".to_owned(), |s| format!("{s:.1} s")),
+                run.most,
+                run.failed
+            );
+            failed += run.failed;
+        }
+        ensure!(failed == 0, "{failed} requests failed");
+        Ok(())
+    })
+    .await
+}
