@@ -683,6 +683,9 @@ pub struct RoutingSpec {
 #[x_kube(validation = Rule::new(format!("self.queueTtl.matches('{OBJECTIVE_DURATION_CEL}') && duration(self.queueTtl) > duration('0s')"))
     .message("spec.routing.flowControl.queueTtl must be a positive duration in ms or s, such as 500ms or 30s")
     .field_path(".queueTtl"))]
+#[x_kube(validation = Rule::new("!has(self.maxConcurrencyPerReplica) || self.reservedPerReplica < self.maxConcurrencyPerReplica")
+    .message("spec.routing.flowControl.reservedPerReplica must be less than maxConcurrencyPerReplica")
+    .field_path(".reservedPerReplica"))]
 #[x_kube(validation = Rule::new("self.keys.all(k, self.keys.exists_one(o, o.name == k.name) && self.keys.exists_one(o, o.apiKeySha256 == k.apiKeySha256))")
     .message("spec.routing.flowControl.keys must not repeat a name or an apiKeySha256")
     .field_path(".keys"))]
@@ -695,6 +698,12 @@ pub struct FlowControl {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 100000))]
     pub max_concurrency_per_replica: Option<u32>,
+    /// Places of `maxConcurrencyPerReplica` on each replica that only requests of the highest
+    /// priority among `default` and `keys` may take, so that they start at once while lower
+    /// priorities keep the other places busy. 0 (default): every priority shares every place.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 100000))]
+    pub reserved_per_replica: u32,
     /// Requests that may wait in one priority band of a router's queue; more get 429.
     #[serde(default = "default_max_queued")]
     #[schemars(range(min = 1, max = 100000))]

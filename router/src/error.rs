@@ -25,7 +25,7 @@ pub enum RouteError {
     },
     #[error(
         "API key '{key}' is over its {limit} limit for model '{model}'; retry after {} s",
-        retry_after.as_secs().max(1)
+        whole_seconds(*retry_after)
     )]
     RateLimited {
         model: String,
@@ -147,13 +147,17 @@ impl RouteError {
 
     fn set_retry_after(&self, response: &mut Response) {
         if let Some(after) = self.retry_after() {
-            // Whole seconds, rounded up: a client retrying sooner would be refused again.
-            let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+                .insert(header::RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
         }
     }
+}
+
+/// A wait in whole seconds, rounded up and at least one: a client retrying sooner would be
+/// refused again.
+fn whole_seconds(wait: Duration) -> u64 {
+    (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1)
 }
 
 /// Which API shape an error body takes.
@@ -179,5 +183,32 @@ impl RouteError {
         let mut response = (self.http_status(), Json(body)).into_response();
         self.set_retry_after(&mut response);
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_for_overload_are_429_with_a_retry_after_rounded_up() {
+        let limited = RouteError::RateLimited {
+            model: "chat".into(),
+            key: "bulk".into(),
+            limit: "requestsPerMinute",
+            retry_after: Duration::from_millis(2_100),
+        };
+        assert!(limited.to_string().contains("retry after 3 s"), "{limited}");
+        let response = limited.clone().into_response(Flavor::OpenAi);
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+        assert_eq!(limited.grpc_status().code(), tonic::Code::ResourceExhausted);
+        let expired = RouteError::FlowQueueTimedOut {
+            model: "chat".into(),
+            waited: Duration::from_secs(30),
+        };
+        let response = expired.into_response(Flavor::V2);
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
     }
 }

@@ -32,6 +32,10 @@ pub struct FlowConfig {
     pub max_queued: usize,
     /// How long a request may wait in the queue.
     pub queue_ttl: Duration,
+    /// Places per replica that only [`FlowConfig::top_priority`] may take.
+    reserved_per_replica: u32,
+    /// The highest priority of the default and the listed keys.
+    top_priority: i32,
     default: KeyPolicy,
     /// Listed keys by the SHA-256 of the key: their name and policy.
     keys: HashMap<[u8; 32], (String, KeyPolicy)>,
@@ -58,7 +62,14 @@ impl FlowConfig {
                 .ok_or_else(|| format!("key {:?}: apiKeySha256 is not 64 hex digits", key.name))?;
             keys.insert(digest, (key.name.clone(), key.policy.clone()));
         }
+        let top_priority = spec
+            .keys
+            .iter()
+            .map(|k| k.policy.priority)
+            .fold(spec.default.priority, i32::max);
         Ok(FlowConfig {
+            reserved_per_replica: spec.reserved_per_replica,
+            top_priority,
             max_concurrency_per_replica: spec
                 .max_concurrency_per_replica
                 .unwrap_or(default_concurrency)
@@ -68,6 +79,18 @@ impl FlowConfig {
             default: spec.default.clone(),
             keys,
         })
+    }
+
+    /// The places on one replica a request of `priority` may take: all of them for the top
+    /// priority, the unreserved ones (at least one) for the others.
+    pub fn places(&self, priority: i32) -> u32 {
+        if priority >= self.top_priority {
+            self.max_concurrency_per_replica
+        } else {
+            self.max_concurrency_per_replica
+                .saturating_sub(self.reserved_per_replica)
+                .max(1)
+        }
     }
 
     /// The request's key, from the SHA-256 of the API key it presents ([`key_sha256`]), and
@@ -337,6 +360,7 @@ mod tests {
         FlowConfig::from_spec(
             &FlowControl {
                 max_concurrency_per_replica: Some(2),
+                reserved_per_replica: 1,
                 max_queued: 2,
                 queue_ttl: "5s".into(),
                 default: KeyPolicy::default(),
@@ -389,6 +413,8 @@ mod tests {
             );
         }
         assert_eq!(config.admit(None, Some(-3), 5).priority, -3);
+        assert_eq!(config.places(10), 2, "the top priority takes every place");
+        assert_eq!(config.places(0), 1, "the others leave the reserved one");
     }
 
     #[test]
@@ -397,6 +423,7 @@ mod tests {
         key.api_key_sha256 = "zz".into();
         let error = FlowControl {
             max_concurrency_per_replica: None,
+            reserved_per_replica: 0,
             max_queued: 1,
             queue_ttl: "1s".into(),
             default: KeyPolicy::default(),

@@ -165,15 +165,16 @@ impl Pool {
     }
 
     /// A replica of `model` for one request, by the model's policy, skipping the pods in
-    /// `exclude` (already tried), any whose worker reports it is draining and, under flow
-    /// control, any with `maxConcurrencyPerReplica` requests outstanding. `None` when no
-    /// replica is left.
+    /// `exclude` (already tried), any whose worker reports it is draining and any with
+    /// `places` of this router's requests outstanding (flow control's bound; `u32::MAX`
+    /// without it). `None` when no replica is left.
     pub fn pick(
         &self,
         model: &Model,
         affinity: &Affinity,
         exclude: &[String],
         settings: PickSettings,
+        places: u32,
     ) -> Option<Lease> {
         let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate)> = Vec::new();
         for endpoint in &model.endpoints {
@@ -192,11 +193,7 @@ impl Pool {
                 _ => 0,
             };
             let in_flight = state.in_flight.load(Ordering::Relaxed);
-            if model
-                .flow
-                .as_ref()
-                .is_some_and(|flow| in_flight >= flow.max_concurrency_per_replica)
-            {
+            if in_flight >= places {
                 continue;
             }
             let candidate = Candidate {
@@ -220,15 +217,11 @@ impl Pool {
             _ => policy::least_load(&candidates, turn),
         }?;
         let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
-        let cap = model
-            .flow
-            .as_ref()
-            .map_or(u32::MAX, |flow| flow.max_concurrency_per_replica);
         // Another request may have taken the last place since it was counted.
         state
             .in_flight
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < cap).then_some(n + 1)
+                (n < places).then_some(n + 1)
             })
             .ok()?;
         Some(Lease {
@@ -286,11 +279,17 @@ mod tests {
     fn leases_count_in_flight_until_dropped() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
-        let first = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
-        let second = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
+        let first = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        let second = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
         assert_ne!(first.pod, second.pod, "least-load spreads two requests");
         drop(first);
-        let third = pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap();
+        let third = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
         assert_ne!(
             third.pod, second.pod,
             "the freed replica is the least loaded"
@@ -298,11 +297,36 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_with_its_places_taken_is_skipped() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::RoundRobin);
+        let leases: Vec<_> = (0..2)
+            .map(|_| {
+                pool.pick(&model, &Affinity::None, &[], SETTINGS, 1)
+                    .unwrap()
+            })
+            .collect();
+        assert_ne!(leases[0].pod, leases[1].pod);
+        assert!(
+            pool.pick(&model, &Affinity::None, &[], SETTINGS, 1)
+                .is_none()
+        );
+        let more = pool.pick(&model, &Affinity::None, &[], SETTINGS, 2);
+        assert!(more.is_some(), "a request with more places still finds one");
+    }
+
+    #[test]
     fn tried_and_draining_replicas_are_skipped() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::RoundRobin);
         let only = pool
-            .pick(&model, &Affinity::None, &["chat-0-0".to_owned()], SETTINGS)
+            .pick(
+                &model,
+                &Affinity::None,
+                &["chat-0-0".to_owned()],
+                SETTINGS,
+                u32::MAX,
+            )
             .unwrap();
         assert_eq!(only.pod, "chat-1-0");
         pool.replica(model.endpoints[1].ip).set_report(Report {
@@ -315,8 +339,14 @@ mod tests {
             received: Instant::now(),
         });
         assert!(
-            pool.pick(&model, &Affinity::None, &["chat-0-0".to_owned()], SETTINGS)
-                .is_none()
+            pool.pick(
+                &model,
+                &Affinity::None,
+                &["chat-0-0".to_owned()],
+                SETTINGS,
+                u32::MAX
+            )
+            .is_none()
         );
     }
 
@@ -337,7 +367,10 @@ mod tests {
             received: long_ago,
         });
         let leases: Vec<_> = (0..2)
-            .map(|_| pool.pick(&model, &Affinity::None, &[], SETTINGS).unwrap())
+            .map(|_| {
+                pool.pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                    .unwrap()
+            })
             .collect();
         assert!(leases.iter().any(|l| l.pod == "chat-0-0"));
     }

@@ -253,7 +253,11 @@ impl Router {
         let others_wait = flow
             .as_ref()
             .is_some_and(|(_, flow, _)| !flow.queue.lock().expect("flow lock").is_empty());
-        if !others_wait && let Some(lease) = self.pick(model_name, &model, affinity, tried) {
+        let places = flow.as_ref().map_or(u32::MAX, |(config, _, admission)| {
+            config.places(admission.priority)
+        });
+        if !others_wait && let Some(lease) = self.pick(model_name, &model, affinity, tried, places)
+        {
             return Ok(lease);
         }
         let untried = model.endpoints.iter().any(|e| !tried.contains(&e.pod));
@@ -270,7 +274,7 @@ impl Router {
                 last: "no replica left to try".to_owned(),
             });
         }
-        self.hold(model_name, model, affinity).await
+        self.hold(model_name, model, affinity, places).await
     }
 
     fn flow(&self, model_name: &str) -> Arc<Flow> {
@@ -352,7 +356,13 @@ impl Router {
             let model = self.model(model_name)?;
             let head = flow.queue.lock().expect("flow lock").head();
             if head == Some(ticket)
-                && let Some(lease) = self.pick(model_name, &model, &request.affinity, tried)
+                && let Some(lease) = self.pick(
+                    model_name,
+                    &model,
+                    &request.affinity,
+                    tried,
+                    config.places(admission.priority),
+                )
             {
                 waiting.dispatched();
                 return Ok(lease);
@@ -385,8 +395,11 @@ impl Router {
         model: &Model,
         affinity: &Affinity,
         tried: &[String],
+        places: u32,
     ) -> Option<Lease> {
-        let mut lease = self.pool.pick(model, affinity, tried, self.settings.pick)?;
+        let mut lease = self
+            .pool
+            .pick(model, affinity, tried, self.settings.pick, places)?;
         if model.flow.is_some() {
             lease.on_release(self.flow(model_name));
         }
@@ -438,6 +451,7 @@ impl Router {
         model_name: &str,
         mut model: Model,
         affinity: &Affinity,
+        places: u32,
     ) -> Result<Lease, RouteError> {
         let _slot = self.take_hold_slot(model_name)?;
         let started = Instant::now();
@@ -454,7 +468,7 @@ impl Router {
                 break Err(("gone", RouteError::ModelNotFound(model_name.to_owned())));
             };
             model = current;
-            if let Some(lease) = self.pick(model_name, &model, affinity, &[]) {
+            if let Some(lease) = self.pick(model_name, &model, affinity, &[], places) {
                 break Ok(lease);
             }
             if Instant::now() >= deadline {

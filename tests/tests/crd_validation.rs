@@ -553,6 +553,10 @@ async fn flow_control_refuses_bad_durations_digests_and_repeated_keys_naming_the
             "spec.routing.flowControl.maxQueued",
         ),
         (
+            json!({"maxConcurrencyPerReplica": 2, "reservedPerReplica": 2}),
+            "spec.routing.flowControl.reservedPerReplica must be less than maxConcurrencyPerReplica",
+        ),
+        (
             json!({"maxConcurrencyPerReplica": 0}),
             "spec.routing.flowControl.maxConcurrencyPerReplica",
         ),

@@ -717,8 +717,13 @@ async fn wake_from_zero(
     Ok(())
 }
 
-/// Replica places per worker under flow control in [`flow_control_benchmark`].
-const FLOW_CONCURRENCY: u32 = 2;
+/// Replicas of [`flow_control_benchmark`]: one a core, so that what the high-priority key
+/// waits for is the fleet's load and not two workers sharing a core.
+const FLOW_REPLICAS: usize = 2;
+/// Places per replica under flow control, of which [`FLOW_RESERVED`] only the high priority
+/// may take.
+const FLOW_CONCURRENCY: u32 = 4;
+const FLOW_RESERVED: u32 = 1;
 const GOLD_KEY: &str = "gold-bench-key";
 const BULK_KEY: &str = "bulk-bench-key";
 /// How long each overload run offers its load.
@@ -840,9 +845,10 @@ async fn overload_run(
 async fn flow_control_benchmark() -> Result<()> {
     let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
     npufleet_tests::on_shared_cluster(|_, _| async move {
-        let bench = Bench::start("router-flow-bench", 84, REPLICAS, Engine::Worker).await?;
+        let bench = Bench::start("router-flow-bench", 84, FLOW_REPLICAS, Engine::Worker).await?;
         let flow_control = json!({
             "maxConcurrencyPerReplica": FLOW_CONCURRENCY,
+            "reservedPerReplica": FLOW_RESERVED,
             "maxQueued": 64,
             "queueTtl": "30s",
             "keys": [
@@ -854,14 +860,14 @@ async fn flow_control_benchmark() -> Result<()> {
         let router = bench.router.url("");
 
         // The fleet's capacity: as many closed-loop clients as it has places.
-        let places = REPLICAS * FLOW_CONCURRENCY as usize;
+        let places = FLOW_REPLICAS * (FLOW_CONCURRENCY - FLOW_RESERVED) as usize;
         let bodies: Vec<Value> = (0..places as u64 * 8).map(|i| short_chat(2_000_000 + i, MAX_TOKENS * 2)).collect();
         let requests = bodies.len();
         let capacity_run = run_trace(&bench.router.url("/v1/chat/completions"), bodies, places).await?;
         let capacity = requests as f64 / capacity_run.elapsed.as_secs_f64();
         let (mut idle, _, _) = overload_run(&router, None, 15).await?;
 
-        println!("\n### Flow control under 2× overload: {REPLICAS} SmolLM2-135M replicas, {FLOW_CONCURRENCY} places each; capacity {capacity:.2} req/s ({} tokens per answer); low-priority key arriving at {:.2} req/s for {OVERLOAD_SECONDS} s, one high-priority client in a closed loop\n", MAX_TOKENS * 2, 2.0 * capacity);
+        println!("\n### Flow control under 2× overload: {FLOW_REPLICAS} SmolLM2-135M replicas, {FLOW_CONCURRENCY} places each, {FLOW_RESERVED} reserved for the high priority; capacity {capacity:.2} req/s ({} tokens per answer); low-priority key arriving at {:.2} req/s for {OVERLOAD_SECONDS} s, one high-priority client in a closed loop\n", MAX_TOKENS * 2, 2.0 * capacity);
         println!("| run | high-priority TTFT p50 ms | p90 ms | p99 ms | vs idle p90 | high served | low served | low refused (429) | low share of served | failed |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         let idle_p90 = percentile(&mut idle.ttft, 90.0);
