@@ -371,7 +371,8 @@ impl GrpcInferenceService for GrpcFrontDoor {
         &self,
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let caller = Caller::from_metadata(request.metadata());
+        let caller = Caller::from_metadata(request.metadata())
+            .map_err(|e| self.route_error(&request.get_ref().model_name, e))?;
         let routed = self.routed(request.get_ref(), grpc_trace(request.metadata()), &caller);
         let span = routed.span();
         self.unary(routed, request, |mut client, request| async move {
@@ -395,7 +396,7 @@ impl GrpcInferenceService for GrpcFrontDoor {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let credentials = credentials(request.metadata());
         let trace = grpc_trace(request.metadata());
-        let caller = Caller::from_metadata(request.metadata());
+        let caller = Caller::from_metadata(request.metadata()).map_err(|e| e.grpc_status())?;
         let mut incoming = request.into_inner();
         let Some(first) = incoming.message().await? else {
             return Err(Status::invalid_argument(

@@ -50,25 +50,38 @@ pub struct Caller {
 }
 
 impl Caller {
-    pub fn from_headers(headers: &HeaderMap) -> Self {
-        Caller {
+    pub fn from_headers(headers: &HeaderMap) -> Result<Self, RouteError> {
+        Ok(Caller {
             key_sha256: headers
                 .get(AUTHORIZATION)
                 .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
-            priority: header(headers, FLOW_PRIORITY).and_then(|p| p.trim().parse().ok()),
-        }
+            priority: flow_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?,
+        })
     }
 
-    pub fn from_metadata(metadata: &MetadataMap) -> Self {
-        Caller {
+    pub fn from_metadata(metadata: &MetadataMap) -> Result<Self, RouteError> {
+        Ok(Caller {
             key_sha256: metadata
                 .get(AUTHORIZATION)
                 .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
-            priority: metadata
-                .get(FLOW_PRIORITY)
-                .and_then(|p| p.to_str().ok()?.trim().parse().ok()),
-        }
+            priority: flow_priority(metadata.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?,
+        })
     }
+}
+
+/// The priority a request asks for, refused by name when it is not an integer.
+fn flow_priority(value: Option<&[u8]>) -> Result<Option<i32>, RouteError> {
+    let Some(value) = value else { return Ok(None) };
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            RouteError::BadRequest(format!(
+                "{FLOW_PRIORITY} must be an integer (higher is served first), got {:?}",
+                String::from_utf8_lossy(value)
+            ))
+        })
 }
 
 /// Each constructor takes the affinity of a model's prompt as `affinity`:
@@ -145,7 +158,7 @@ impl RoutedRequest {
             json.get(PRIORITY).and_then(Value::as_i64),
             header(headers, REQUEST_ID),
             http_trace(headers),
-            Caller::from_headers(headers),
+            Caller::from_headers(headers)?,
             output_tokens,
             affinity,
         ))
@@ -175,7 +188,7 @@ impl RoutedRequest {
             None,
             id,
             http_trace(headers),
-            Caller::from_headers(headers),
+            Caller::from_headers(headers)?,
             0,
             affinity,
         ))
@@ -363,6 +376,37 @@ mod tests {
         assert_ne!(
             request.trace, again.trace,
             "each request starts its own trace"
+        );
+    }
+
+    #[test]
+    fn the_caller_is_its_keys_digest_its_priority_and_its_charge() {
+        let body = json!({"model": "m", "prompt": "12345678", "max_tokens": 10}).to_string();
+        let request = RoutedRequest::openai(
+            body.as_bytes(),
+            &headers(&[("authorization", "Bearer k"), (FLOW_PRIORITY, " -2 ")]),
+            length_key,
+        )
+        .unwrap();
+        assert_eq!(
+            request.caller.key_sha256,
+            crate::flow::key_sha256(b"Bearer k")
+        );
+        assert_eq!(request.caller.priority, Some(-2));
+        assert_eq!(
+            request.tokens,
+            2 + 10,
+            "two tokens of prompt, ten asked for"
+        );
+        let error = RoutedRequest::openai(
+            body.as_bytes(),
+            &headers(&[(FLOW_PRIORITY, "high")]),
+            length_key,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&error, RouteError::BadRequest(m) if m.contains(FLOW_PRIORITY) && m.contains("high")),
+            "{error}"
         );
     }
 
