@@ -327,8 +327,9 @@ impl Queue {
         Some(self.waiting.remove(at))
     }
 
-    /// The tokens served to `key` so far (for tests and metrics).
-    pub fn served(&self, key: &str) -> u64 {
+    /// The tokens served to `key` so far.
+    #[cfg(test)]
+    fn served(&self, key: &str) -> u64 {
         self.served.get(key).copied().unwrap_or(0)
     }
 }

@@ -51,20 +51,22 @@ pub struct Caller {
 
 impl Caller {
     pub fn from_headers(headers: &HeaderMap) -> Result<Self, RouteError> {
-        Ok(Caller {
-            key_sha256: headers
-                .get(AUTHORIZATION)
-                .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
-            priority: flow_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?,
-        })
+        let value = |name: &str| headers.get(name).map(|v| v.as_bytes());
+        Self::from_values(value(AUTHORIZATION), value(FLOW_PRIORITY))
     }
 
     pub fn from_metadata(metadata: &MetadataMap) -> Result<Self, RouteError> {
+        let value = |name: &str| metadata.get(name).map(|v| v.as_bytes());
+        Self::from_values(value(AUTHORIZATION), value(FLOW_PRIORITY))
+    }
+
+    fn from_values(
+        authorization: Option<&[u8]>,
+        priority: Option<&[u8]>,
+    ) -> Result<Self, RouteError> {
         Ok(Caller {
-            key_sha256: metadata
-                .get(AUTHORIZATION)
-                .and_then(|v| crate::flow::key_sha256(v.as_bytes())),
-            priority: flow_priority(metadata.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?,
+            key_sha256: authorization.and_then(crate::flow::key_sha256),
+            priority: flow_priority(priority)?,
         })
     }
 }
