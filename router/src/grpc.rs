@@ -45,17 +45,21 @@ fn credentials(metadata: &MetadataMap) -> Option<AsciiMetadataValue> {
     metadata.get(AUTHORIZATION).cloned()
 }
 
-/// `message` as an upstream call for `request`, carrying the client's `credentials` and the
-/// request's trace.
+/// `message` as an upstream call for `request` on `lease`, carrying the client's
+/// `credentials`, the request's trace and the priority flow control admitted it at.
 fn upstream<T>(
     message: T,
     credentials: Option<&AsciiMetadataValue>,
     request: &RoutedRequest,
+    lease: &Lease,
 ) -> Request<T> {
     let mut upstream = Request::new(message);
     let metadata = upstream.metadata_mut();
     if let Some(value) = credentials {
         metadata.insert(AUTHORIZATION, value.clone());
+    }
+    if let Some(priority) = lease.priority {
+        metadata.insert(headers::FLOW_PRIORITY, AsciiMetadataValue::from(priority));
     }
     if let Ok(trace) = next_hop(&tracing::Span::current(), &request.trace)
         .to_string()
@@ -217,7 +221,7 @@ impl GrpcFrontDoor {
         let sent = retry::send(&self.router, request, first, |lease| {
             let call = call(
                 self.client(lease.ip),
-                upstream(message.clone(), credentials, request),
+                upstream(message.clone(), credentials, request, lease),
             );
             async move {
                 let sent_at = Instant::now();

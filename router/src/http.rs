@@ -188,6 +188,8 @@ impl<'a> Upstream<'a> {
             header::UPGRADE,
             HeaderName::from_static("keep-alive"),
             HeaderName::from_static("proxy-connection"),
+            // Set per attempt from the lease: only flow control's admitted priority counts.
+            HeaderName::from_static(headers::FLOW_PRIORITY),
         ] {
             out.remove(name);
         }
@@ -219,13 +221,17 @@ async fn forward(
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let headers = upstream.headers(request);
     let sent = retry::send(&state.router, request, None, |lease| {
+        let mut headers = headers.clone();
+        if let Some(priority) = lease.priority {
+            headers.insert(headers::FLOW_PRIORITY, HeaderValue::from(priority));
+        }
         let attempt = state
             .upstream
             .request(
                 upstream.method.clone(),
                 format!("http://{}:{}{path}", lease.ip, lease.http_port),
             )
-            .headers(headers.clone())
+            .headers(headers)
             .body(upstream.body.clone());
         let pod = lease.pod.clone();
         async move {

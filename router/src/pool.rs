@@ -75,6 +75,9 @@ pub struct Lease {
     pub http_port: u16,
     /// For a prompt named by its token blocks, how much of it the replica holds.
     pub cache_match: Option<CacheMatch>,
+    /// The flow-control priority the request was admitted at, passed on for the replica's
+    /// scheduler to run higher priorities first; none without flow control.
+    pub priority: Option<i32>,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
     /// The model's flow-control queue, told when this lease frees a place.
@@ -235,6 +238,7 @@ impl Pool {
                 }),
                 _ => None,
             },
+            priority: None,
             state,
             shown: None,
             released: None,

@@ -73,17 +73,10 @@ impl Caller {
 
 /// The priority a request asks for, refused by name when it is not an integer.
 fn flow_priority(value: Option<&[u8]>) -> Result<Option<i32>, RouteError> {
-    let Some(value) = value else { return Ok(None) };
-    std::str::from_utf8(value)
-        .ok()
-        .and_then(|text| text.trim().parse().ok())
-        .map(Some)
-        .ok_or_else(|| {
-            RouteError::BadRequest(format!(
-                "{FLOW_PRIORITY} must be an integer (higher is served first), got {:?}",
-                String::from_utf8_lossy(value)
-            ))
-        })
+    value
+        .map(npufleet_contract::headers::parse_priority)
+        .transpose()
+        .map_err(RouteError::BadRequest)
 }
 
 /// Each constructor takes the affinity of a model's prompt as `affinity`:

@@ -256,8 +256,10 @@ impl Router {
         let places = flow.as_ref().map_or(u32::MAX, |(config, _, admission)| {
             config.places(admission.priority)
         });
-        if !others_wait && let Some(lease) = self.pick(model_name, &model, affinity, tried, places)
+        if !others_wait
+            && let Some(mut lease) = self.pick(model_name, &model, affinity, tried, places)
         {
+            lease.priority = flow.as_ref().map(|(_, _, admission)| admission.priority);
             return Ok(lease);
         }
         let untried = model.endpoints.iter().any(|e| !tried.contains(&e.pod));
@@ -353,18 +355,20 @@ impl Router {
             tokio::pin!(notified);
             notified.as_mut().enable();
             fleet.borrow_and_update();
+            // The model's current flow control bounds the replicas, as changed since the
+            // request began waiting (none left: no bound).
             let model = self.model(model_name)?;
+            let places = model
+                .flow
+                .as_ref()
+                .map_or(u32::MAX, |now| now.places(admission.priority));
             let head = flow.queue.lock().expect("flow lock").head();
             if head == Some(ticket)
-                && let Some(lease) = self.pick(
-                    model_name,
-                    &model,
-                    &request.affinity,
-                    tried,
-                    config.places(admission.priority),
-                )
+                && let Some(mut lease) =
+                    self.pick(model_name, &model, &request.affinity, tried, places)
             {
                 waiting.dispatched();
+                lease.priority = Some(admission.priority);
                 return Ok(lease);
             }
             tokio::select! {

@@ -3,7 +3,8 @@
 //! reach the replica. Requests beyond that wait in the router: a high-priority key's request
 //! overtakes the low-priority ones queued before it, a full band and an expired wait are
 //! answered 429 with Retry-After, and a key over its request rate gets 429 (and
-//! RESOURCE_EXHAUSTED over gRPC) while the others are served.
+//! RESOURCE_EXHAUSTED over gRPC) while the others are served. The replica is told each
+//! request's priority and runs the higher first.
 
 use std::time::{Duration, Instant};
 
@@ -42,14 +43,15 @@ fn chat(question: &str, max_tokens: u32) -> Value {
     })
 }
 
-/// One streamed answer: its status, `Retry-After` and error code when refused, and when its
-/// first generated text arrived.
+/// One streamed answer: its status, `Retry-After` and error code when refused, when its
+/// first generated text arrived and when it ended.
 #[derive(Debug)]
 struct Answer {
     status: u16,
     retry_after: Option<u64>,
     code: Option<String>,
     first_token: Option<Instant>,
+    done: Instant,
 }
 
 async fn send(
@@ -86,13 +88,14 @@ async fn send_to(base: &str, key: &str, priority: Option<i32>, body: Value) -> R
             retry_after,
             code: body["error"]["code"].as_str().map(str::to_owned),
             first_token: None,
+            done: Instant::now(),
         });
     }
     let mut stream = response.bytes_stream();
     let (mut text, mut first_token) = (String::new(), None);
     while let Some(bytes) = stream.next().await {
         text.push_str(&String::from_utf8_lossy(&bytes?));
-        if first_token.is_none() && text.contains("\"content\":\"") {
+        if first_token.is_none() && has_text(&text) {
             first_token = Some(Instant::now());
         }
     }
@@ -102,7 +105,17 @@ async fn send_to(base: &str, key: &str, priority: Option<i32>, body: Value) -> R
         retry_after,
         code: None,
         first_token,
+        done: Instant::now(),
     })
+}
+
+/// Whether streamed chunks carry generated text: a `content` that is not empty (the first
+/// chunk only names the role, with an empty one).
+fn has_text(events: &str) -> bool {
+    const CONTENT: &str = "\"content\":\"";
+    events
+        .match_indices(CONTENT)
+        .any(|(at, _)| !events[at + CONTENT.len()..].starts_with('"'))
 }
 
 /// The sum of the router's `name` series whose labels contain every one of `labels`.
@@ -147,7 +160,7 @@ async fn priorities_overtake_full_queues_and_limited_keys_get_429() -> Result<()
             "chat",
             json!({
                 "replicas": 1,
-                "engine": {"drainSeconds": 5},
+                "engine": {"drainSeconds": 5, "maxBatchSize": 1},
                 "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
                 "routing": {"policy": "least-load", "flowControl": {
                     "maxConcurrencyPerReplica": 1,
@@ -267,6 +280,42 @@ async fn priorities_overtake_full_queues_and_limited_keys_get_429() -> Result<()
         .await?;
         ensure!(expired.code.as_deref() == Some("queue_timeout"), "{expired:?}");
         ensure!(expired.retry_after.is_some(), "{expired:?}");
+
+        // The router passes the priority it admitted a request at on to the replica, whose
+        // scheduler runs it first: with three places and a batch of one, gold's request
+        // preempts the bulk one running in the replica and overtakes the one queued there.
+        bed.services()
+            .patch(
+                "chat",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"routing": {"flowControl": {
+                    "maxConcurrencyPerReplica": 3, "queueTtl": "60s",
+                }}}})),
+            )
+            .await?;
+        let running = tokio::spawn({
+            let router = router.url("");
+            async move { send_to(&router, BULK, None, chat("Count to fifty.", 48)).await }
+        });
+        wait_series(&router, IN_FLIGHT, &[&model], 1.0).await?;
+        let queued = tokio::spawn({
+            let router = router.url("");
+            async move { send_to(&router, BULK, None, chat("Name a river.", 4)).await }
+        });
+        wait_series(&router, IN_FLIGHT, &[&model], 2.0).await?;
+        let gold = send(&router, GOLD, None, chat("Say hello.", 4)).await?;
+        let (running, queued) = (running.await??, queued.await??);
+        ensure!(
+            [&gold, &running, &queued].iter().all(|a| a.status == 200),
+            "{gold:?} {running:?} {queued:?}"
+        );
+        ensure!(
+            gold.first_token.is_some()
+                && gold.done < running.done
+                && gold.first_token < queued.first_token,
+            "the replica did not run the priority-10 request first: gold {gold:?}, running \
+             {running:?}, queued {queued:?}"
+        );
         Ok(())
     })
     .await

@@ -85,6 +85,10 @@ pub struct GenerateRequest {
     pub id: String,
     pub prompt: Prompt,
     pub params: SamplingParams,
+    /// Scheduling priority, higher first (the router's flow control passes the one it admitted
+    /// the request at); equal priorities run in arrival order. A waiting request of a higher
+    /// priority runs its prompt in a step of its own and may preempt lower ones.
+    pub priority: i32,
 }
 
 /// One chat message, for chat-template application (defined with the tokenizer that applies

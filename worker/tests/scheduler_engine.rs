@@ -100,6 +100,7 @@ fn request(id: &str, prompt: &str, params: SamplingParams) -> GenerateRequest {
         id: id.into(),
         prompt: Prompt::Text(prompt.into()),
         params,
+        priority: 0,
     }
 }
 
@@ -371,6 +372,89 @@ fn preemption_under_a_tiny_kv_cache_still_completes_every_request() {
     );
 }
 
+fn with_priority(mut request: GenerateRequest, priority: i32) -> GenerateRequest {
+    request.priority = priority;
+    request
+}
+
+#[test]
+fn a_higher_priority_takes_a_full_batchs_place_and_a_waiting_lower_ones_turn() {
+    let engine = start(EngineConfig {
+        max_batch_size: 1,
+        ignore_eos: true,
+        ..config()
+    });
+    let question = request("high", &chat("Name a colour."), greedy(6));
+    let alone = run(&engine, question.clone());
+    wait_load(
+        &engine,
+        |load| load.requests_finished_total == 1,
+        "its count",
+    );
+    let long = || request("low", "Count to one thousand:", greedy(2000));
+    let mut running = engine.submit(long()).expect("a low-priority request");
+    running.blocking_recv().expect("its first token");
+    let waiting = engine.submit(long()).expect("a second, waiting");
+
+    let high = run(&engine, with_priority(question, 5));
+    assert_eq!(
+        high.tokens, alone.tokens,
+        "preemption changed nothing of its answer"
+    );
+    wait_load(
+        &engine,
+        |load| load.requests_finished_total >= 2,
+        "its count",
+    );
+    let load = engine.load();
+    assert_eq!(
+        load.requests_finished_total, 2,
+        "only the high-priority request finished: {load:?}"
+    );
+    assert!(load.preemptions_total >= 1, "{load:?}");
+    drop((running, waiting));
+    wait_load(
+        &engine,
+        |load| load.running == 0 && load.waiting == 0,
+        "the low-priority requests to leave",
+    );
+}
+
+#[test]
+fn lower_priorities_sit_out_the_steps_of_a_higher_prompt() {
+    let engine = start(EngineConfig {
+        ignore_eos: true,
+        ..config()
+    });
+    let mut lows: Vec<_> = (0..2)
+        .map(|i| {
+            engine
+                .submit(request(
+                    &format!("low{i}"),
+                    &chat("Write a long story."),
+                    greedy(2000),
+                ))
+                .expect("a low-priority request")
+        })
+        .collect();
+    for low in &mut lows {
+        low.blocking_recv().expect("its first token");
+    }
+    let before = engine.load().prefill_steps;
+    let high = run(
+        &engine,
+        with_priority(request("high", &chat("Name a colour."), greedy(2)), 1),
+    );
+    let after = engine.load().prefill_steps;
+    let computed = u64::from(high.usage.prompt_tokens - high.usage.cached_prompt_tokens);
+    assert_eq!(
+        (after.steps - before.steps, after.size - before.size),
+        (1, computed),
+        "the prompt ran in one step of its own, no decode beside it"
+    );
+    drop(lows);
+}
+
 #[test]
 fn stop_strings_and_stop_tokens_end_generation() {
     let engine = start(config());
@@ -553,6 +637,7 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
                     max_tokens: None,
                     ..SamplingParams::default()
                 },
+                priority: 0,
             })
             .expect("submit"),
     );
@@ -572,6 +657,7 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
                 max_tokens: Some(23),
                 ..SamplingParams::default()
             },
+            priority: 0,
         },
         "max_tokens",
     );
@@ -586,6 +672,7 @@ fn generation_without_max_tokens_fills_the_room_left_and_more_is_refused() {
             id: "long".into(),
             prompt: Prompt::Tokens((0..32).collect()),
             params: SamplingParams::default(),
+            priority: 0,
         },
         "prompt",
     );
@@ -659,6 +746,7 @@ fn bad_requests_are_rejected_with_the_problem_named() {
             id: "bad".into(),
             prompt,
             params,
+            priority: 0,
         }));
         assert!(message.contains(param), "{param}: {message}");
         message

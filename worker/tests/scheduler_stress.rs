@@ -79,6 +79,7 @@ fn requests() -> Vec<GenerateRequest> {
                     seed: Some(u64::from(i % 5)),
                     ..SamplingParams::default()
                 },
+                priority: 0,
             }
         })
         .collect()

@@ -1,6 +1,6 @@
 //! The real worker binary against hostile or careless clients: huge prompts do not stall the
 //! probes, unimplemented OpenAI features are refused by name, streams end cleanly on
-//! shutdown, a drain that gives up says so, oversized gRPC messages name their limit, the
+//! shutdown, a drain that gives up says so, a malformed priority is refused by name, oversized gRPC messages name their limit, the
 //! latency metrics are observed as tokens are sent, and a prefix-cache hit does not change a
 //! greedy answer.
 
@@ -164,6 +164,47 @@ async fn unimplemented_features_are_refused_by_name_in_the_openai_shape() {
         error_message(&body).contains("GET is not allowed on /v1/completions"),
         "{body}"
     );
+}
+
+#[tokio::test]
+async fn a_priority_that_is_not_an_integer_is_refused_by_name() {
+    use npufleet_contract::headers::FLOW_PRIORITY;
+    let worker = Worker::start(&[]).await;
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "hello", "max_tokens": 2});
+    let completions = format!("{}/v1/completions", worker.http);
+    for (value, status) in [("high", 400), ("7", 200), (" -3 ", 200)] {
+        let response = client
+            .post(&completions)
+            .header(FLOW_PRIORITY, value)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), status, "{value:?}");
+        if status == 400 {
+            let body: Value = response.json().await.unwrap();
+            let message = error_message(&body);
+            assert!(
+                message.contains(FLOW_PRIORITY) && message.contains("high"),
+                "{body}"
+            );
+        }
+    }
+
+    let mut grpc = worker.grpc_client().await;
+    let mut request = tonic::Request::new(text_request("p", b"hello", 2));
+    request
+        .metadata_mut()
+        .insert(FLOW_PRIORITY, "1.5".parse().unwrap());
+    let status = grpc.model_infer(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains(FLOW_PRIORITY), "{status:?}");
+    let mut request = tonic::Request::new(text_request("p", b"hello", 2));
+    request
+        .metadata_mut()
+        .insert(FLOW_PRIORITY, "2".parse().unwrap());
+    grpc.model_infer(request).await.unwrap();
 }
 
 #[tokio::test]

@@ -395,14 +395,59 @@ impl EngineCore {
     }
 
     /// Picks this step's work: decodes first so they keep flowing, then prompt chunks of
-    /// running sequences, then newly admitted sequences, all within the token budget.
+    /// running sequences, then newly admitted sequences, all within the token budget. A
+    /// prompt of a higher priority than some running sequence runs without those: a step
+    /// takes longer with every sequence in it, and the prompt's first token should not wait
+    /// on lower priorities' decodes.
     fn schedule(&mut self, state: &mut SharedState) -> Vec<Scheduled> {
+        let Some(urgent) = self.urgent_priority(state) else {
+            return self.schedule_from(i32::MIN, state);
+        };
+        let plan = self.schedule_from(urgent, state);
+        if plan.is_empty() {
+            // The urgent prompt found no room; the others must not stall meanwhile.
+            return self.schedule_from(i32::MIN, state);
+        }
+        plan
+    }
+
+    /// The priority of the most urgent prompt, a waiting request's or a running sequence's,
+    /// when it is above the lowest running priority.
+    fn urgent_priority(&self, state: &SharedState) -> Option<i32> {
+        let lowest = self.running.values().map(|s| s.priority).min()?;
+        let prompts = self
+            .running
+            .values()
+            .filter(|s| s.tokens.len() - s.num_computed > 1)
+            .map(|s| s.priority);
+        let top = prompts
+            .chain(state.waiting.front().map(|s| s.priority))
+            .max()?;
+        (top > lowest).then_some(top)
+    }
+
+    /// The running sequence to preempt first: the lowest priority, of those the youngest.
+    fn victim(&self) -> Option<(i32, u64)> {
+        self.running
+            .iter()
+            .map(|(&order, s)| (s.priority, order))
+            .min_by_key(|&(priority, order)| (priority, std::cmp::Reverse(order)))
+    }
+
+    /// [`EngineCore::schedule`] for the sequences of priority `floor` and above.
+    fn schedule_from(&mut self, floor: i32, state: &mut SharedState) -> Vec<Scheduled> {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut plan: Vec<Scheduled> = Vec::new();
-        let mut preempted = false;
-        let orders: Vec<u64> = self.running.keys().copied().collect();
+        let preemptions = self.counters.preemptions_total;
+        let mut orders: Vec<(i32, u64)> = self
+            .running
+            .iter()
+            .map(|(&order, s)| (s.priority, order))
+            .filter(|&(priority, _)| priority >= floor)
+            .collect();
+        orders.sort_by_key(|&(priority, order)| (std::cmp::Reverse(priority), order));
         for decodes in [true, false] {
-            for &order in &orders {
+            for &(_, order) in &orders {
                 if budget == 0 {
                     break;
                 }
@@ -418,29 +463,47 @@ impl EngineCore {
                     let start = self.running[&order].num_computed;
                     plan.push(Scheduled { order, start, len });
                     budget -= len;
-                } else {
-                    preempted = true;
                 }
             }
         }
-        preempted |= self.running.len() < orders.len();
-        if preempted {
+        if self.counters.preemptions_total > preemptions {
             // Freshly preempted sequences are at the queue's front; admitting now would
             // only thrash.
             return plan;
         }
-        while budget > 0 && self.running.len() < self.cfg.max_batch_size {
+        while budget > 0 {
             let Some(sequence) = state.waiting.front_mut() else {
                 break;
             };
-            let cached = self
-                .blocks
-                .match_prefix(&sequence.tokens, &mut sequence.blocks);
-            let len = (sequence.tokens.len() - cached).min(budget);
-            if !self.blocks.grow(&mut sequence.blocks, cached + len) {
-                self.blocks.free(&mut sequence.blocks);
+            let priority = sequence.priority;
+            if priority < floor {
                 break;
             }
+            let room = if self.running.len() >= self.cfg.max_batch_size {
+                None
+            } else {
+                let cached = self
+                    .blocks
+                    .match_prefix(&sequence.tokens, &mut sequence.blocks);
+                let len = (sequence.tokens.len() - cached).min(budget);
+                if self.blocks.grow(&mut sequence.blocks, cached + len) {
+                    Some((cached, len))
+                } else {
+                    self.blocks.free(&mut sequence.blocks);
+                    None
+                }
+            };
+            let Some((cached, len)) = room else {
+                // A full batch or cache makes room for a higher priority by preempting the
+                // lowest; otherwise the request waits for room.
+                match self.victim() {
+                    Some((lowest, order)) if lowest < priority => {
+                        self.preempt(order, &mut plan, &mut budget, state);
+                        continue;
+                    }
+                    _ => break,
+                }
+            };
             let Some(mut sequence) = state.waiting.pop_front() else {
                 break;
             };
@@ -468,7 +531,7 @@ impl EngineCore {
     }
 
     /// Makes sure the running sequence `order` has blocks for `len` more positions,
-    /// preempting the youngest running sequences until it does. Returns false when the
+    /// preempting [`EngineCore::victim`]s until it does. Returns false when the
     /// sequence itself had to be preempted.
     fn reserve(
         &mut self,
@@ -487,12 +550,9 @@ impl EngineCore {
             if self.blocks.grow(&mut sequence.blocks, needed) {
                 return true;
             }
-            let (&youngest, _) = self
-                .running
-                .last_key_value()
-                .expect("the map holds at least this sequence");
-            self.preempt(youngest, plan, budget, state);
-            if youngest == order {
+            let (_, victim) = self.victim().expect("the map holds at least this sequence");
+            self.preempt(victim, plan, budget, state);
+            if victim == order {
                 return false;
             }
         }
@@ -520,7 +580,7 @@ impl EngineCore {
             tokens = sequence.tokens.len(),
             "preempted for lack of KV-cache blocks"
         );
-        state.waiting.push_front(sequence);
+        state.requeue(sequence);
     }
 
     /// Runs one forward pass over the plan and samples the next token of every sequence

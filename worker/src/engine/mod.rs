@@ -6,8 +6,13 @@
 //! per-step token budget, admits waiting requests while the batch and the budget have room,
 //! runs one batched forward pass and samples (`execute`), then appends the sampled ids and
 //! finishes sequences on their stop ids or length (`update`). When the KV cache runs out of
-//! blocks the youngest running sequence is preempted: its blocks are freed and it is
-//! requeued to be recomputed later.
+//! blocks the youngest running sequence of the lowest priority is preempted: its blocks are
+//! freed and it is requeued to be recomputed later.
+//!
+//! Requests carry a priority (the router's flow control passes it on). Higher priorities are
+//! admitted first and may preempt lower ones for a place in a full batch or cache; while a
+//! higher priority's prompt is pending, lower-priority sequences sit its steps out, so its
+//! first token does not wait on their decodes.
 //!
 //! Text is the front end's business: each request's stream (`stream`) detokenises the ids
 //! and matches stop strings as its consumer reads it, and cancels the sequence in the core
@@ -228,8 +233,8 @@ impl Shared {
 }
 
 struct SharedState {
-    /// Accepted requests not yet in the running batch, oldest first; preempted sequences
-    /// go back to the front.
+    /// Accepted requests not yet in the running batch, the highest priority first and within
+    /// a priority the oldest; preempted sequences go back to the front of their priority.
     waiting: VecDeque<Sequence>,
     warmup_done: u32,
     warming_up: bool,
@@ -246,10 +251,30 @@ struct SharedState {
     stats: LoadSnapshot,
 }
 
+impl SharedState {
+    /// Queues a new request behind those of its priority and above.
+    fn enqueue(&mut self, sequence: Sequence) {
+        let at = self
+            .waiting
+            .partition_point(|waiting| waiting.priority >= sequence.priority);
+        self.waiting.insert(at, sequence);
+    }
+
+    /// Queues a preempted sequence ahead of the others of its priority.
+    fn requeue(&mut self, sequence: Sequence) {
+        let at = self
+            .waiting
+            .partition_point(|waiting| waiting.priority > sequence.priority);
+        self.waiting.insert(at, sequence);
+    }
+}
+
 /// One request inside the engine.
 struct Sequence {
     /// Submission order: a larger value is a younger request.
     order: u64,
+    /// [`GenerateRequest::priority`].
+    priority: i32,
     request_id: String,
     /// Prompt followed by the generated tokens.
     tokens: Vec<u32>,
@@ -335,6 +360,7 @@ impl EngineHandle {
         let sampler = Sampler::new(params, &tokens, &stop_ids);
         Ok(Sequence {
             order: 0,
+            priority: request.priority,
             request_id: request.id.clone(),
             prompt_len,
             max_len: prompt_len + max_new,
@@ -511,7 +537,7 @@ impl Engine for EngineHandle {
             prompt_tokens = sequence.prompt_len,
             "request queued"
         );
-        state.waiting.push_back(sequence);
+        state.enqueue(sequence);
         drop(state);
         self.shared.wake.notify_all();
         Ok(GenerationStream::new(RequestStream::new(

@@ -16,9 +16,10 @@ use crate::server::auth;
 use crate::server::error::ServeError;
 use crate::server::inference::{self, SERVER_NAME};
 use crate::server::oip;
-use crate::server::shared::Shared;
+use crate::server::shared::{Shared, request_priority};
 use crate::server::trace;
 use npufleet_contract::auth::ApiKey;
+use npufleet_contract::headers::FLOW_PRIORITY;
 use npufleet_contract::proto::inference::grpc_inference_service_server::GrpcInferenceService;
 use npufleet_contract::proto::inference::*;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoad;
@@ -44,12 +45,18 @@ impl InferenceService {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
-        let response = inference::infer_unary(&self.shared, request.get_ref()).await?;
+        let priority = metadata_priority(request.metadata())?;
+        let response = inference::infer_unary(&self.shared, request.get_ref(), priority).await?;
         Ok(Response::new(response))
     }
 }
 
 type StreamSender = mpsc::Sender<Result<ModelStreamInferResponse, Status>>;
+
+/// The priority of a call's requests ([`request_priority`]), for a whole stream.
+fn metadata_priority(metadata: &tonic::metadata::MetadataMap) -> Result<i32, ServeError> {
+    request_priority(metadata.get(FLOW_PRIORITY).map(|v| v.as_bytes()))
+}
 
 fn stream_error(request_id: &str, model_name: &str, err: &ServeError) -> ModelStreamInferResponse {
     npufleet_contract::proto::stream_error(model_name, request_id, &Status::from(err.clone()))
@@ -57,8 +64,13 @@ fn stream_error(request_id: &str, model_name: &str, err: &ServeError) -> ModelSt
 
 /// Streams one request: a response per generated chunk, then a last response flagged
 /// `triton_final_response` that carries the finish reason and token usage.
-async fn stream_one(shared: Arc<Shared>, request: ModelInferRequest, out: StreamSender) {
-    let (decoded, mut events) = match inference::start_infer(&shared, &request).await {
+async fn stream_one(
+    shared: Arc<Shared>,
+    request: ModelInferRequest,
+    priority: i32,
+    out: StreamSender,
+) {
+    let (decoded, mut events) = match inference::start_infer(&shared, &request, priority).await {
         Ok(started) => started,
         Err(err) => {
             let _ = shared
@@ -248,6 +260,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let span = trace::grpc_span("ModelStreamInfer", request.metadata());
         auth::check_grpc(self.api_key.as_ref(), request.metadata())?;
+        let priority = metadata_priority(request.metadata())?;
         let started = Instant::now();
         let mut incoming = request.into_inner();
         let (out, responses) = mpsc::channel(STREAM_BUFFER_RESPONSES);
@@ -264,7 +277,7 @@ impl GrpcInferenceService for InferenceService {
                     tokio::select! {
                         message = incoming.message(), if !client_done => match message {
                             Ok(Some(request)) => {
-                                let one = stream_one(shared.clone(), request, out.clone());
+                                let one = stream_one(shared.clone(), request, priority, out.clone());
                                 requests.spawn(one.in_current_span());
                             }
                             Ok(None) => client_done = true,

@@ -42,6 +42,7 @@ pub fn model_metadata(shared: &Shared) -> ModelMetadataResponse {
 pub async fn start_infer(
     shared: &Arc<Shared>,
     request: &ModelInferRequest,
+    priority: i32,
 ) -> Result<(InferRequest, TrackedStream), ServeError> {
     oip::check_model(
         &request.model_name,
@@ -59,6 +60,7 @@ pub async fn start_infer(
             id: decoded.id.clone(),
             prompt: decoded.prompt.clone(),
             params: decoded.params.clone(),
+            priority,
         })
         .await?;
     Ok((decoded, events))
@@ -68,8 +70,9 @@ pub async fn start_infer(
 pub async fn infer_unary(
     shared: &Arc<Shared>,
     request: &ModelInferRequest,
+    priority: i32,
 ) -> Result<ModelInferResponse, ServeError> {
-    let (decoded, events) = start_infer(shared, request).await?;
+    let (decoded, events) = start_infer(shared, request, priority).await?;
     let collected = events.collect_all().await?;
     let mut parameters = usage_parameters(&collected.usage);
     if let Some(reason) = collected.reason {

@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -20,7 +21,8 @@ use crate::api::{GenerateRequest, GenerationEvent, Prompt, Usage};
 use crate::server::error::ServeError;
 use crate::server::http::{BodyBytes, BodyError, HttpState, OpenAiError};
 use crate::server::reasoning::{ReasoningParser, ReasoningSplitter, Split};
-use crate::server::shared::{Shared, TrackedStream};
+use crate::server::shared::{Shared, TrackedStream, request_priority};
+use npufleet_contract::headers::FLOW_PRIORITY;
 
 mod request;
 
@@ -269,6 +271,7 @@ async fn generate(
     endpoint: Endpoint,
     reasoning: ReasoningParser,
     request: ValidatedRequest,
+    priority: i32,
 ) -> Result<Response, ServeError> {
     let (prompt, split_reasoning) = match request.input {
         RequestInput::Prompt(prompt) => (prompt, false),
@@ -296,6 +299,7 @@ async fn generate(
             id: reply.id.clone(),
             prompt,
             params: request.params,
+            priority,
         })
         .await?;
     if request.stream {
@@ -315,11 +319,16 @@ async fn serve(
     state: HttpState,
     endpoint: Endpoint,
     reasoning: ReasoningParser,
+    headers: &HeaderMap,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
     let BodyBytes(body) = match body {
         Ok(body) => body,
         Err(err) => return err.into_response(),
+    };
+    let priority = match request_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes())) {
+        Ok(priority) => priority,
+        Err(err) => return OpenAiError(err).into_response(),
     };
     let validate = match endpoint {
         Endpoint::Completions => validate_completion_body,
@@ -328,7 +337,7 @@ async fn serve(
     let result = match validate(&body, &state.shared.model_name) {
         Ok(request) => {
             let renamed = request.renamed.clone();
-            generate(state, endpoint, reasoning, request)
+            generate(state, endpoint, reasoning, request, priority)
                 .await
                 .map_err(|err| in_request_terms(&renamed, err))
         }
@@ -339,17 +348,26 @@ async fn serve(
 
 pub async fn completions(
     State(state): State<HttpState>,
+    headers: HeaderMap,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
-    serve(state, Endpoint::Completions, ReasoningParser::None, body).await
+    serve(
+        state,
+        Endpoint::Completions,
+        ReasoningParser::None,
+        &headers,
+        body,
+    )
+    .await
 }
 
 pub async fn chat_completions(
     State(state): State<HttpState>,
+    headers: HeaderMap,
     body: Result<BodyBytes, BodyError>,
 ) -> Response {
     let reasoning = state.reasoning_parser;
-    serve(state, Endpoint::Chat, reasoning, body).await
+    serve(state, Endpoint::Chat, reasoning, &headers, body).await
 }
 
 pub async fn models(State(state): State<HttpState>) -> Json<Value> {

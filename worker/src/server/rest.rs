@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -14,6 +14,8 @@ use crate::server::error::ServeError;
 use crate::server::http::{BodyError, HttpState, JsonBody, with_retry_after};
 use crate::server::inference::{self, SERVER_NAME};
 use crate::server::oip;
+use crate::server::shared::request_priority;
+use npufleet_contract::headers::FLOW_PRIORITY;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::{
     InferInputTensor, InferRequestedOutputTensor,
@@ -329,6 +331,7 @@ async fn serve_infer(
     state: HttpState,
     name: String,
     version: String,
+    headers: &HeaderMap,
     body: Result<JsonBody<RestInferRequest>, BodyError>,
 ) -> Response {
     let JsonBody(body) = match body {
@@ -336,8 +339,9 @@ async fn serve_infer(
         Err(err) => return body_error(err),
     };
     let result = async {
+        let priority = request_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?;
         let request = to_grpc(&name, &version, &body)?;
-        inference::infer_unary(&state.shared, &request).await
+        inference::infer_unary(&state.shared, &request, priority).await
     }
     .await;
     match result {
@@ -349,17 +353,19 @@ async fn serve_infer(
 pub async fn infer(
     State(state): State<HttpState>,
     Path(name): Path<String>,
+    headers: HeaderMap,
     body: Result<JsonBody<RestInferRequest>, BodyError>,
 ) -> Response {
-    serve_infer(state, name, String::new(), body).await
+    serve_infer(state, name, String::new(), &headers, body).await
 }
 
 pub async fn infer_version(
     State(state): State<HttpState>,
     Path((name, version)): Path<(String, String)>,
+    headers: HeaderMap,
     body: Result<JsonBody<RestInferRequest>, BodyError>,
 ) -> Response {
-    serve_infer(state, name, version, body).await
+    serve_infer(state, name, version, &headers, body).await
 }
 
 #[cfg(test)]

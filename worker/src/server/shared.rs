@@ -300,6 +300,14 @@ impl TrackedStream {
     }
 }
 
+/// A request's scheduling priority from its [`npufleet_contract::headers::FLOW_PRIORITY`] header or metadata value: 0
+/// when absent, a 400 / INVALID_ARGUMENT naming it when not an integer.
+pub fn request_priority(value: Option<&[u8]>) -> Result<i32, ServeError> {
+    value.map_or(Ok(0), |value| {
+        npufleet_contract::headers::parse_priority(value).map_err(ServeError::bad_request)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -653,6 +653,7 @@ fn bench_request(id: String, prompt: Prompt, max_tokens: usize) -> GenerateReque
             max_tokens: Some(max_tokens as u32),
             ..SamplingParams::default()
         },
+        priority: 0,
     }
 }
 

@@ -282,7 +282,8 @@ const FIXED_OPTIONS: &[(&str, Accepts, &str)] = &[
     (
         "priority",
         |v| v.as_f64() == Some(0.0),
-        "requests are served in arrival order; only 0",
+        "requests are ordered by the flow-control priority header (higher first), not by \
+         this field; only 0",
     ),
     (
         "response_format",
