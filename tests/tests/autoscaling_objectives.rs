@@ -6,7 +6,10 @@
 //!   queue-depth policy under the same burst never scales (four clients queue at most four
 //!   requests, under its default target of five);
 //! - workers whose load cannot be read (Ready pods where nothing listens): the count holds,
-//!   with `ScalingActive=False` reason `MetricsUnavailable`, and never falls.
+//!   with `ScalingActive=False` reason `MetricsUnavailable`, and never falls;
+//! - under `mode: hpa`, where the objectives size the fleet in the external metric an HPA
+//!   reads: what they learned of the workers' step times is kept in status too, and an
+//!   operator that restarts carries on from it.
 
 use std::time::{Duration, Instant};
 
@@ -264,6 +267,87 @@ async fn workers_whose_load_cannot_be_read_hold_the_objectives_count_and_say_why
             condition(&service, OBJECTIVES_MET),
             None,
             "a prediction from no readings"
+        );
+        Ok(())
+    })
+    .await
+}
+
+/// The prefill steps `status.autoscaling.capacity` holds, once it holds any.
+async fn prefill_steps(services: &kube::Api<InferenceService>) -> Result<Option<f64>> {
+    let service = services.get("chat").await?;
+    Ok(service
+        .status
+        .and_then(|s| s.autoscaling)
+        .and_then(|a| a.capacity)
+        .map(|c| c.prefill.steps))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_hpa_mode_the_learned_capacity_outlives_an_operator_restart() -> Result<()> {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "objectives-hpa", 49, MANAGER).await?;
+        let operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({
+                "replicas": 1,
+                "autoscaling": {
+                    "mode": "hpa", "minReplicas": 1, "maxReplicas": 2,
+                    "objectives": {"ttft": {"percentile": 90, "target": "300ms"}},
+                },
+            }),
+        )
+        .await?;
+        bed.wait_serving(1).await?;
+        let router = RunningRouter::start(c, "router-objectives-hpa", &bed.namespace, &[]).await?;
+        let http = reqwest::Client::new();
+        let chat = router.url("/v1/chat/completions");
+        let ask = |n: u64| {
+            let (http, chat) = (http.clone(), chat.clone());
+            async move {
+                let answer = http
+                    .post(&chat)
+                    .json(&service::chat(&long_prompt(n), 2))
+                    .send()
+                    .await?;
+                anyhow::ensure!(answer.status().is_success(), "{answer:?}");
+                anyhow::Ok(())
+            }
+        };
+        let services = bed.services();
+        for n in 0..4 {
+            ask(n).await?;
+        }
+        let before = wait::until(
+            "status.autoscaling.capacity in hpa mode",
+            Duration::from_secs(60),
+            || async {
+                Ok(prefill_steps(&services)
+                    .await?
+                    .filter(|&steps| steps >= 4.0))
+            },
+        )
+        .await?;
+
+        drop(operator);
+        let _operator = bed.start_operator()?;
+        for n in 4..6 {
+            ask(n).await?;
+        }
+        let after = wait::until(
+            "the restarted operator to write the capacity",
+            Duration::from_secs(60),
+            || async {
+                Ok(prefill_steps(&services)
+                    .await?
+                    .filter(|&steps| steps != before))
+            },
+        )
+        .await?;
+        assert!(
+            after > before,
+            "the restarted operator started over: {before} prefill steps before, {after} after"
         );
         Ok(())
     })

@@ -16,6 +16,7 @@ use kube::{Client, ResourceExt};
 use npufleet_contract::ports;
 use npufleet_crds::{InferenceService, LoadSource};
 
+use super::capacity::Capacity;
 use super::load::{LoadReader, LoadTarget};
 use super::objectives::{self, GroupSample, Tracker};
 use super::policy::{GroupState, Observation};
@@ -199,7 +200,7 @@ impl Collector {
             Tracker::new(
                 status
                     .and_then(|a| a.capacity.as_ref())
-                    .map(super::capacity::Capacity::from_status)
+                    .map(Capacity::from_status)
                     .unwrap_or_default(),
                 None,
             )
@@ -218,6 +219,16 @@ impl Collector {
             }
             Err(objectives::Unknown::NoCounters(why)) => Err(why),
         }
+    }
+
+    /// What the objectives of an HPA-scaled service learned of its capacity, once they
+    /// learned anything: the leader keeps it in the service's status, from which a restarted
+    /// operator carries on.
+    pub fn learned_capacity(&self, namespace: &str, name: &str) -> Option<Capacity> {
+        let trackers = self.lock_trackers();
+        let tracker = trackers.get(&(namespace.to_owned(), name.to_owned()))?;
+        let capacity = *tracker.capacity();
+        (capacity != Capacity::default()).then_some(capacity)
     }
 
     fn lock_trackers(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Tracker>> {

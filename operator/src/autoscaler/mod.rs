@@ -483,6 +483,9 @@ pub struct Autoscaler {
     invalid: HashMap<ObjectRef<InferenceService>, PolicyConfig>,
     /// Each service's `ScalingActive` condition, once its load has failed to read.
     scaling_active: HashMap<ObjectRef<InferenceService>, ScalingActive>,
+    /// The capacity an HPA-scaled service's objectives learned, as last written to its
+    /// status, and when.
+    hpa_capacity: HashMap<ObjectRef<InferenceService>, (capacity::Capacity, Instant)>,
     started: Instant,
 }
 
@@ -518,6 +521,7 @@ impl Autoscaler {
             hpas: HashMap::new(),
             invalid: HashMap::new(),
             scaling_active: HashMap::new(),
+            hpa_capacity: HashMap::new(),
             started: Instant::now(),
         })
     }
@@ -545,6 +549,7 @@ impl Autoscaler {
         self.hpas.retain(|k, _| live.contains(k));
         self.invalid.retain(|k, _| live.contains(k));
         self.scaling_active.retain(|k, _| live.contains(k));
+        self.hpa_capacity.retain(|k, _| live.contains(k));
         self.events.retain(|(k, _), _| live.contains(k));
 
         for (service, observation, samples) in observed {
@@ -577,7 +582,13 @@ impl Autoscaler {
                 self.follow_readings(service, autoscaling.mode, &observation.readings)
                     .await;
                 self.policies.remove(&key);
-                if self.scaling_active.get(&key).is_some_and(|s| !s.written) {
+                let learned = self.collector.learned_capacity(&namespace, &name);
+                let capacity_due = learned.is_some_and(|now| {
+                    self.hpa_capacity.get(&key).is_none_or(|(written, at)| {
+                        *written != now && at.elapsed() >= self.settings.status_interval
+                    })
+                });
+                if capacity_due || self.scaling_active.get(&key).is_some_and(|s| !s.written) {
                     self.write_status(service, None).await?;
                 }
                 let generation = service.metadata.generation;
@@ -1004,6 +1015,21 @@ impl Autoscaler {
             if state.tracker.capacity() != &capacity::Capacity::default() {
                 autoscaling["capacity"] = json!(state.tracker.capacity().to_status());
             }
+        }
+        let hpa = service
+            .spec
+            .autoscaling
+            .as_ref()
+            .is_some_and(|a| a.mode == AutoscalingMode::Hpa);
+        if hpa
+            && let Some(learned) = self.collector.learned_capacity(
+                &service.namespace().unwrap_or_default(),
+                &service.name_any(),
+            )
+        {
+            autoscaling["capacity"] = json!(learned.to_status());
+            self.hpa_capacity
+                .insert(key.clone(), (learned, Instant::now()));
         }
         if !conditions.is_empty() {
             autoscaling["conditions"] = json!(conditions);
