@@ -452,7 +452,10 @@ pub struct EngineSpec {
     #[schemars(range(min = 1, max = 1000000))]
     pub queue_limit: i32,
 
-    /// Forward passes run before the worker reports ready.
+    /// Forward passes run before the worker reports ready. They are timed at several prompt
+    /// lengths and batch sizes, a first measure of the serving shape for the latency
+    /// objectives' capacity model (the first round of shapes is not timed; the default
+    /// gives enough passes of each kind to fit a line).
     #[serde(default = "default_warmup_iterations")]
     #[schemars(range(min = 0, max = 100000))]
     pub warmup_iterations: i32,
@@ -493,8 +496,10 @@ fn default_max_batch_size() -> i32 {
 fn default_queue_limit() -> i32 {
     1024
 }
+/// `spec.engine.warmupIterations` when not given.
+pub const DEFAULT_WARMUP_ITERATIONS: i32 = 100;
 fn default_warmup_iterations() -> i32 {
-    100
+    DEFAULT_WARMUP_ITERATIONS
 }
 fn default_drain_seconds() -> i32 {
     30

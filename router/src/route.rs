@@ -368,7 +368,7 @@ impl Router {
                     self.pick(model_name, &model, &request.affinity, tried, places)
             {
                 waiting.dispatched();
-                lease.priority = Some(admission.priority);
+                lease.priority = model.flow.is_some().then_some(admission.priority);
                 return Ok(lease);
             }
             tokio::select! {

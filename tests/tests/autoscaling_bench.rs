@@ -16,6 +16,7 @@ use anyhow::{Result, ensure};
 use futures::StreamExt;
 use kube::api::{ListParams, Patch, PatchParams};
 use npufleet_contract::pods;
+use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
 use npufleet_operator::autoscaler::sim::Trace;
 use npufleet_operator::autoscaler::sim::tokens::{Mix, Request, SEED, mixed_prompts};
 use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error};
@@ -194,7 +195,10 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
         let bed = Testbed::start(c, &client, "autoscaling-bench", 48, MANAGER).await?;
         let _operator = bed.start_operator()?;
-        bed.apply_smollm2("chat", json!({"replicas": 1, "engine": {"drainSeconds": 10}})).await?;
+        // The warm-up users run by default: it also times the passes the objectives' capacity
+        // model starts from.
+        let engine = json!({"drainSeconds": 10, "warmupIterations": DEFAULT_WARMUP_ITERATIONS});
+        bed.apply_smollm2("chat", json!({"replicas": 1, "engine": engine})).await?;
         bed.wait_serving(1).await?;
         let router = RunningRouter::start(cluster::shared(), "router-autoscaling-bench", &bed.namespace, &[]).await?;
         let requests = mixed_prompts(&TRACE, DURATION, SEED, &Mix::SMALL_CPU);

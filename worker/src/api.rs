@@ -274,6 +274,10 @@ pub struct LoadSnapshot {
     pub requests_finished_total: u64,
     /// Sum of the squared prompt lengths of admitted requests.
     pub prompt_tokens_squared_total: f64,
+    /// The warm-up's passes, timed (not in the step sums above): prompt chunks at several
+    /// lengths and decodes at several batch sizes, a first measure of this serving shape.
+    pub warmup_prefill_steps: StepSums,
+    pub warmup_decode_steps: StepSums,
 }
 
 /// Running sums over engine steps of one kind from which a reader fits the step's duration

@@ -252,6 +252,27 @@ fn prefix_cache_serves_a_repeated_system_prompt() {
 }
 
 #[test]
+fn the_warm_up_times_prompt_chunks_and_decodes_at_several_sizes_apart_from_serving() {
+    let engine = start(EngineConfig {
+        warmup_iterations: 40,
+        ..config()
+    });
+    let load = engine.load();
+    let (prefill, decode) = (load.warmup_prefill_steps, load.warmup_decode_steps);
+    for (kind, sums) in [("prefill", prefill), ("decode", decode)] {
+        assert!(sums.steps >= 10 && sums.seconds > 0.0, "{kind}: {sums:?}");
+        let mean = sums.size as f64 / sums.steps as f64;
+        let variance = sums.size_squared / sums.steps as f64 - mean * mean;
+        assert!(variance > 1.0 / 4.0, "{kind} sizes do not spread: {sums:?}");
+    }
+    assert_eq!(
+        (load.prefill_steps.steps, load.decode_steps.steps),
+        (0, 0),
+        "the warm-up is not counted as serving"
+    );
+}
+
+#[test]
 fn prefix_templates_are_computed_during_warm_up() {
     let engine = start(EngineConfig {
         prefix_templates: vec![SYSTEM.to_owned()],
@@ -437,8 +458,12 @@ fn lower_priorities_sit_out_the_steps_of_a_higher_prompt() {
                 .expect("a low-priority request")
         })
         .collect();
+    // A second token each: the step that gives it only decodes, and began after every
+    // earlier step's counters were published.
     for low in &mut lows {
-        low.blocking_recv().expect("its first token");
+        for _ in 0..2 {
+            low.blocking_recv().expect("a token");
+        }
     }
     let before = engine.load().prefill_steps;
     let high = run(

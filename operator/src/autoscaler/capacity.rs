@@ -5,10 +5,13 @@
 //! seconds, see `LoadReport`); the differences of two reports add to the service's sums, and
 //! an ordinary least-squares line through them is the model. The sums are all the model
 //! keeps, so they go to `status.autoscaling.capacity` and a restarted operator carries on
-//! from them. Until enough steps with enough spread in size were seen, the line is a
-//! conservative default: slower than any shape this project serves, so that a fleet that has
-//! not been measured yet is over- rather than under-provisioned.
+//! from them. A worker seen for the first time brings the passes its warm-up timed at
+//! several sizes, which count while a kind has too few steps. Until enough steps with enough
+//! spread in size were seen, the line is a conservative default: slower than any shape this
+//! project serves, so that a fleet that has not been measured yet is over- rather than
+//! under-provisioned.
 
+use npufleet_contract::proto::npufleet::v1::{LoadReport, StepSums};
 use npufleet_crds::{CapacityStatus, StepFit};
 
 /// Steps of one kind before their fit replaces the default.
@@ -114,6 +117,38 @@ impl Capacity {
 
     pub fn decode(&self) -> Line {
         self.decode.fit(DEFAULT_DECODE).0
+    }
+
+    /// The warm-up passes a worker reports, as a model of their own.
+    pub fn of_warm_up(report: &LoadReport) -> Self {
+        let sums = |steps: Option<&StepSums>| {
+            steps.map_or_else(Sums::default, |s| {
+                let s = Sums {
+                    n: s.steps as f64,
+                    x: s.size as f64,
+                    y: s.seconds,
+                    xx: s.size_squared,
+                    xy: s.size_seconds,
+                };
+                Sums::between(&Sums::default(), &s).unwrap_or_default()
+            })
+        };
+        Self {
+            prefill: sums(report.warmup_prefill_steps.as_ref()),
+            decode: sums(report.warmup_decode_steps.as_ref()),
+        }
+    }
+
+    /// Adds a newly seen worker's warm-up passes to each kind with too few steps to fit yet:
+    /// measured on this serving shape, they beat the conservative default; beside enough
+    /// served steps they would only stand for an idle engine.
+    pub fn seed(&mut self, warm_up: &Capacity) {
+        if self.prefill.n < MIN_STEPS {
+            self.prefill.add(&warm_up.prefill);
+        }
+        if self.decode.n < MIN_STEPS {
+            self.decode.add(&warm_up.decode);
+        }
     }
 
     /// The model as `status.autoscaling.capacity` keeps it.
@@ -223,5 +258,49 @@ mod tests {
         let mut corrupt = status.clone();
         corrupt.decode.steps = -1.0;
         assert_eq!(Capacity::from_status(&corrupt).decode, Sums::default());
+    }
+
+    #[test]
+    fn a_new_workers_warm_up_seeds_only_a_kind_with_too_few_steps() {
+        let truth = Line {
+            intercept: 0.02,
+            slope: 0.0005,
+        };
+        let sizes = [16.0, 32.0, 64.0].repeat(10);
+        let warm = steps(truth, sizes);
+        let report = LoadReport {
+            warmup_prefill_steps: Some(StepSums {
+                steps: warm.n as u64,
+                size: warm.x as u64,
+                seconds: warm.y,
+                size_squared: warm.xx,
+                size_seconds: warm.xy,
+            }),
+            ..LoadReport::default()
+        };
+        let warm_up = Capacity::of_warm_up(&report);
+        assert_eq!(warm_up.prefill, warm);
+        assert_eq!(warm_up.decode, Sums::default());
+
+        let mut fresh = Capacity::default();
+        fresh.seed(&warm_up);
+        let line = fresh.prefill();
+        assert!((line.intercept - 0.02).abs() < 1e-9 && (line.slope - 0.0005).abs() < 1e-12);
+        assert_eq!(
+            fresh.decode(),
+            DEFAULT_DECODE,
+            "no decode passes: still the default"
+        );
+
+        let served = steps(DEFAULT_PREFILL, (0..30).map(f64::from));
+        let mut learned = Capacity {
+            prefill: served,
+            ..Capacity::default()
+        };
+        learned.seed(&warm_up);
+        assert_eq!(
+            learned.prefill, served,
+            "enough served steps are not diluted"
+        );
     }
 }

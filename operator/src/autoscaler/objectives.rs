@@ -57,6 +57,9 @@ pub struct Counters {
     pub output_tokens: f64,
     pub prefill: Sums,
     pub decode: Sums,
+    /// The worker's timed warm-up passes, measured once at its start (not in `prefill` and
+    /// `decode`).
+    pub warm_up: Capacity,
 }
 
 impl Counters {
@@ -93,6 +96,7 @@ impl Counters {
                 xx: report.decode_step_batch_squared_total,
                 xy: report.decode_step_batch_seconds_total,
             },
+            warm_up: Capacity::of_warm_up(report),
         })
     }
 
@@ -107,6 +111,7 @@ impl Counters {
             output_tokens: new.output_tokens - old.output_tokens,
             prefill: Sums::between(&old.prefill, &new.prefill)?,
             decode: Sums::between(&old.decode, &new.decode)?,
+            warm_up: Capacity::default(),
         };
         let counts = [
             d.requests,
@@ -487,11 +492,14 @@ impl Tracker {
             let Some(counters) = g.counters else {
                 continue;
             };
-            if let Some(old) = self.last.insert(g.group, counters)
-                && let Some(d) = Counters::between(&old, &counters)
-            {
-                interval.add(&d);
-                any = true;
+            match self.last.insert(g.group, counters) {
+                Some(old) => {
+                    if let Some(d) = Counters::between(&old, &counters) {
+                        interval.add(&d);
+                        any = true;
+                    }
+                }
+                None => self.capacity.seed(&counters.warm_up),
             }
         }
         self.last
@@ -787,6 +795,41 @@ mod tests {
             Err(Unknown::NoCounters(why)) => assert!(why.contains("no request counters")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_worker_seen_first_seeds_the_model_with_its_warm_up_once() {
+        use npufleet_contract::proto::npufleet::v1::StepSums;
+        let mut tracker = Tracker::new(Capacity::default(), None);
+        let s = Duration::from_secs;
+        let warmed = LoadReport {
+            warmup_decode_steps: Some(StepSums {
+                steps: 30,
+                size: 75,
+                seconds: 1.5,
+                size_squared: 225.0,
+                size_seconds: 3.9,
+            }),
+            ..report(0, 0, 0, 0, 0)
+        };
+        tracker.observe(s(0), &[sample(0, true, Some(warmed.clone()))]);
+        assert_eq!(tracker.capacity().decode.n, 30.0);
+        assert_eq!(tracker.capacity().prefill.n, 0.0);
+        tracker.observe(s(1), &[sample(0, true, Some(warmed.clone()))]);
+        assert_eq!(
+            tracker.capacity().decode.n,
+            30.0,
+            "a worker's warm-up counts once"
+        );
+        // A second worker's warm-up adds nothing to a kind that has enough steps.
+        tracker.observe(
+            s(2),
+            &[
+                sample(0, true, Some(warmed.clone())),
+                sample(1, true, Some(warmed)),
+            ],
+        );
+        assert_eq!(tracker.capacity().decode.n, 30.0);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use anyhow::bail;
 
 use super::blocks::{BlockManager, SequenceBlocks};
 use super::stream::SequenceOutput;
+use super::warm_up::WarmUpPlan;
 use super::{EngineConfig, Sequence, Shared, SharedState, check_config};
 use crate::api::{FinishReason, LoadSnapshot, RequestTimings, Usage};
 use crate::model::{KvCache, Model, SequenceChunk, StepBuffers, WeightPrecision};
@@ -183,50 +184,67 @@ impl EngineCore {
         }
     }
 
-    /// Runs the dummy iterations and computes the prefix templates. Returns false when the
-    /// engine was shut down meanwhile.
+    /// Runs the dummy iterations ([`WarmUpPlan`]), timing them, and computes the prefix
+    /// templates. Returns false when the engine was shut down meanwhile.
     fn warm_up(&mut self) -> bool {
         let total = self.cfg.warmup_iterations;
-        // Dummy rows stay inside one block and inside the context.
-        let span = self.cfg.block_size.min(self.model.config().context_length);
-        let vocab = self.model.config().vocab_size.max(1);
-        let width = self.cfg.max_batch_size.min(4).min(self.limits.num_blocks);
-        let precision = self.model.policy().for_prompt(1);
-        let dummy_tokens: Vec<Vec<u32>> = (0..width)
+        let config = self.model.config();
+        let plan = WarmUpPlan::new(
+            self.cfg.block_size,
+            config.context_length,
+            self.cfg.max_num_batched_tokens,
+            self.cfg.max_batch_size,
+            self.limits.num_blocks,
+        );
+        let vocab = config.vocab_size.max(1);
+        let dummy_tokens: Vec<Vec<u32>> = (0..plan.rows)
             .map(|row| {
-                (0..span)
-                    .map(|pos| ((row * span + pos) * 7919 % vocab) as u32)
+                (0..plan.span)
+                    .map(|pos| ((row * plan.span + pos) * 7919 % vocab) as u32)
                     .collect()
             })
             .collect();
-        let tables: Vec<[u32; 1]> = (0..width as u32).map(|block| [block]).collect();
+        let tables: Vec<Vec<u32>> = (0..plan.rows)
+            .map(|row| {
+                let first = (row * plan.blocks_per_row) as u32;
+                (first..first + plan.blocks_per_row as u32).collect()
+            })
+            .collect();
         for iteration in 0..total {
             if self.shared.lock().shutdown {
                 return false;
             }
-            // The first pass fills a whole block per row so later single-token passes
-            // attend only over written positions.
-            let (start, len) = if iteration == 0 {
-                (0, span)
-            } else {
-                (iteration as usize % span, 1)
-            };
-            let batch: Vec<SequenceChunk<'_>> = (0..width)
+            let pass = plan.pass(iteration);
+            let precision = self.model.policy().for_prompt(pass.len.max(1));
+            let batch: Vec<SequenceChunk<'_>> = (0..pass.rows)
                 .map(|row| SequenceChunk {
-                    tokens: &dummy_tokens[row][start..start + len],
-                    start_pos: start,
+                    tokens: &dummy_tokens[row][pass.start..pass.start + pass.len],
+                    start_pos: pass.start,
                     block_table: &tables[row],
                     want_logits: true,
                     precision,
                 })
                 .collect();
-            if let Err(err) = self
+            let started = Instant::now();
+            match self
                 .model
                 .forward_into(&mut self.kv, &batch, &mut self.buffers)
             {
-                tracing::warn!(error = %err, "warm-up forward pass failed");
-                if self.model.group_failure().is_some() {
-                    return false;
+                Ok(()) if plan.timed(iteration) => {
+                    let seconds = started.elapsed().as_secs_f64();
+                    let sums = if pass.is_prefill() {
+                        &mut self.counters.warmup_prefill_steps
+                    } else {
+                        &mut self.counters.warmup_decode_steps
+                    };
+                    sums.add(pass.size(), seconds);
+                }
+                Ok(()) => {}
+                Err(err) => {
+                    tracing::warn!(error = %err, "warm-up forward pass failed");
+                    if self.model.group_failure().is_some() {
+                        return false;
+                    }
                 }
             }
             self.shared.lock().warmup_done = iteration + 1;

@@ -27,6 +27,7 @@ pub mod kv_events;
 pub mod sampler;
 mod stop;
 mod stream;
+mod warm_up;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

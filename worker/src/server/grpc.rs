@@ -25,8 +25,18 @@ use npufleet_contract::proto::inference::*;
 use npufleet_contract::proto::npufleet::v1::worker_load_server::WorkerLoad;
 use npufleet_contract::proto::npufleet::v1::{
     AllBlocksCleared, BlockRemoved, BlockStored, GetLoadRequest, KvEvent, KvEventBatch, LoadReport,
-    WatchKvEventsRequest, WatchLoadRequest, WorkerState, kv_event,
+    StepSums, WatchKvEventsRequest, WatchLoadRequest, WorkerState, kv_event,
 };
+
+fn step_sums(sums: &crate::api::StepSums) -> StepSums {
+    StepSums {
+        steps: sums.steps,
+        size: sums.size,
+        seconds: sums.seconds,
+        size_squared: sums.size_squared,
+        size_seconds: sums.size_seconds,
+    }
+}
 
 pub struct InferenceService {
     shared: Arc<Shared>,
@@ -376,6 +386,8 @@ pub fn load_report(shared: &Shared) -> LoadReport {
         requests_admitted_total: load.requests_admitted_total,
         requests_finished_total: load.requests_finished_total,
         prompt_tokens_squared_total: load.prompt_tokens_squared_total,
+        warmup_prefill_steps: Some(step_sums(&load.warmup_prefill_steps)),
+        warmup_decode_steps: Some(step_sums(&load.warmup_decode_steps)),
         timestamp_unix_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
