@@ -253,13 +253,10 @@ impl Router {
         let others_wait = flow
             .as_ref()
             .is_some_and(|(_, flow, _)| !flow.queue.lock().expect("flow lock").is_empty());
-        let places = flow.as_ref().map_or(u32::MAX, |(config, _, admission)| {
-            config.places(admission.priority)
-        });
+        let priority = flow.as_ref().map(|(_, _, admission)| admission.priority);
         if !others_wait
-            && let Some(mut lease) = self.pick(model_name, &model, affinity, tried, places)
+            && let Some(lease) = self.pick(model_name, &model, affinity, tried, priority)
         {
-            lease.priority = flow.as_ref().map(|(_, _, admission)| admission.priority);
             return Ok(lease);
         }
         let untried = model.endpoints.iter().any(|e| !tried.contains(&e.pod));
@@ -276,7 +273,7 @@ impl Router {
                 last: "no replica left to try".to_owned(),
             });
         }
-        self.hold(model_name, model, affinity, places).await
+        self.hold(model_name, model, affinity, priority).await
     }
 
     fn flow(&self, model_name: &str) -> Arc<Flow> {
@@ -355,20 +352,18 @@ impl Router {
             tokio::pin!(notified);
             notified.as_mut().enable();
             fleet.borrow_and_update();
-            // The model's current flow control bounds the replicas, as changed since the
-            // request began waiting (none left: no bound).
             let model = self.model(model_name)?;
-            let places = model
-                .flow
-                .as_ref()
-                .map_or(u32::MAX, |now| now.places(admission.priority));
             let head = flow.queue.lock().expect("flow lock").head();
             if head == Some(ticket)
-                && let Some(mut lease) =
-                    self.pick(model_name, &model, &request.affinity, tried, places)
+                && let Some(lease) = self.pick(
+                    model_name,
+                    &model,
+                    &request.affinity,
+                    tried,
+                    Some(admission.priority),
+                )
             {
                 waiting.dispatched();
-                lease.priority = model.flow.is_some().then_some(admission.priority);
                 return Ok(lease);
             }
             tokio::select! {
@@ -393,17 +388,23 @@ impl Router {
         }
     }
 
+    /// A replica for a request admitted at `priority` (none without flow control). The
+    /// model's flow control as it is now, changed since the request arrived or not, bounds
+    /// the replicas' places and decides whether the replica is told the priority.
     fn pick(
         &self,
         model_name: &str,
         model: &Model,
         affinity: &Affinity,
         tried: &[String],
-        places: u32,
+        priority: Option<i32>,
     ) -> Option<Lease> {
+        let admitted = model.flow.as_ref().zip(priority);
+        let places = admitted.map_or(u32::MAX, |(config, priority)| config.places(priority));
         let mut lease = self
             .pool
             .pick(model, affinity, tried, self.settings.pick, places)?;
+        lease.priority = admitted.map(|(_, priority)| priority);
         if model.flow.is_some() {
             lease.on_release(self.flow(model_name));
         }
@@ -455,7 +456,7 @@ impl Router {
         model_name: &str,
         mut model: Model,
         affinity: &Affinity,
-        places: u32,
+        priority: Option<i32>,
     ) -> Result<Lease, RouteError> {
         let _slot = self.take_hold_slot(model_name)?;
         let started = Instant::now();
@@ -472,7 +473,7 @@ impl Router {
                 break Err(("gone", RouteError::ModelNotFound(model_name.to_owned())));
             };
             model = current;
-            if let Some(lease) = self.pick(model_name, &model, affinity, &[], places) {
+            if let Some(lease) = self.pick(model_name, &model, affinity, &[], priority) {
                 break Ok(lease);
             }
             if Instant::now() >= deadline {

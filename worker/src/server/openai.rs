@@ -21,8 +21,7 @@ use crate::api::{GenerateRequest, GenerationEvent, Prompt, Usage};
 use crate::server::error::ServeError;
 use crate::server::http::{BodyBytes, BodyError, HttpState, OpenAiError};
 use crate::server::reasoning::{ReasoningParser, ReasoningSplitter, Split};
-use crate::server::shared::{Shared, TrackedStream, request_priority};
-use npufleet_contract::headers::FLOW_PRIORITY;
+use crate::server::shared::{Shared, TrackedStream, http_priority};
 
 mod request;
 
@@ -326,7 +325,7 @@ async fn serve(
         Ok(body) => body,
         Err(err) => return err.into_response(),
     };
-    let priority = match request_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes())) {
+    let priority = match http_priority(headers) {
         Ok(priority) => priority,
         Err(err) => return OpenAiError(err).into_response(),
     };

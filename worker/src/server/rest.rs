@@ -14,8 +14,7 @@ use crate::server::error::ServeError;
 use crate::server::http::{BodyError, HttpState, JsonBody, with_retry_after};
 use crate::server::inference::{self, SERVER_NAME};
 use crate::server::oip;
-use crate::server::shared::request_priority;
-use npufleet_contract::headers::FLOW_PRIORITY;
+use crate::server::shared::http_priority;
 use npufleet_contract::proto::inference::infer_parameter::ParameterChoice;
 use npufleet_contract::proto::inference::model_infer_request::{
     InferInputTensor, InferRequestedOutputTensor,
@@ -339,7 +338,7 @@ async fn serve_infer(
         Err(err) => return body_error(err),
     };
     let result = async {
-        let priority = request_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes()))?;
+        let priority = http_priority(headers)?;
         let request = to_grpc(&name, &version, &body)?;
         inference::infer_unary(&state.shared, &request, priority).await
     }

@@ -16,6 +16,7 @@ use crate::api::{
 };
 use crate::server::error::ServeError;
 use crate::server::metrics::Metrics;
+use npufleet_contract::headers::FLOW_PRIORITY;
 
 pub struct Shared {
     pub engine: Arc<dyn Engine>,
@@ -300,12 +301,17 @@ impl TrackedStream {
     }
 }
 
-/// A request's scheduling priority from its [`npufleet_contract::headers::FLOW_PRIORITY`] header or metadata value: 0
-/// when absent, a 400 / INVALID_ARGUMENT naming it when not an integer.
+/// A request's scheduling priority from its [`FLOW_PRIORITY`] header (HTTP) or metadata
+/// (gRPC): 0 when absent, a 400 / INVALID_ARGUMENT naming it when not an integer.
 pub fn request_priority(value: Option<&[u8]>) -> Result<i32, ServeError> {
     value.map_or(Ok(0), |value| {
         npufleet_contract::headers::parse_priority(value).map_err(ServeError::bad_request)
     })
+}
+
+/// [`request_priority`] of an HTTP request.
+pub fn http_priority(headers: &http::HeaderMap) -> Result<i32, ServeError> {
+    request_priority(headers.get(FLOW_PRIORITY).map(|v| v.as_bytes()))
 }
 
 #[cfg(test)]
