@@ -132,6 +132,5 @@ fuzz:
 # operator SIGKILLed at random points while InferenceServices change, 25 times, and a
 # ten-minute soak of mixed traffic and scale cycles (NPUFLEET_SOAK_SECONDS).
 chaos: setup build
-	$(CARGO) test -p npufleet-tests --test faults_worker -- --ignored --nocapture
 	$(CARGO) test -p npufleet-tests --test faults_operator -- --ignored --nocapture
 	$(CARGO) test -p npufleet-tests --test router_e2e -- --ignored --nocapture
