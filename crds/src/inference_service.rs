@@ -1184,6 +1184,14 @@ pub struct ObjectivePrediction {
     /// The percentile predicted with `replicasImplied` groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_seconds_at_implied: Option<f64>,
+    /// TTFT only: the percentile the workers measured over the last window with enough
+    /// requests (20 s, at least 20 first tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_seconds: Option<f64>,
+    /// TTFT only: `measuredSeconds` over the percentile predicted for that window's arrivals
+    /// and replica groups (bounded to 0.25..4); the predictions above are multiplied by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<f64>,
 }
 
 /// Least-squares sums of step durations against step sizes, over every step the workers

@@ -269,6 +269,23 @@ async fn health_and_load_follow_the_engine() {
     assert_eq!(report.queue_limit, 9);
     assert_eq!(report.model_name, MODEL_NAME);
     assert_eq!((report.warmup_done, report.warmup_total), (2, 2));
+    let first_tokens = |r: &npufleet_contract::proto::npufleet::v1::LoadReport| {
+        r.time_to_first_token.as_ref().map(|h| h.count)
+    };
+    assert_eq!(
+        first_tokens(&report),
+        Some(0),
+        "warm-up counts no first token"
+    );
+    // A served request's first token reaches the report the autoscaler calibrates from.
+    worker
+        .grpc_client()
+        .await
+        .model_infer(text_request(b"Name a river.", 4))
+        .await
+        .unwrap();
+    let report = load.get_load(GetLoadRequest {}).await.unwrap().into_inner();
+    assert_eq!(first_tokens(&report), Some(1));
 
     let mut watch = load
         .watch_load(WatchLoadRequest { interval_ms: 100 })

@@ -344,6 +344,7 @@ fn objectives_status(
     ready_seconds: f64,
     sizing: &Sizing,
     at_ready: &Prediction,
+    calibration: Option<&objectives::Calibration>,
 ) -> ObjectivesStatus {
     let round = |x: f64, digits: i32| {
         let scale = 10f64.powi(digits);
@@ -355,15 +356,22 @@ fn objectives_status(
             target_seconds: round(t.seconds, 4),
             predicted_seconds: ready.map(|p| round(p, 4)),
             predicted_seconds_at_implied: implied.map(|p| round(p, 4)),
+            ..Default::default()
         })
     };
+    let ttft =
+        entry(targets.ttft, at_ready.ttft, sizing.at_replicas.ttft).map(|e| ObjectivePrediction {
+            measured_seconds: calibration.map(|c| round(c.measured, 4)),
+            calibration: calibration.map(|c| round(c.factor, 3)),
+            ..e
+        });
     ObjectivesStatus {
         arrival_rate: Some(round(demand.measured_rate, 3)),
         mean_prompt_tokens: Some(round(demand.mean_prompt, 1)),
         mean_output_tokens: Some(round(demand.mean_output, 1)),
         ready_seconds: Some(round(ready_seconds, 2)),
         replicas_implied: Some(i32::try_from(sizing.replicas).unwrap_or(i32::MAX)),
-        ttft: entry(targets.ttft, at_ready.ttft, sizing.at_replicas.ttft),
+        ttft,
         tpot: entry(targets.tpot, at_ready.tpot, sizing.at_replicas.tpot),
     }
 }
@@ -778,6 +786,7 @@ impl Autoscaler {
             demand,
             sizing,
             at_ready,
+            calibration,
         } = evaluation;
         let ready_seconds = state
             .tracker
@@ -789,6 +798,7 @@ impl Autoscaler {
             ready_seconds,
             &sizing,
             &at_ready,
+            calibration.as_ref(),
         ));
         // A fleet at zero with nothing arriving misses nothing.
         if ready > 0 || demand.measured_rate > 0.0 {

@@ -27,6 +27,13 @@
 //! requests spread over the measured time a new group takes to become ready: capacity asked
 //! for now serves only that much later, and must work off what queued meanwhile.
 //!
+//! The queueing approximation's tail is a model; the workers measure the real one. Once a
+//! long window holds [`MIN_MEASURED`] first tokens, the TTFT percentile they measured is
+//! compared with the one predicted for the same arrivals on the same number of groups, and
+//! every TTFT prediction is multiplied by the ratio (bounded to [`CALIBRATION_BOUNDS`]) until
+//! the next such window: the correction an NVIDIA Dynamo planner applies too. TPOT needs
+//! none: its prediction is the measured step time itself.
+//!
 //! Until both step kinds have [`MIN_STEPS`] samples the model is the conservative default;
 //! for the first long window after a start the count holds instead ([`Unknown::Starting`]),
 //! as those steps come within a second under load.
@@ -34,7 +41,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use npufleet_contract::proto::npufleet::v1::LoadReport;
+use npufleet_contract::proto::npufleet::v1::{LatencyHistogram, LoadReport};
 
 use super::capacity::{Capacity, Line, MIN_STEPS, Sums};
 
@@ -45,9 +52,121 @@ pub const SHORT_WINDOW: Duration = Duration::from_secs(5);
 pub const DEFAULT_READY_SECONDS: f64 = 30.0;
 /// Batch a group runs when its workers do not say.
 const DEFAULT_MAX_BATCH: f64 = 128.0;
+/// First tokens a long window needs before its measured percentile calibrates the TTFT
+/// predictions: fewer say little about a p90.
+pub const MIN_MEASURED: f64 = 20.0;
+/// How far the calibration may move a TTFT prediction, down and up.
+pub const CALIBRATION_BOUNDS: (f64, f64) = (0.25, 4.0);
+
+/// A latency histogram as a worker reports it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Latencies {
+    /// Ascending upper bounds.
+    pub bounds: Vec<f64>,
+    /// Observations at or below each bound.
+    pub cumulative: Vec<f64>,
+    /// Every observation, those above the last bound too.
+    pub count: f64,
+}
+
+impl Latencies {
+    /// A report's histogram; empty when it is malformed (bounds not ascending, counts not
+    /// one a bound or falling).
+    fn of(h: &LatencyHistogram) -> Self {
+        let ascending = h.upper_bounds.windows(2).all(|w| w[0] < w[1]);
+        let counts = h.cumulative_counts.windows(2).all(|w| w[0] <= w[1])
+            && h.cumulative_counts.last().is_none_or(|c| *c <= h.count);
+        if !ascending || !counts || h.upper_bounds.len() != h.cumulative_counts.len() {
+            return Self::default();
+        }
+        Self {
+            bounds: h.upper_bounds.clone(),
+            cumulative: h.cumulative_counts.iter().map(|c| *c as f64).collect(),
+            count: h.count as f64,
+        }
+    }
+
+    /// An empty histogram over `bounds` (ascending).
+    pub fn over(bounds: &[f64]) -> Self {
+        Self {
+            bounds: bounds.to_vec(),
+            cumulative: vec![0.0; bounds.len()],
+            count: 0.0,
+        }
+    }
+
+    /// Counts one observation of `seconds`.
+    pub fn record(&mut self, seconds: f64) {
+        for (bound, c) in self.bounds.iter().zip(&mut self.cumulative) {
+            if seconds <= *bound {
+                *c += 1.0;
+            }
+        }
+        self.count += 1.0;
+    }
+
+    /// What was observed between two readings; empty when the bounds changed or a count
+    /// went back (a restarted worker).
+    fn between(old: &Self, new: &Self) -> Self {
+        if old.bounds != new.bounds || new.count < old.count {
+            return Self::default();
+        }
+        let cumulative: Vec<f64> = new
+            .cumulative
+            .iter()
+            .zip(&old.cumulative)
+            .map(|(n, o)| n - o)
+            .collect();
+        if cumulative.iter().any(|c| *c < 0.0) {
+            return Self::default();
+        }
+        Self {
+            bounds: new.bounds.clone(),
+            cumulative,
+            count: new.count - old.count,
+        }
+    }
+
+    /// Adds `other`'s observations; those over other bounds than the first seen are left out.
+    fn add(&mut self, other: &Self) {
+        if other.count == 0.0 {
+            return;
+        }
+        if self.count == 0.0 {
+            *self = other.clone();
+        } else if self.bounds == other.bounds {
+            for (c, o) in self.cumulative.iter_mut().zip(&other.cumulative) {
+                *c += o;
+            }
+            self.count += other.count;
+        }
+    }
+
+    /// The `q` quantile, linear within its bucket (the first from zero); the last bound when
+    /// it lies above it; `None` without observations.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count <= 0.0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * self.count;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for (bound, c) in self.bounds.iter().zip(&self.cumulative) {
+            if *c >= rank {
+                let share = if *c > below {
+                    (rank - below) / (c - below)
+                } else {
+                    1.0
+                };
+                return Some(lower + share * (bound - lower));
+            }
+            (lower, below) = (*bound, *c);
+        }
+        self.bounds.last().copied()
+    }
+}
 
 /// One worker's cumulative counters, as its load report carries them.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Counters {
     pub requests: f64,
     pub admitted: f64,
@@ -60,6 +179,7 @@ pub struct Counters {
     /// The worker's timed warm-up passes, measured once at its start (not in `prefill` and
     /// `decode`).
     pub warm_up: Capacity,
+    pub time_to_first_token: Latencies,
 }
 
 impl Counters {
@@ -97,6 +217,11 @@ impl Counters {
                 xy: report.decode_step_batch_seconds_total,
             },
             warm_up: Capacity::of_warm_up(report),
+            time_to_first_token: report
+                .time_to_first_token
+                .as_ref()
+                .map(Latencies::of)
+                .unwrap_or_default(),
         })
     }
 
@@ -112,6 +237,10 @@ impl Counters {
             prefill: Sums::between(&old.prefill, &new.prefill)?,
             decode: Sums::between(&old.decode, &new.decode)?,
             warm_up: Capacity::default(),
+            time_to_first_token: Latencies::between(
+                &old.time_to_first_token,
+                &new.time_to_first_token,
+            ),
         };
         let counts = [
             d.requests,
@@ -133,6 +262,7 @@ impl Counters {
         self.output_tokens += other.output_tokens;
         self.prefill.add(&other.prefill);
         self.decode.add(&other.decode);
+        self.time_to_first_token.add(&other.time_to_first_token);
     }
 }
 
@@ -199,6 +329,14 @@ pub struct Prediction {
 }
 
 impl Prediction {
+    /// The prediction with its TTFT multiplied by a calibration `factor`.
+    fn calibrated(self, factor: f64) -> Self {
+        Self {
+            ttft: self.ttft.map(|t| t * factor),
+            ..self
+        }
+    }
+
     /// Whether every objective set is met.
     pub fn meets(&self, targets: &Targets) -> bool {
         let ok = |predicted: Option<f64>, target: Option<Target>| match target {
@@ -278,16 +416,22 @@ pub struct Sizing {
 /// that no count can meet (the prefill of a long prompt alone outlasts the target) becomes a
 /// budget for the delay that queueing adds to what an idle group would give: more groups
 /// than that buy nothing the objective asks for. `met` says whether every objective as
-/// written is met.
-pub fn size(capacity: &Capacity, demand: &Demand, targets: &Targets, max_replicas: u32) -> Sizing {
+/// written is met. Every TTFT prediction is multiplied by the calibration `ttft_factor`.
+pub fn size(
+    capacity: &Capacity,
+    demand: &Demand,
+    targets: &Targets,
+    max_replicas: u32,
+    ttft_factor: f64,
+) -> Sizing {
     let max_replicas = max_replicas.max(1);
+    let predict =
+        |demand: &Demand, n| predict(capacity, demand, targets, n).calibrated(ttft_factor);
     let idle = predict(
-        capacity,
         &Demand {
             rate: 0.0,
             ..*demand
         },
-        targets,
         1,
     );
     let reachable = |target: Option<Target>, floor: Option<f64>| {
@@ -305,7 +449,7 @@ pub fn size(capacity: &Capacity, demand: &Demand, targets: &Targets, max_replica
     };
     let met = aimed == *targets;
     for n in 1..=max_replicas {
-        let p = predict(capacity, demand, targets, n);
+        let p = predict(demand, n);
         if p.meets(&aimed) {
             return Sizing {
                 replicas: n,
@@ -317,8 +461,40 @@ pub fn size(capacity: &Capacity, demand: &Demand, targets: &Targets, max_replica
     Sizing {
         replicas: max_replicas,
         met: false,
-        at_replicas: predict(capacity, demand, targets, max_replicas),
+        at_replicas: predict(demand, max_replicas),
     }
+}
+
+/// How the TTFT predictions compare with what the workers measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Calibration {
+    /// The TTFT percentile the workers measured over the long window it was taken from.
+    pub measured: f64,
+    /// `measured` over the percentile predicted for that window's arrivals on its groups,
+    /// within [`CALIBRATION_BOUNDS`]: what every TTFT prediction is multiplied by.
+    pub factor: f64,
+}
+
+/// The calibration from a long window whose first tokens give `measured` at the TTFT
+/// target's percentile, with `demand` arriving at its measured rate on `groups` groups on
+/// average; `None` when the model predicts those groups cannot keep up.
+fn calibrate(
+    capacity: &Capacity,
+    demand: &Demand,
+    targets: &Targets,
+    measured: f64,
+    groups: f64,
+) -> Option<Calibration> {
+    let groups = (groups.round() as u32).max(1);
+    let window = Demand {
+        rate: demand.measured_rate,
+        ..*demand
+    };
+    let predicted = predict(capacity, &window, targets, groups).ttft?;
+    (predicted > 0.0).then(|| Calibration {
+        measured,
+        factor: (measured / predicted).clamp(CALIBRATION_BOUNDS.0, CALIBRATION_BOUNDS.1),
+    })
 }
 
 /// One evaluation of the objectives.
@@ -328,6 +504,8 @@ pub struct Evaluation {
     pub sizing: Sizing,
     /// The prediction with the groups serving now.
     pub at_ready: Prediction,
+    /// The calibration the TTFT predictions above include, once there is one.
+    pub calibration: Option<Calibration>,
 }
 
 /// Takes in one tick (`groups` at `now`, `waiting` requests queued, `ready` groups serving)
@@ -346,10 +524,19 @@ pub fn evaluate(
     let with_counters = serving.clone().filter(|g| g.counters.is_some()).count();
     let demand = tracker.demand(now, waiting, count(serving.count()), count(with_counters))?;
     let capacity = *tracker.capacity();
+    if let Some(target) = targets.ttft
+        && let Some((measured, groups)) = tracker.measured_ttft(target.quantile)
+        && let Some(calibration) = calibrate(&capacity, &demand, targets, measured, groups)
+    {
+        tracker.calibration = Some(calibration);
+    }
+    let calibration = tracker.calibration;
+    let factor = calibration.map_or(1.0, |c| c.factor);
     Ok(Evaluation {
         demand,
-        sizing: size(&capacity, &demand, targets, max_replicas),
-        at_ready: predict(&capacity, &demand, targets, ready),
+        sizing: size(&capacity, &demand, targets, max_replicas, factor),
+        at_ready: predict(&capacity, &demand, targets, ready).calibrated(factor),
+        calibration,
     })
 }
 
@@ -418,7 +605,7 @@ pub struct Tracker {
     /// Each group's last counters, by group.
     last: HashMap<u32, Counters>,
     /// What the fleet did between consecutive ticks, over the long window.
-    intervals: VecDeque<(Duration, Duration, Counters)>,
+    intervals: VecDeque<Interval>,
     /// The last tick seen.
     previous_tick: Option<Duration>,
     /// The first tick seen.
@@ -435,6 +622,19 @@ pub struct Tracker {
     seen: HashMap<u32, bool>,
     ready_seconds: Option<f64>,
     max_batch: Option<f64>,
+    /// The first tokens of the last long window and the groups that served them on average.
+    window_ttft: (Latencies, f64),
+    /// The TTFT calibration, from the last long window with enough first tokens.
+    calibration: Option<Calibration>,
+}
+
+/// What the fleet did between two ticks, and how many groups' counters it sums.
+#[derive(Clone, Debug)]
+struct Interval {
+    start: Duration,
+    end: Duration,
+    counters: Counters,
+    groups: f64,
 }
 
 impl Tracker {
@@ -453,7 +653,19 @@ impl Tracker {
             seen: HashMap::new(),
             ready_seconds: ready_seconds.filter(|s| s.is_finite() && *s > 0.0),
             max_batch: None,
+            window_ttft: (Latencies::default(), 0.0),
+            calibration: None,
         }
+    }
+
+    /// The TTFT `quantile` the workers measured over the last long window and the groups
+    /// serving through it on average, once it holds [`MIN_MEASURED`] first tokens.
+    fn measured_ttft(&self, quantile: f64) -> Option<(f64, f64)> {
+        let (latencies, groups) = &self.window_ttft;
+        if latencies.count < MIN_MEASURED {
+            return None;
+        }
+        Some((latencies.quantile(quantile)?, *groups))
     }
 
     pub fn capacity(&self) -> &Capacity {
@@ -487,16 +699,16 @@ impl Tracker {
         }
 
         let mut interval = Counters::default();
-        let mut any = false;
+        let mut summed = 0.0;
         for g in groups {
-            let Some(counters) = g.counters else {
+            let Some(counters) = &g.counters else {
                 continue;
             };
-            match self.last.insert(g.group, counters) {
+            match self.last.insert(g.group, counters.clone()) {
                 Some(old) => {
-                    if let Some(d) = Counters::between(&old, &counters) {
+                    if let Some(d) = Counters::between(&old, counters) {
                         interval.add(&d);
-                        any = true;
+                        summed += 1.0;
                     }
                 }
                 None => self.capacity.seed(&counters.warm_up),
@@ -505,17 +717,22 @@ impl Tracker {
         self.last
             .retain(|g, _| groups.iter().any(|s| s.group == *g && s.counters.is_some()));
         if let Some(previous) = self.previous_tick
-            && any
+            && summed > 0.0
         {
             self.capacity.prefill.add(&interval.prefill);
             self.capacity.decode.add(&interval.decode);
-            self.intervals.push_back((previous, now, interval));
+            self.intervals.push_back(Interval {
+                start: previous,
+                end: now,
+                counters: interval,
+                groups: summed,
+            });
         }
         self.previous_tick = Some(now);
         while self
             .intervals
             .front()
-            .is_some_and(|&(start, _, _)| now.saturating_sub(start) > LONG_WINDOW)
+            .is_some_and(|i| now.saturating_sub(i.start) > LONG_WINDOW)
         {
             self.intervals.pop_front();
         }
@@ -546,18 +763,25 @@ impl Tracker {
             return Err(Unknown::Starting);
         }
         let window = |span: Duration| {
-            let mut sum = Counters::default();
-            let mut covered = 0.0;
-            for (start, end, c) in &self.intervals {
-                if now.saturating_sub(*start) <= span {
-                    sum.add(c);
-                    covered += end.saturating_sub(*start).as_secs_f64();
+            let (mut sum, mut covered, mut group_seconds) = (Counters::default(), 0.0, 0.0);
+            for i in &self.intervals {
+                if now.saturating_sub(i.start) <= span {
+                    sum.add(&i.counters);
+                    let seconds = i.end.saturating_sub(i.start).as_secs_f64();
+                    covered += seconds;
+                    group_seconds += i.groups * seconds;
                 }
             }
-            (sum, covered)
+            (sum, covered, group_seconds)
         };
-        let (long, long_span) = window(LONG_WINDOW);
-        let (short, short_span) = window(SHORT_WINDOW);
+        let (long, long_span, group_seconds) = window(LONG_WINDOW);
+        let (short, short_span, _) = window(SHORT_WINDOW);
+        let groups = if long_span > 0.0 {
+            group_seconds / long_span
+        } else {
+            0.0
+        };
+        self.window_ttft = (long.time_to_first_token.clone(), groups);
         let rate = |c: &Counters, span: f64| if span > 0.0 { c.requests / span } else { 0.0 };
         let long_rate = rate(&long, long_span);
         let short_rate = if short_span > 0.0 {
@@ -692,13 +916,13 @@ mod tests {
     fn the_fewest_replicas_that_meet_both_targets_and_long_prompts_need_more() {
         let capacity = capacity();
         let t = targets(0.8, 0.08);
-        let short = size(&capacity, &demand(4.0, 200.0, 50.0), &t, 20);
+        let short = size(&capacity, &demand(4.0, 200.0, 50.0), &t, 20, 1.0);
         assert!(short.met);
         assert!(
             !predict(&capacity, &demand(4.0, 200.0, 50.0), &t, short.replicas - 1).meets(&t),
             "one fewer misses"
         );
-        let long = size(&capacity, &demand(4.0, 1000.0, 50.0), &t, 20);
+        let long = size(&capacity, &demand(4.0, 1000.0, 50.0), &t, 20, 1.0);
         assert!(
             long.met && long.replicas > short.replicas,
             "{short:?} {long:?}"
@@ -715,7 +939,7 @@ mod tests {
             .ttft
             .unwrap();
         assert!((idle - 2.05).abs() < 1e-9, "{idle}");
-        let sizing = size(&capacity, &long, &t, 50);
+        let sizing = size(&capacity, &long, &t, 50, 1.0);
         assert!(!sizing.met);
         let budget = idle + 0.8;
         assert!(sizing.at_replicas.ttft.unwrap() <= budget, "{sizing:?}");
@@ -843,5 +1067,98 @@ mod tests {
         tracker.observe(s(10), &[sample(0, true, None), sample(1, false, None)]);
         tracker.observe(s(22), &[sample(0, true, None), sample(1, true, None)]);
         assert_eq!(tracker.ready_seconds(), Some(12.0));
+    }
+
+    #[test]
+    fn a_histogram_gives_its_quantile_within_a_bucket_and_a_restart_gives_none() {
+        let mut h = Latencies::over(&[0.5, 1.0, 2.5]);
+        assert_eq!(h.quantile(0.9), None);
+        for seconds in [0.2, 0.4, 0.6, 0.8, 0.9, 1.2, 1.5, 2.0, 2.2, 3.0] {
+            h.record(seconds);
+        }
+        assert_eq!((h.cumulative.clone(), h.count), (vec![2.0, 5.0, 9.0], 10.0));
+        assert_eq!(h.quantile(0.5), Some(1.0));
+        assert_eq!(h.quantile(0.7), Some(1.75));
+        assert_eq!(h.quantile(0.1), Some(0.25));
+        // Above the last bound: the last bound, the most a histogram can tell.
+        assert_eq!(h.quantile(0.95), Some(2.5));
+        let earlier = h.clone();
+        h.record(0.1);
+        let d = Latencies::between(&earlier, &h);
+        assert_eq!((d.cumulative, d.count), (vec![1.0, 1.0, 1.0], 1.0));
+        assert_eq!(Latencies::between(&h, &earlier), Latencies::default());
+        // A report whose counts fall between bounds is not read.
+        let malformed = LatencyHistogram {
+            upper_bounds: vec![0.5, 1.0],
+            cumulative_counts: vec![3, 2],
+            count: 3,
+        };
+        assert_eq!(Latencies::of(&malformed), Latencies::default());
+    }
+
+    /// Evaluates one group that served 40 requests of 500 tokens (10 out) in 20 s, with
+    /// `first_tokens` (seconds, how many) measured.
+    fn evaluate_measured(first_tokens: &[(f64, u64)]) -> Evaluation {
+        let mut h = Latencies::over(npufleet_contract::runtime::VLLM_TTFT_BUCKETS);
+        for &(seconds, n) in first_tokens {
+            for _ in 0..n {
+                h.record(seconds);
+            }
+        }
+        let histogram = |h: &Latencies| LatencyHistogram {
+            upper_bounds: h.bounds.clone(),
+            cumulative_counts: h.cumulative.iter().map(|c| *c as u64).collect(),
+            count: h.count as u64,
+        };
+        let with = |mut r: LoadReport, h: &Latencies| {
+            r.time_to_first_token = Some(histogram(h));
+            r
+        };
+        let mut tracker = Tracker::new(capacity(), Some(10.0));
+        let t = targets(0.8, 0.2);
+        let s = |t: u64| Duration::from_secs(t);
+        let none = Latencies::over(&h.bounds);
+        let first = [sample(0, true, Some(with(report(0, 0, 0, 0, 0), &none)))];
+        evaluate(&mut tracker, s(0), &first, (0, 1), &t, 10).unwrap_err();
+        let busy = [sample(
+            0,
+            true,
+            Some(with(report(40, 20_000, 40, 400, 400), &h)),
+        )];
+        evaluate(&mut tracker, s(20), &busy, (0, 1), &t, 10).unwrap()
+    }
+
+    #[test]
+    fn the_measured_ttft_calibrates_the_predictions_both_ways_once_a_window_holds_enough() {
+        let uncalibrated = evaluate_measured(&[]);
+        assert_eq!(uncalibrated.calibration, None);
+        let predicted = uncalibrated.at_ready.ttft.unwrap();
+        // Too few first tokens for a p90: the model alone.
+        assert_eq!(evaluate_measured(&[(0.05, 19)]).calibration, None);
+
+        // All within 0.06 s: the predictions fall as far as the bound lets them.
+        let fast = evaluate_measured(&[(0.05, 40)]);
+        let c = fast.calibration.unwrap();
+        assert!((0.04..=0.06).contains(&c.measured), "{c:?}");
+        assert_eq!(c.factor, CALIBRATION_BOUNDS.0, "{c:?} {predicted}");
+        assert!((fast.at_ready.ttft.unwrap() - predicted * c.factor).abs() < 1e-9);
+        assert!(
+            fast.sizing.replicas < uncalibrated.sizing.replicas,
+            "{fast:?}"
+        );
+
+        // A p90 of 1.9 s where the model says 0.81: more groups for the same target.
+        let slow = evaluate_measured(&[(0.9, 30), (1.1, 10)]);
+        let c = slow.calibration.unwrap();
+        assert!((c.measured - 1.9).abs() < 1e-9, "{c:?}");
+        assert!(
+            (c.factor - c.measured / predicted).abs() < 1e-9,
+            "{c:?} {predicted}"
+        );
+        assert!(slow.sizing.met, "{slow:?}");
+        assert!(
+            slow.sizing.replicas > uncalibrated.sizing.replicas,
+            "{slow:?} {uncalibrated:?}"
+        );
     }
 }

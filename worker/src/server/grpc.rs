@@ -388,6 +388,7 @@ pub fn load_report(shared: &Shared) -> LoadReport {
         prompt_tokens_squared_total: load.prompt_tokens_squared_total,
         warmup_prefill_steps: Some(step_sums(&load.warmup_prefill_steps)),
         warmup_decode_steps: Some(step_sums(&load.warmup_decode_steps)),
+        time_to_first_token: Some(shared.metrics.time_to_first_token()),
         timestamp_unix_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)

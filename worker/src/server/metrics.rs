@@ -5,6 +5,9 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use npufleet_contract::proto::npufleet::v1::LatencyHistogram;
+use npufleet_contract::runtime::VLLM_TTFT_BUCKETS;
+use prometheus::core::Metric;
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
     Registry, TextEncoder,
@@ -13,10 +16,6 @@ use prometheus::{
 use crate::api::{EngineState, FinishReason, LoadSnapshot, RequestTimings, Usage};
 use crate::server::telemetry::{self, NpuChip};
 
-const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
 const INTER_TOKEN_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
@@ -135,7 +134,7 @@ impl RequestHistograms {
             time_to_first_token: r.histogram(
                 "vllm:time_to_first_token_seconds",
                 "Time from receiving a request to handing its first generated token to the connection.",
-                TTFT_BUCKETS,
+                VLLM_TTFT_BUCKETS,
             ),
             inter_token_latency: r.histogram(
                 "vllm:inter_token_latency_seconds",
@@ -304,6 +303,18 @@ impl Metrics {
             .observe(since_received.as_secs_f64());
     }
 
+    /// `vllm:time_to_first_token_seconds` so far, as the load report carries it.
+    pub fn time_to_first_token(&self) -> LatencyHistogram {
+        let metric = self.latency.time_to_first_token.metric();
+        let histogram = metric.get_histogram();
+        let buckets = histogram.get_bucket();
+        LatencyHistogram {
+            upper_bounds: buckets.iter().map(|b| b.upper_bound()).collect(),
+            cumulative_counts: buckets.iter().map(|b| b.cumulative_count()).collect(),
+            count: histogram.get_sample_count(),
+        }
+    }
+
     pub fn observe_inter_token(&self, gap: Duration) {
         self.latency.inter_token_latency.observe(gap.as_secs_f64());
         self.latency
@@ -452,6 +463,19 @@ mod tests {
         };
         let text = metrics.render(&later, EngineState::Draining, Path::new("/nonexistent"));
         assert!(text.contains("vllm:generation_tokens_total{model_name=\"smollm2\"} 50"));
+    }
+
+    #[test]
+    fn the_load_report_carries_the_time_to_first_token_histogram() {
+        let metrics = Metrics::new("m");
+        metrics.observe_first_token(Duration::from_millis(30));
+        metrics.observe_first_token(Duration::from_secs(3000));
+        let h = metrics.time_to_first_token();
+        assert_eq!(h.upper_bounds, VLLM_TTFT_BUCKETS);
+        let at = |bound: f64| {
+            h.cumulative_counts[h.upper_bounds.iter().position(|b| *b == bound).unwrap()]
+        };
+        assert_eq!((at(0.02), at(0.04), at(2560.0), h.count), (0, 1, 1, 2));
     }
 
     #[test]

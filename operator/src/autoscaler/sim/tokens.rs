@@ -22,7 +22,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Trace;
 use crate::autoscaler::capacity::{Line, Sums};
-use crate::autoscaler::objectives::{self, Counters, GroupSample, Targets, Tracker};
+use npufleet_contract::runtime::VLLM_TTFT_BUCKETS;
+
+use crate::autoscaler::objectives::{self, Counters, GroupSample, Latencies, Targets, Tracker};
 use crate::autoscaler::policy::{
     GroupLoad, GroupState, Observation, Policy, PolicyConfig, Readings, scale_down_victims,
 };
@@ -237,6 +239,14 @@ struct Group {
 }
 
 impl Group {
+    /// A new group's counters: none yet, its first tokens in the worker's buckets.
+    fn counters() -> Counters {
+        Counters {
+            time_to_first_token: Latencies::over(VLLM_TTFT_BUCKETS),
+            ..Counters::default()
+        }
+    }
+
     fn outstanding(&self) -> usize {
         self.queue.len() + usize::from(self.prefilling.is_some()) + self.decoding.len()
     }
@@ -257,7 +267,7 @@ pub fn run(fleet: &Fleet, requests: &[Request], scaler: &mut dyn Scaler) -> Outc
         prefilling: None,
         decoding: Vec::new(),
         step_end: None,
-        counters: Counters::default(),
+        counters: Group::counters(),
     };
     let mut groups: Vec<Group> = (0..fleet.initial_replicas)
         .map(|id| new_group(id, GroupState::Ready, 0.0))
@@ -433,6 +443,10 @@ fn finish_step(group: &mut Group, requests: &[Request], end: f64, chunk: u32, ti
             // The last chunk's step samples the first output token.
             produced += 1.0;
             times[s.request].0 = Some(end);
+            group
+                .counters
+                .time_to_first_token
+                .record(end - requests[s.request].arrival);
             let output = requests[s.request].output;
             if output <= 1 {
                 times[s.request].1 = Some(end);
@@ -472,7 +486,7 @@ fn observe(groups: &[Group], fleet: &Fleet, spec: u32) -> (Observation, Vec<Grou
         .map(|g| GroupSample {
             group: g.id,
             ready: g.state == GroupState::Ready,
-            counters: (g.state != GroupState::Warming).then_some(g.counters),
+            counters: (g.state != GroupState::Warming).then(|| g.counters.clone()),
             max_batch: Some(fleet.max_batch),
         })
         .collect();
@@ -499,7 +513,7 @@ fn rescale(
                 prefilling: None,
                 decoding: Vec::new(),
                 step_end: None,
-                counters: Counters::default(),
+                counters: Group::counters(),
             });
             *next_id += 1;
         }
