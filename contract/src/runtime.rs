@@ -95,11 +95,6 @@ pub const METRICS_PATH: &str = "/metrics";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
-/// vLLM's buckets of `vllm:time_to_first_token_seconds`, in seconds.
-pub const VLLM_TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
 /// llama.cpp's `llama-server --metrics` series: requests waiting for a slot, and being served.
 /// Not an engine of its own (it runs as `generic`), but the shipped prometheus-adapter rules
 /// know these names, and so must a `generic` InferenceService that runs it.

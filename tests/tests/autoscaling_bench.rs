@@ -131,8 +131,27 @@ async fn run_mode(
         async move {
             let (mut replica_seconds, mut first_up, mut most) = (0.0, None, 1);
             let mut ticks = tokio::time::interval(Duration::from_millis(500));
-            loop {
+            for tick in 0_u64.. {
                 ticks.tick().await;
+                // What the objectives saw, every 10 s: the prediction, the measured TTFT
+                // and the calibration between them.
+                if tick % 20 == 0
+                    && let Ok(service) = services.get("chat").await
+                    && let Some(o) = service
+                        .status
+                        .and_then(|s| s.autoscaling)
+                        .and_then(|a| a.objectives)
+                {
+                    eprintln!(
+                        "  {:>5.1} s: {} req/s, implied {:?}, ttft {:?}, tpot {:?}",
+                        started.elapsed().as_secs_f64(),
+                        o.arrival_rate.unwrap_or_default(),
+                        o.replicas_implied,
+                        o.ttft
+                            .map(|t| (t.predicted_seconds, t.measured_seconds, t.calibration)),
+                        o.tpot.and_then(|t| t.predicted_seconds),
+                    );
+                }
                 let Ok(list) = pod_api.list(&ListParams::default()).await else {
                     continue;
                 };
@@ -145,9 +164,10 @@ async fn run_mode(
                     first_up = Some(t - 30.0);
                 }
                 if t >= DURATION + 30.0 {
-                    return (replica_seconds, first_up, most);
+                    break;
                 }
             }
+            (replica_seconds, first_up, most)
         }
     });
     let http = reqwest::Client::builder()

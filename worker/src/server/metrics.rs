@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use npufleet_contract::proto::load_report_latency_bounds;
 use npufleet_contract::proto::npufleet::v1::LatencyHistogram;
-use npufleet_contract::runtime::VLLM_TTFT_BUCKETS;
 use prometheus::core::Metric;
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
@@ -16,6 +16,10 @@ use prometheus::{
 use crate::api::{EngineState, FinishReason, LoadSnapshot, RequestTimings, Usage};
 use crate::server::telemetry::{self, NpuChip};
 
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
 const INTER_TOKEN_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
@@ -55,6 +59,8 @@ pub struct Metrics {
 /// The per-request histograms, observed as a request's tokens go out and when it finishes.
 struct RequestHistograms {
     time_to_first_token: Histogram,
+    /// The same in the load report's finer buckets; not a series of its own.
+    time_to_first_token_reported: Histogram,
     inter_token_latency: Histogram,
     time_per_output_token: Histogram,
     request_prompt_tokens: Histogram,
@@ -134,8 +140,13 @@ impl RequestHistograms {
             time_to_first_token: r.histogram(
                 "vllm:time_to_first_token_seconds",
                 "Time from receiving a request to handing its first generated token to the connection.",
-                VLLM_TTFT_BUCKETS,
+                TTFT_BUCKETS,
             ),
+            time_to_first_token_reported: Histogram::with_opts(
+                HistogramOpts::new("time_to_first_token_reported", "unregistered")
+                    .buckets(load_report_latency_bounds()),
+            )
+            .expect("valid histogram options"),
             inter_token_latency: r.histogram(
                 "vllm:inter_token_latency_seconds",
                 "Time between consecutive generated tokens of a request.",
@@ -298,14 +309,14 @@ impl Metrics {
     /// Records a request's first token as it is handed on, so a long or cancelled request's
     /// time to first token counts as soon as the client sees it.
     pub fn observe_first_token(&self, since_received: Duration) {
-        self.latency
-            .time_to_first_token
-            .observe(since_received.as_secs_f64());
+        let seconds = since_received.as_secs_f64();
+        self.latency.time_to_first_token.observe(seconds);
+        self.latency.time_to_first_token_reported.observe(seconds);
     }
 
-    /// `vllm:time_to_first_token_seconds` so far, as the load report carries it.
+    /// The times to first token so far, as the load report carries them.
     pub fn time_to_first_token(&self) -> LatencyHistogram {
-        let metric = self.latency.time_to_first_token.metric();
+        let metric = self.latency.time_to_first_token_reported.metric();
         let histogram = metric.get_histogram();
         let buckets = histogram.get_bucket();
         LatencyHistogram {
@@ -471,11 +482,10 @@ mod tests {
         metrics.observe_first_token(Duration::from_millis(30));
         metrics.observe_first_token(Duration::from_secs(3000));
         let h = metrics.time_to_first_token();
-        assert_eq!(h.upper_bounds, VLLM_TTFT_BUCKETS);
-        let at = |bound: f64| {
-            h.cumulative_counts[h.upper_bounds.iter().position(|b| *b == bound).unwrap()]
-        };
-        assert_eq!((at(0.02), at(0.04), at(2560.0), h.count), (0, 1, 1, 2));
+        assert_eq!(h.upper_bounds, load_report_latency_bounds());
+        // 30 ms lies between the bounds 25.1 ms and 31.6 ms; 3,000 s above the last.
+        let at = |i: usize| h.cumulative_counts[i];
+        assert_eq!((at(14), at(15), at(60), h.count), (0, 1, 1, 2));
     }
 
     #[test]

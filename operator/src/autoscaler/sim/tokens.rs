@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 
 use super::Trace;
 use crate::autoscaler::capacity::{Line, Sums};
-use npufleet_contract::runtime::VLLM_TTFT_BUCKETS;
+use npufleet_contract::proto::load_report_latency_bounds;
 
 use crate::autoscaler::objectives::{self, Counters, GroupSample, Latencies, Targets, Tracker};
 use crate::autoscaler::policy::{
@@ -242,7 +242,7 @@ impl Group {
     /// A new group's counters: none yet, its first tokens in the worker's buckets.
     fn counters() -> Counters {
         Counters {
-            time_to_first_token: Latencies::over(VLLM_TTFT_BUCKETS),
+            time_to_first_token: Latencies::over(&load_report_latency_bounds()),
             ..Counters::default()
         }
     }
