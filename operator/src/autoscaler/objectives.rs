@@ -23,7 +23,8 @@
 //! exponential tail `P(W > t) = ρ·e^(-t·ρ/E[W])`, and the prefill's percentile is that of a
 //! normal prompt length with the measured mean and spread (at least the mean). TPOT varies
 //! little between requests (each averages over its own tokens), so its percentile is the
-//! mean. The arrival rate planned for is the higher of the two windows' plus the queued
+//! mean. The arrival rate planned for is the higher of the long window's and the short
+//! window's less its Poisson noise (one standard deviation of its count), plus the queued
 //! requests spread over the measured time a new group takes to become ready: capacity asked
 //! for now serves only that much later, and must work off what queued meanwhile.
 //!
@@ -784,8 +785,12 @@ impl Tracker {
         self.window_ttft = (long.time_to_first_token.clone(), groups);
         let rate = |c: &Counters, span: f64| if span > 0.0 { c.requests / span } else { 0.0 };
         let long_rate = rate(&long, long_span);
+        // The short window sees a burst first, but over a few requests its rate is mostly
+        // Poisson noise: it counts one standard deviation below what it saw. (Taken as
+        // seen it bought 15 % more replica-seconds in the simulator for 0.3 points of
+        // attainment, and a third replica for a burst one and a half served on real workers.)
         let short_rate = if short_span > 0.0 {
-            rate(&short, short_span)
+            (short.requests - short.requests.sqrt()).max(0.0) / short_span
         } else {
             long_rate
         };
