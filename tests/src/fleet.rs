@@ -385,6 +385,15 @@ pub fn sse_error(text: &str) -> Option<serde_json::Value> {
         .find(|event| event.get("error").is_some())
 }
 
+/// Whether an SSE stream so far carries generated text (a role chunk's empty content is
+/// none): where a client's time to first token ends.
+pub fn sse_has_text(events: &str) -> bool {
+    const CONTENT: &str = "\"content\":\"";
+    events
+        .match_indices(CONTENT)
+        .any(|(at, _)| !events[at + CONTENT.len()..].starts_with('"'))
+}
+
 /// One request through the router, read to the end (a stream to its `[DONE]`); the pod that
 /// answered.
 pub async fn request_once(
@@ -458,6 +467,16 @@ pub fn unreachable_placement(node: &str) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_role_chunk_is_not_generated_text() {
+        let role =
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n";
+        assert!(!sse_has_text(role));
+        assert!(sse_has_text(&format!(
+            "{role}data: {{\"choices\":[{{\"delta\":{{\"content\":\" a\"}}}}]}}\n\n"
+        )));
+    }
 
     #[test]
     fn a_stream_that_says_error_is_not_a_failed_stream() {

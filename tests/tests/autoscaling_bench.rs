@@ -19,7 +19,7 @@ use npufleet_contract::pods;
 use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
 use npufleet_operator::autoscaler::sim::Trace;
 use npufleet_operator::autoscaler::sim::tokens::{Mix, Request, SEED, mixed_prompts};
-use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text};
 use npufleet_tests::{cluster, service};
 use serde_json::{Value, json};
 
@@ -74,7 +74,7 @@ async fn replay(http: &reqwest::Client, url: &str, n: usize, request: Request) -
     let (mut text, mut first) = (String::new(), None);
     while let Some(bytes) = stream.next().await {
         text.push_str(&String::from_utf8_lossy(&bytes?));
-        if first.is_none() && text.contains("\"content\":\"") {
+        if first.is_none() && sse_has_text(&text) {
             first = Some(started.elapsed());
         }
     }

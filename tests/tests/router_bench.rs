@@ -29,7 +29,7 @@ use npufleet_contract::annotations::WAKE_REQUESTED_AT;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::ports::HTTP_PORT;
 use npufleet_crds::{InferenceService, RoutingPolicy};
-use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, worker_metrics};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text, worker_metrics};
 use npufleet_tests::{cluster, paths, service, wait};
 use serde_json::{Value, json};
 
@@ -241,16 +241,6 @@ impl Trace {
     }
 }
 
-/// Whether SSE `text` holds a chunk with generated text (the first event only names the role).
-fn has_token(text: &str) -> bool {
-    text.match_indices("\"content\":\"").any(|(at, m)| {
-        text[at + m.len()..]
-            .chars()
-            .next()
-            .is_some_and(|c| c != '"')
-    })
-}
-
 /// One streamed request's time to its first generated text and to its end.
 async fn stream_once(
     http: &reqwest::Client,
@@ -275,7 +265,7 @@ async fn stream_request(request: reqwest::RequestBuilder) -> Result<(Duration, D
     let mut text = String::new();
     while let Some(bytes) = stream.next().await {
         text.push_str(&String::from_utf8_lossy(&bytes?));
-        if first.is_none() && has_token(&text) {
+        if first.is_none() && sse_has_text(&text) {
             first = Some(started.elapsed());
         }
     }

@@ -15,7 +15,7 @@ use npufleet_contract::env as worker_env;
 use npufleet_contract::headers::FLOW_PRIORITY;
 use npufleet_contract::proto::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
 use npufleet_contract::proto::inference::{InferParameter, ModelInferRequest, infer_parameter};
-use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error};
+use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text};
 use npufleet_tests::{service, wait};
 use serde_json::{Value, json};
 
@@ -95,7 +95,7 @@ async fn send_to(base: &str, key: &str, priority: Option<i32>, body: Value) -> R
     let (mut text, mut first_token) = (String::new(), None);
     while let Some(bytes) = stream.next().await {
         text.push_str(&String::from_utf8_lossy(&bytes?));
-        if first_token.is_none() && has_text(&text) {
+        if first_token.is_none() && sse_has_text(&text) {
             first_token = Some(Instant::now());
         }
     }
@@ -107,15 +107,6 @@ async fn send_to(base: &str, key: &str, priority: Option<i32>, body: Value) -> R
         first_token,
         done: Instant::now(),
     })
-}
-
-/// Whether streamed chunks carry generated text: a `content` that is not empty (the first
-/// chunk only names the role, with an empty one).
-fn has_text(events: &str) -> bool {
-    const CONTENT: &str = "\"content\":\"";
-    events
-        .match_indices(CONTENT)
-        .any(|(at, _)| !events[at + CONTENT.len()..].starts_with('"'))
 }
 
 /// The sum of the router's `name` series whose labels contain every one of `labels`.

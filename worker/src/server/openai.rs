@@ -211,14 +211,9 @@ async fn stream_events(
     mut events: TrackedStream,
     out: mpsc::Sender<Event>,
 ) {
-    if reply.endpoint == Endpoint::Chat
-        && shared
-            .send_chunk(&out, sse_json(&reply.role_chunk()))
-            .await
-            .is_err()
-    {
-        return;
-    }
+    // The role goes out with the first token, as vLLM sends it: sent on arrival, it reads as
+    // the first token to a client timing the first chunk.
+    let mut role_pending = reply.endpoint == Endpoint::Chat;
     let mut ended = false;
     let mut splitter = reply.split_reasoning.then(ReasoningSplitter::new);
     while let Some(event) = events.next().await {
@@ -250,7 +245,8 @@ async fn stream_events(
                 vec![error_chunk(&ServeError::Internal(message))]
             }
         };
-        for chunk in chunks {
+        let role = std::mem::take(&mut role_pending).then(|| reply.role_chunk());
+        for chunk in role.into_iter().chain(chunks) {
             if shared.send_chunk(&out, sse_json(&chunk)).await.is_err() {
                 // The client went away or stopped reading; dropping the events cancels the
                 // request.
