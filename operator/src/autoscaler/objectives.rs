@@ -71,8 +71,8 @@ pub struct Latencies {
 }
 
 impl Latencies {
-    /// A report's histogram; empty when it is malformed (bounds not ascending, counts not
-    /// one a bound or falling).
+    /// A report's histogram; empty when it is malformed (bounds not ascending, not one
+    /// count per bound, or counts falling).
     fn of(h: &LatencyHistogram) -> Self {
         let ascending = h.upper_bounds.windows(2).all(|w| w[0] < w[1]);
         let counts = h.cumulative_counts.windows(2).all(|w| w[0] <= w[1])
