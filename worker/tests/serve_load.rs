@@ -10,7 +10,7 @@ use std::time::Duration;
 use npufleet_worker::server::oip;
 use serde_json::{Value, json};
 use serve_support::in_process::{EchoEngine, InProcessWorker, default_config};
-use serve_support::{MODEL_NAME, Worker, error_message, poll_until, send_json, sse_data};
+use serve_support::{MODEL_NAME, Worker, error_message, get_text, poll_until, send_json, sse_data};
 
 /// Flags that make every request generate exactly its `max_tokens`, one at a time.
 const ONE_AT_A_TIME: &[&str] = &["--ignore-eos", "--max-batch-size", "1"];
@@ -78,6 +78,53 @@ async fn a_full_queue_is_refused_at_once() {
     }
     assert!(String::from_utf8_lossy(&running_rest).contains("[DONE]"));
     assert_eq!(finish_reason(waiting).await.as_deref(), Some("length"));
+}
+
+#[tokio::test]
+async fn a_queued_chat_stream_sends_nothing_before_its_first_token() {
+    let worker = Worker::start(ONE_AT_A_TIME).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", worker.http);
+    let chat = |max_tokens: u32| {
+        json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}],
+               "max_tokens": max_tokens, "temperature": 0, "stream": true})
+    };
+    let mut running = send_json(&client, &url, &chat(1900)).await;
+    assert_eq!(running.status(), 200);
+    assert!(
+        running.chunk().await.unwrap().is_some(),
+        "the running request streams"
+    );
+    let mut waiting = send_json(&client, &url, &chat(4)).await;
+    assert_eq!(waiting.status(), 200);
+
+    // Queued behind a batch of one, the second request has no token yet, so its stream
+    // stays silent: a role chunk sent on arrival would read as its first token to a client.
+    let early = tokio::time::timeout(Duration::from_millis(50), waiting.chunk()).await;
+    let metrics = get_text(&client, &format!("{}/metrics", worker.http)).await;
+    let queued = format!("vllm:num_requests_waiting{{model_name=\"{MODEL_NAME}\"}} 1");
+    assert!(
+        metrics.contains(&queued),
+        "the second request no longer waits: {metrics}"
+    );
+    assert!(
+        early.is_err(),
+        "the queued stream sent {early:?} before its first token"
+    );
+
+    // Once it runs, the role comes first, with its first token.
+    drop(running);
+    let mut body = Vec::new();
+    while let Some(chunk) = waiting.chunk().await.unwrap() {
+        body.extend_from_slice(&chunk);
+    }
+    let events = sse_data(&String::from_utf8_lossy(&body));
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(
+        first["choices"][0]["delta"]["role"], "assistant",
+        "{events:?}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
 }
 
 #[tokio::test]
