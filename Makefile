@@ -14,7 +14,7 @@ CARGO_TARGET_DIR ?= $(NPUFLEET_CACHE)/cargo-target
 export CARGO_TARGET_DIR
 CARGO ?= cargo
 
-.PHONY: run run-real-node test setup lint build images unit-and-e2e python-clients crds bench bench-7b-shape bench-router bench-autoscaler scale-test fuzz chaos
+.PHONY: run run-real-node test setup lint build images unit-and-e2e python-clients crds bench bench-7b-shape bench-serve bench-router bench-autoscaler scale-test fuzz chaos
 
 run: setup
 	$(CARGO) build --release --workspace --bins
@@ -87,6 +87,16 @@ bench-7b-shape:
 	NPUFLEET_BENCH_PYTHON="$$(tests/setup/python-env.sh tests/setup/requirements-bench.txt)" \
 	  $(CARGO_TARGET_DIR)/release/npufleet-worker bench --model "$(QWEN2_7B_SHAPE)" --threads 2 \
 	  --reference llama-cpp --repeats 1 --prompt-tokens 64,512,2000 --short-prompt-tokens 8 --decode-tokens 16 --batch-sizes 8
+
+# The engine through serve: the worker's OpenAI API against llama.cpp's own C++ llama-server on
+# the same file, the same token ids and threads, the servers' rounds alternating: TTFT of a long
+# prompt and one stream's decode rate (minutes; not part of test). NPUFLEET_BENCH_MODEL and
+# NPUFLEET_BENCH_PROMPT_TOKENS choose another file and length (the 7B shape at 2000 tokens).
+bench-serve:
+	@tests/setup/model.sh >/dev/null
+	@tests/setup/llama-server.sh >/dev/null
+	$(CARGO) build --release -p npufleet-worker
+	$(CARGO) test --release -p npufleet-tests --test serve_bench -- --ignored --nocapture
 
 # Routing policies on three SmolLM2 replicas behind the router: throughput, time to first
 # token and prefix-cache hits on shared- and distinct-prefix traces, the wake from zero and the

@@ -87,11 +87,13 @@ pub struct BenchArgs {
 }
 
 /// Repeated measurements of one figure.
+/// Repeated measurements of one figure (also the serving benchmark's,
+/// `tests/tests/serve_bench.rs`).
 #[derive(Debug, Clone, Default)]
-struct Samples(Vec<f64>);
+pub struct Samples(Vec<f64>);
 
 impl Samples {
-    fn push(&mut self, value: f64) {
+    pub fn push(&mut self, value: f64) {
         self.0.push(value);
     }
 
@@ -103,12 +105,13 @@ impl Samples {
 
     /// The median: a shared machine's bursts of contention move a single short run by tens
     /// of percent. Even counts take the upper middle value.
-    fn median(&self) -> f64 {
+    pub fn median(&self) -> f64 {
         let values = self.sorted();
         values.get(values.len() / 2).copied().unwrap_or(0.0)
     }
 
-    fn spread(&self) -> (f64, f64) {
+    /// The slowest and the fastest run.
+    pub fn spread(&self) -> (f64, f64) {
         let values = self.sorted();
         (
             values.first().copied().unwrap_or(0.0),
@@ -562,6 +565,36 @@ enum Reply {
     Error(String),
 }
 
+/// Sentence `i` of the benchmarks' prompt text: varied enough in numbers and words that
+/// windows cut from it at different offsets share no leading block. The serving benchmark
+/// (`tests/tests/serve_bench.rs`) cuts its prompts from the same text.
+pub fn benchmark_sentence(i: usize) -> String {
+    const SUBJECTS: [&str; 6] = [
+        "river",
+        "mountain",
+        "library",
+        "harbour",
+        "orchard",
+        "observatory",
+    ];
+    const VERBS: [&str; 6] = [
+        "crossed",
+        "described",
+        "measured",
+        "painted",
+        "visited",
+        "mapped",
+    ];
+    format!(
+        "In year {}, traveller {} {} the {} near town {}. ",
+        1700 + i,
+        i * 7 % 101,
+        VERBS[i % VERBS.len()],
+        SUBJECTS[i * 5 % SUBJECTS.len()],
+        i * 13 % 97
+    )
+}
+
 /// Token ids shared by both engines, cut from one long text at different offsets so no two
 /// prompts share a first block (nothing is served from the prefix cache).
 struct Prompts {
@@ -576,36 +609,13 @@ impl Prompts {
         let max_batch = args.batch_sizes.iter().copied().max().unwrap_or(1);
         let longest = args.prompt_tokens.iter().copied().max().unwrap_or(0);
         let shortest = args.prompt_tokens.iter().copied().min().unwrap_or(0);
-        let subjects = [
-            "river",
-            "mountain",
-            "library",
-            "harbour",
-            "orchard",
-            "observatory",
-        ];
-        let verbs = [
-            "crossed",
-            "described",
-            "measured",
-            "painted",
-            "visited",
-            "mapped",
-        ];
         let mut text = String::new();
         let mut tokens = Vec::new();
         let needed = longest + (args.repeats + 1) * 17 + max_batch * 7 + 64;
         let mut sentence = 0usize;
         while tokens.len() < needed + args.short_prompt_tokens {
             for _ in 0..64 {
-                text.push_str(&format!(
-                    "In year {}, traveller {} {} the {} near town {}. ",
-                    1700 + sentence,
-                    sentence * 7 % 101,
-                    verbs[sentence % verbs.len()],
-                    subjects[sentence * 5 % subjects.len()],
-                    sentence * 13 % 97
-                ));
+                text.push_str(&benchmark_sentence(sentence));
                 sentence += 1;
             }
             tokens = model.tokenizer().encode(&text);
@@ -1036,7 +1046,7 @@ impl Table<'_> {
             &one(ours),
             theirs,
             Better::Lower,
-            "≤ 1.5× llama.cpp",
+            "≤ 1× llama.cpp",
         );
         self.row(
             "peak RSS MiB (VmHWM), every run",
