@@ -86,7 +86,6 @@ pub struct BenchArgs {
     pub max_num_batched_tokens: usize,
 }
 
-/// Repeated measurements of one figure.
 /// Repeated measurements of one figure (also the serving benchmark's,
 /// `tests/tests/serve_bench.rs`).
 #[derive(Debug, Clone, Default)]
