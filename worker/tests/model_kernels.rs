@@ -1,7 +1,11 @@
 //! Every SIMD kernel against its scalar reference on random data of odd sizes, and the
 //! quantisation round trips.
 
-use npufleet_worker::backend::cpu::{CpuBackend, DotKernel, GroupKernel, Kernels, PairKernel};
+use npufleet_worker::backend::cpu::{
+    CpuBackend, DotKernel, GroupKernel, InterleavedKernel, InterleavedPairKernel, Kernels,
+    PairKernel,
+};
+use npufleet_worker::backend::interleaved::{self, Interleave, InterleavedGroup};
 use npufleet_worker::backend::kquant::{
     self, BlockQ4K, BlockQ5K, BlockQ6K, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
@@ -1057,6 +1061,149 @@ fn pair_kernels_equal_two_groups_for_every_batch_size() {
             pair_matches_groups("q6_k", &q6k, p.map(|p| p.q6_k), k.gemm_q6_k_group, &xq, set);
         }
     }
+}
+
+/// A plain k-quant format's group and pair kernels, and its interleaved ones.
+struct InterleavedKernels<B, C> {
+    group: GroupKernel<B>,
+    pair: Option<PairKernel<B>>,
+    interleaved_group: InterleavedKernel<C>,
+    interleaved_pair: Option<InterleavedPairKernel<C>>,
+}
+
+fn bits<const N: usize>(v: &[[f32; N]]) -> Vec<u32> {
+    v.iter().flatten().map(|v| v.to_bits()).collect()
+}
+
+/// The interleaved kernels read the bytes of eight rows' blocks moved, so each set's
+/// interleaved group and pair kernels equal its plain ones bit for bit, at every batch size
+/// (and through the scalar reference, the plain scalar kernel).
+fn check_interleaved_kernels<B: Interleave + Sync + std::fmt::Debug + PartialEq>(
+    name: &str,
+    random: fn(&mut Rng, usize) -> Vec<B>,
+    kernels: fn(&Kernels) -> InterleavedKernels<B, B::Column>,
+) where
+    B::Column: Send,
+{
+    let (scalar, simd) = kernel_sets();
+    let mut rng = Rng(53);
+    for supers in [1, 2, 5, 20] {
+        let cols = supers * QK_K;
+        let xq = quantize(&scalar, &rng.vec(35 * cols, 2.0));
+        let blocks = random(&mut rng, 2 * GROUP_ROWS * supers);
+        let columns = interleaved::interleave_rows(&blocks, 2 * GROUP_ROWS, supers);
+        assert_eq!(
+            interleaved::rows_of::<B>(&columns, supers, 0..2 * GROUP_ROWS),
+            blocks
+        );
+        let packed = |g: usize| InterleavedGroup::new(&columns[g * supers..][..supers]);
+        let plain = |g: usize| {
+            WeightGroup::adjacent(&blocks[g * GROUP_ROWS * supers..][..GROUP_ROWS * supers])
+        };
+        for k in std::iter::once(&scalar).chain(&simd) {
+            let kernels = kernels(k);
+            for n in (1..=19).chain([32, 35]) {
+                let x = &xq[..n * cols / QK];
+                for g in 0..2 {
+                    let (mut want, mut got) =
+                        (vec![[0f32; GROUP_ROWS]; n], vec![[0f32; GROUP_ROWS]; n]);
+                    (kernels.group)(plain(g), x, &mut want);
+                    (kernels.interleaved_group)(packed(g), x, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{name} {} {supers} supers n={n} group {g}",
+                        k.name
+                    );
+                }
+                let (Some(pair), Some(interleaved_pair)) = (kernels.pair, kernels.interleaved_pair)
+                else {
+                    continue;
+                };
+                let mut want = vec![[0f32; 2 * GROUP_ROWS]; n];
+                pair(plain(0), plain(1), x, &mut want);
+                let mut got = vec![[0f32; 2 * GROUP_ROWS]; n];
+                interleaved_pair(packed(0), packed(1), x, &mut got);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{name} {} pair {supers} supers n={n}",
+                    k.name
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_kernels_equal_the_plain_ones() {
+    check_interleaved_kernels("q4_k", Rng::q4_k, |k| InterleavedKernels {
+        group: k.gemm_q4_k_group,
+        pair: k.pairs.map(|p| p.q4_k),
+        interleaved_group: k.gemm_q4_kx8_group,
+        interleaved_pair: k.pairs.map(|p| p.q4_kx8),
+    });
+    check_interleaved_kernels("q6_k", Rng::q6_k, |k| InterleavedKernels {
+        group: k.gemm_q6_k_group,
+        pair: k.pairs.map(|p| p.q6_k),
+        interleaved_group: k.gemm_q6_kx8_group,
+        interleaved_pair: k.pairs.map(|p| p.q6_kx8),
+    });
+}
+
+/// `Q4_K` and `Q6_K` matrices of whole row groups, interleaved, keep their values and every
+/// backend's products bit for bit, at every batch size (a small batch over the plain matrix
+/// spreads its groups; the interleaved one keeps them adjacent), and their row and column
+/// slices; other matrices stay as they are.
+#[test]
+fn interleaved_matrices_multiply_as_the_plain_ones() {
+    let mut rng = Rng(59);
+    let (rows, supers) = (48, 3);
+    let cols = supers * QK_K;
+    let x = rng.vec(17 * cols, 1.0);
+    let backends: Vec<CpuBackend> = Kernels::supported()
+        .into_iter()
+        .map(|k| CpuBackend::with_kernels(2, k).unwrap())
+        .collect();
+    for data in [
+        WeightData::Q4K(rng.q4_k(rows * supers).into()),
+        WeightData::Q6K(rng.q6_k(rows * supers).into()),
+    ] {
+        let plain = Matrix { rows, cols, data };
+        let packed = plain.clone().interleaved();
+        assert!(matches!(
+            packed.data,
+            WeightData::Q4KX8(_) | WeightData::Q6KX8(_)
+        ));
+        assert_eq!(packed.type_name(), plain.type_name());
+        assert_eq!(packed.bytes(), plain.bytes());
+        assert_eq!(packed.to_f32(), plain.to_f32());
+        assert_eq!(packed.select_rows(8..21), plain.select_rows(8..21));
+        assert_eq!(
+            packed.select_cols(QK_K..2 * QK_K),
+            plain.select_cols(QK_K..2 * QK_K)
+        );
+        let odd = plain.select_rows(0..21);
+        assert_eq!(
+            odd.clone().interleaved(),
+            odd,
+            "rows in no whole group stay as they are"
+        );
+        for be in &backends {
+            for n in [1, 2, 3, 9, 17] {
+                let (mut want, mut got) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+                be.matmul(&plain, &x[..n * cols], n, &mut want);
+                be.matmul(&packed, &x[..n * cols], n, &mut got);
+                assert_eq!(got, want, "{} n={n} ({})", plain.type_name(), be.name());
+            }
+        }
+    }
+    let q4_1 = Matrix {
+        rows,
+        cols,
+        data: WeightData::Q4_1(quant::quantize_q4_1(&rng.vec(rows * cols, 1.0)).into()),
+    };
+    assert_eq!(q4_1.clone().interleaved(), q4_1);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! GGUF weights read in place from the file's memory map instead of copied at load: which
 //! tensors are (those used as stored), which are copies (reordered rows, converted formats,
-//! tensor-parallel column slices), and that the in-place values are the ones decoding the
-//! file's bytes gives.
+//! tensor-parallel column slices, k-quant matrices repacked for the kernels), and that the
+//! in-place values are the ones decoding the file's bytes gives.
 
 mod model_support;
 
@@ -27,8 +27,10 @@ fn address(m: &Matrix) -> usize {
         WeightData::Q5_1(v) => v.as_ptr().addr(),
         WeightData::Q8_0(v) => v.as_ptr().addr(),
         WeightData::Q4K(v) => v.as_ptr().addr(),
+        WeightData::Q4KX8(v) => v.as_ptr().addr(),
         WeightData::Q5K(v) => v.as_ptr().addr(),
         WeightData::Q6K(v) => v.as_ptr().addr(),
+        WeightData::Q6KX8(v) => v.as_ptr().addr(),
     }
 }
 
@@ -126,22 +128,39 @@ fn a_loaded_llama_model_holds_its_weights_in_the_files_mapping() {
 }
 
 #[test]
-fn every_block_format_of_the_kquant_files_is_read_in_place() {
+fn every_block_format_of_the_kquant_files_is_read_in_place_or_repacked() {
     // Q4_K_M mixes Q5_0, Q8_0, Q4_K and Q6_K; Q5_K_M adds Q5_1 and Q5_K.
-    let mut formats = std::collections::BTreeSet::new();
+    let (mut formats, mut repacked) = (std::collections::BTreeSet::new(), 0);
     for mix in ["Q4_K_M", "Q5_K_M"] {
         let path = setup_path_with("kquant-models.sh", &[mix]);
         let model = load(&path, auto());
         let file = GgufFile::open(&path).unwrap();
         for (name, lin) in linears(model.weights()) {
             let (held, converted) = held_blocks(&file, &name, lin);
-            assert!(
-                !converted && held.is_mapped(),
-                "{mix} {name} is read in place"
-            );
+            assert!(!converted, "{mix} {name}");
             formats.insert(held.type_name());
+            // Q4_K and Q6_K matrices of whole row groups are repacked for the grouped
+            // kernels: a copy, holding the file's values.
+            if let WeightData::Q4KX8(_) | WeightData::Q6KX8(_) = held.data {
+                let stored = file.matrix(&name).unwrap().unwrap();
+                assert!(!held.is_mapped(), "{mix} {name} is a repacked copy");
+                let mut want = vec![0f32; stored.cols];
+                let mut got = want.clone();
+                for r in [0, 7, held.rows - 1] {
+                    stored.row_to_f32(r, &mut want);
+                    held.row_to_f32(r, &mut got);
+                    assert_eq!(got, want, "{mix} {name} row {r}");
+                }
+                repacked += 1;
+            } else {
+                assert!(held.is_mapped(), "{mix} {name} is read in place");
+            }
         }
     }
+    assert!(
+        repacked > 0,
+        "the k-quant files' Q4_K and Q6_K layers are repacked"
+    );
     assert_eq!(
         formats.into_iter().collect::<Vec<_>>(),
         ["q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0"]

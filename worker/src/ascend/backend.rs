@@ -119,8 +119,10 @@ impl WeightKey {
             WeightData::Q5_1(v) => v.as_ptr() as usize,
             WeightData::Q8_0(v) => v.as_ptr() as usize,
             WeightData::Q4K(v) => v.as_ptr() as usize,
+            WeightData::Q4KX8(v) => v.as_ptr() as usize,
             WeightData::Q5K(v) => v.as_ptr() as usize,
             WeightData::Q6K(v) => v.as_ptr() as usize,
+            WeightData::Q6KX8(v) => v.as_ptr() as usize,
         };
         WeightKey {
             address,

@@ -21,7 +21,9 @@ pub use int8::{
     dot_q4_0, dot_q4_1, dot_q8_0, gemm_q4_0_group, gemm_q4_1_group, gemm_q5_0_group,
     gemm_q5_1_group, gemm_q8_0_group, quantize_act,
 };
-pub use kquant::{gemm_q4_k_group, gemm_q5_k_group, gemm_q6_k_group};
+pub use kquant::{
+    gemm_q4_k_group, gemm_q4_kx8_group, gemm_q5_k_group, gemm_q6_k_group, gemm_q6_kx8_group,
+};
 
 /// Whether this CPU can run the kernels in this module.
 pub fn available() -> bool {

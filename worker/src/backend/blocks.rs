@@ -81,6 +81,24 @@ impl<T: Pod> Blocks<T> {
         matches!(self.0, Storage::Mapped { .. })
     }
 
+    /// Takes mapped values' pages out of the process's resident set once a copy replaced
+    /// them (the file's pages stay cached, and are mapped again if read). Advisory: a failure
+    /// only leaves them resident.
+    pub fn release_pages(&self) {
+        let Storage::Mapped { map, bytes, .. } = &self.0 else {
+            return;
+        };
+        let page = rustix::param::page_size();
+        let (start, end) = (bytes.start.next_multiple_of(page), bytes.end / page * page);
+        if start < end {
+            // SAFETY: the map is read-only, so dropping its pages loses nothing: a later read
+            // maps the file's bytes again.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
     /// Values `range`: a narrower view of mapped values, a copy of owned ones.
     pub fn slice(&self, range: Range<usize>) -> Blocks<T> {
         // Panics on a bad range exactly as slicing the values would.

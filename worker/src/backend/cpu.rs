@@ -4,6 +4,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::interleaved::{self, BlockQ4Kx8, BlockQ6Kx8, InterleavedGroup};
 use super::kquant::{self, ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use super::quant::{
     self, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK,
@@ -20,6 +21,16 @@ pub type GroupKernel<B> = fn(WeightGroup<'_, B>, &[BlockQ8Act], &mut [[f32; GROU
 /// `out[j][GROUP_ROWS + r]` row `r` of the second, · activation row `j`.
 pub type PairKernel<B> =
     fn(WeightGroup<'_, B>, WeightGroup<'_, B>, &[BlockQ8Act], &mut [[f32; 2 * GROUP_ROWS]]);
+/// [`GroupKernel`] of an interleaved group of columns `C` ([`interleaved`]).
+pub type InterleavedKernel<C> =
+    fn(InterleavedGroup<'_, C>, &[BlockQ8Act], &mut [[f32; GROUP_ROWS]]);
+/// [`PairKernel`] of two interleaved groups.
+pub type InterleavedPairKernel<C> = fn(
+    InterleavedGroup<'_, C>,
+    InterleavedGroup<'_, C>,
+    &[BlockQ8Act],
+    &mut [[f32; 2 * GROUP_ROWS]],
+);
 /// Pair kernels of every grouped format, for batches of at least `min_batch` activation
 /// rows; smaller batches take the group kernels, one group at a time.
 #[derive(Clone, Copy)]
@@ -31,8 +42,10 @@ pub struct PairKernels {
     pub q5_1: PairKernel<BlockQ5_1>,
     pub q8_0: PairKernel<BlockQ8_0>,
     pub q4_k: PairKernel<BlockQ4K>,
+    pub q4_kx8: InterleavedPairKernel<BlockQ4Kx8>,
     pub q5_k: PairKernel<BlockQ5K>,
     pub q6_k: PairKernel<BlockQ6K>,
+    pub q6_kx8: InterleavedPairKernel<BlockQ6Kx8>,
 }
 /// One weight row · one activation row.
 pub type DotKernel<B> = fn(&[B], &[BlockQ8Act]) -> f32;
@@ -59,10 +72,12 @@ pub struct Kernels {
     /// The k-quant kernels take [`ACT_BLOCKS`] activation blocks per weight super-block.
     pub dot_q4_k: DotKernel<BlockQ4K>,
     pub gemm_q4_k_group: GroupKernel<BlockQ4K>,
+    pub gemm_q4_kx8_group: InterleavedKernel<BlockQ4Kx8>,
     pub dot_q5_k: DotKernel<BlockQ5K>,
     pub gemm_q5_k_group: GroupKernel<BlockQ5K>,
     pub dot_q6_k: DotKernel<BlockQ6K>,
     pub gemm_q6_k_group: GroupKernel<BlockQ6K>,
+    pub gemm_q6_kx8_group: InterleavedKernel<BlockQ6Kx8>,
     /// Kernels over two groups at once, where a set has them.
     pub pairs: Option<PairKernels>,
     /// `(w, x, cols, out, out_stride)`: every weight row of `w` · every activation row of
@@ -97,10 +112,12 @@ impl Kernels {
             gemm_q8_0_group: quant::gemm_q8_0_group_scalar,
             dot_q4_k: kquant::dot_q4_k_scalar,
             gemm_q4_k_group: kquant::gemm_q4_k_group_scalar,
+            gemm_q4_kx8_group: interleaved::gemm_group_scalar::<BlockQ4K>,
             dot_q5_k: kquant::dot_q5_k_scalar,
             gemm_q5_k_group: kquant::gemm_q5_k_group_scalar,
             dot_q6_k: kquant::dot_q6_k_scalar,
             gemm_q6_k_group: kquant::gemm_q6_k_group_scalar,
+            gemm_q6_kx8_group: interleaved::gemm_group_scalar::<BlockQ6K>,
             pairs: None,
             dot_f32_rows: scalar::dot_f32_rows_scalar,
             axpy: scalar::axpy_scalar,
@@ -158,10 +175,12 @@ fn avx2_kernels() -> Kernels {
         gemm_q5_1_group: |w, x, out| unsafe { avx2::gemm_q5_1_group(w, x, out) },
         dot_q4_k: kquant::dot_q4_k_scalar,
         gemm_q4_k_group: |w, x, out| unsafe { avx2::gemm_q4_k_group(w, x, out) },
+        gemm_q4_kx8_group: |w, x, out| unsafe { avx2::gemm_q4_kx8_group(w, x, out) },
         dot_q5_k: kquant::dot_q5_k_scalar,
         gemm_q5_k_group: |w, x, out| unsafe { avx2::gemm_q5_k_group(w, x, out) },
         dot_q6_k: kquant::dot_q6_k_scalar,
         gemm_q6_k_group: |w, x, out| unsafe { avx2::gemm_q6_k_group(w, x, out) },
+        gemm_q6_kx8_group: |w, x, out| unsafe { avx2::gemm_q6_kx8_group(w, x, out) },
         dot_f32_rows: |w, x, cols, out, stride| unsafe {
             avx2::dot_f32_rows(w, x, cols, out, stride)
         },
@@ -196,8 +215,10 @@ fn avx512_vnni_kernels() -> Kernels {
         gemm_q5_1_group: |w, x, out| unsafe { vnni::gemm_q5_1_group(w, x, out) },
         gemm_q8_0_group: |w, x, out| unsafe { vnni::gemm_q8_0_group(w, x, out) },
         gemm_q4_k_group: |w, x, out| unsafe { vnni::gemm_q4_k_group(w, x, out) },
+        gemm_q4_kx8_group: |w, x, out| unsafe { vnni::gemm_q4_kx8_group(w, x, out) },
         gemm_q5_k_group: |w, x, out| unsafe { vnni::gemm_q5_k_group(w, x, out) },
         gemm_q6_k_group: |w, x, out| unsafe { vnni::gemm_q6_k_group(w, x, out) },
+        gemm_q6_kx8_group: |w, x, out| unsafe { vnni::gemm_q6_kx8_group(w, x, out) },
         pairs: Some(PairKernels {
             min_batch: vnni::pair::MIN_BATCH,
             q4_0: |a, b, x, out| unsafe { vnni::pair::gemm_q4_0_pair(a, b, x, out) },
@@ -206,8 +227,10 @@ fn avx512_vnni_kernels() -> Kernels {
             q5_1: |a, b, x, out| unsafe { vnni::pair::gemm_q5_1_pair(a, b, x, out) },
             q8_0: |a, b, x, out| unsafe { vnni::pair::gemm_q8_0_pair(a, b, x, out) },
             q4_k: |a, b, x, out| unsafe { vnni::pair::gemm_q4_k_pair(a, b, x, out) },
+            q4_kx8: |a, b, x, out| unsafe { vnni::pair::gemm_q4_kx8_pair(a, b, x, out) },
             q5_k: |a, b, x, out| unsafe { vnni::pair::gemm_q5_k_pair(a, b, x, out) },
             q6_k: |a, b, x, out| unsafe { vnni::pair::gemm_q6_k_pair(a, b, x, out) },
+            q6_kx8: |a, b, x, out| unsafe { vnni::pair::gemm_q6_kx8_pair(a, b, x, out) },
         }),
         ..avx2_kernels()
     }
@@ -346,8 +369,10 @@ impl CpuBackend {
             | WeightData::Q5_1(_)
             | WeightData::Q8_0(_)
             | WeightData::Q4K(_)
+            | WeightData::Q4KX8(_)
             | WeightData::Q5K(_)
-            | WeightData::Q6K(_) => {
+            | WeightData::Q6K(_)
+            | WeightData::Q6KX8(_) => {
                 let job = GroupedJob::of(w, n, out).expect("grouped block format");
                 self.grouped(&[job], n, &acts)
             }
@@ -433,6 +458,11 @@ struct Grouping {
 }
 
 impl Grouping {
+    const ADJACENT: Grouping = Grouping {
+        step: GROUP_ROWS,
+        stride: 1,
+    };
+
     /// A pass of at most [`SPREAD_MAX_BATCH`] activation rows over a matrix of at least
     /// [`SPREAD_MIN_BYTES`] reads it from memory at the speed the memory streams it, so its
     /// groups take rows an eighth of the matrix apart: each of a group's rows runs on into
@@ -448,10 +478,7 @@ impl Grouping {
                 stride: rows / GROUP_ROWS,
             }
         } else {
-            Grouping {
-                step: GROUP_ROWS,
-                stride: 1,
-            }
+            Grouping::ADJACENT
         }
     }
 
@@ -520,17 +547,29 @@ impl<'a> GroupedJob<'a> {
             WeightData::Q5_1(b) => GroupedWeights::Q5_1(b),
             WeightData::Q8_0(b) => GroupedWeights::Q8_0(b),
             WeightData::Q4K(b) => GroupedWeights::Q4K(b),
+            WeightData::Q4KX8(b) => GroupedWeights::Q4KX8(b),
             WeightData::Q5K(b) => GroupedWeights::Q5K(b),
             WeightData::Q6K(b) => GroupedWeights::Q6K(b),
+            WeightData::Q6KX8(b) => GroupedWeights::Q6KX8(b),
             _ => return None,
+        };
+        // An interleaved matrix's groups are its adjacent rows, at every batch size.
+        let grouping = match weights {
+            GroupedWeights::Q4KX8(_) | GroupedWeights::Q6KX8(_) => Grouping::ADJACENT,
+            _ => Grouping::of(w.rows, w.bytes(), n),
         };
         Some(GroupedJob {
             weights,
             rows: w.rows,
-            grouping: Grouping::of(w.rows, w.bytes(), n),
+            grouping,
             out: SharedOut(out.as_mut_ptr()),
         })
     }
+}
+
+/// Group `g` of an interleaved matrix of rows `row_blocks` super-blocks long.
+fn interleaved_group<C>(w: &[C], g: usize, row_blocks: usize) -> InterleavedGroup<'_, C> {
+    InterleavedGroup::new(&w[g * row_blocks..(g + 1) * row_blocks])
 }
 
 enum GroupedWeights<'a> {
@@ -540,8 +579,10 @@ enum GroupedWeights<'a> {
     Q5_1(&'a [BlockQ5_1]),
     Q8_0(&'a [BlockQ8_0]),
     Q4K(&'a [BlockQ4K]),
+    Q4KX8(&'a [BlockQ4Kx8]),
     Q5K(&'a [BlockQ5K]),
     Q6K(&'a [BlockQ6K]),
+    Q6KX8(&'a [BlockQ6Kx8]),
 }
 
 impl GroupedWeights<'_> {
@@ -562,8 +603,14 @@ impl GroupedWeights<'_> {
             GroupedWeights::Q5_1(w) => (k.gemm_q5_1_group)(grouping.group(w, g, nb), acts, sums),
             GroupedWeights::Q8_0(w) => (k.gemm_q8_0_group)(grouping.group(w, g, nb), acts, sums),
             GroupedWeights::Q4K(w) => (k.gemm_q4_k_group)(grouping.group(w, g, nbk), acts, sums),
+            GroupedWeights::Q4KX8(w) => {
+                (k.gemm_q4_kx8_group)(interleaved_group(w, g, nbk), acts, sums)
+            }
             GroupedWeights::Q5K(w) => (k.gemm_q5_k_group)(grouping.group(w, g, nbk), acts, sums),
             GroupedWeights::Q6K(w) => (k.gemm_q6_k_group)(grouping.group(w, g, nbk), acts, sums),
+            GroupedWeights::Q6KX8(w) => {
+                (k.gemm_q6_kx8_group)(interleaved_group(w, g, nbk), acts, sums)
+            }
         }
     }
 
@@ -584,6 +631,18 @@ impl GroupedWeights<'_> {
             GroupedWeights::Q5_1(w) => grouping.pair(k.q5_1, w, g, nb, acts, sums),
             GroupedWeights::Q8_0(w) => grouping.pair(k.q8_0, w, g, nb, acts, sums),
             GroupedWeights::Q4K(w) => grouping.pair(k.q4_k, w, g, nbk, acts, sums),
+            GroupedWeights::Q4KX8(w) => (k.q4_kx8)(
+                interleaved_group(w, g, nbk),
+                interleaved_group(w, g + 1, nbk),
+                acts,
+                sums,
+            ),
+            GroupedWeights::Q6KX8(w) => (k.q6_kx8)(
+                interleaved_group(w, g, nbk),
+                interleaved_group(w, g + 1, nbk),
+                acts,
+                sums,
+            ),
             GroupedWeights::Q5K(w) => grouping.pair(k.q5_k, w, g, nbk, acts, sums),
             GroupedWeights::Q6K(w) => grouping.pair(k.q6_k, w, g, nbk, acts, sums),
         }
@@ -599,6 +658,9 @@ impl GroupedWeights<'_> {
             GroupedWeights::Q5_1(w) => (k.dot_q5_1)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q8_0(w) => (k.dot_q8_0)(&w[r * nb..(r + 1) * nb], act),
             GroupedWeights::Q4K(w) => (k.dot_q4_k)(&w[r * nbk..(r + 1) * nbk], act),
+            GroupedWeights::Q4KX8(_) | GroupedWeights::Q6KX8(_) => {
+                unreachable!("interleaved matrices are whole groups")
+            }
             GroupedWeights::Q5K(w) => (k.dot_q5_k)(&w[r * nbk..(r + 1) * nbk], act),
             GroupedWeights::Q6K(w) => (k.dot_q6_k)(&w[r * nbk..(r + 1) * nbk], act),
         }

@@ -9,6 +9,7 @@
 pub mod avx2;
 pub mod blocks;
 pub mod cpu;
+pub mod interleaved;
 pub mod kquant;
 pub mod quant;
 pub mod scalar;
@@ -18,6 +19,7 @@ use std::ops::Range;
 use half::f16;
 
 pub use blocks::Blocks;
+use interleaved::{BlockQ4Kx8, BlockQ6Kx8};
 use kquant::{BlockQ4K, BlockQ5K, BlockQ6K, QK_K};
 use quant::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QK};
 
@@ -33,8 +35,12 @@ pub enum WeightData {
     Q8_0(Blocks<BlockQ8_0>),
     /// Super-blocks of 256 values; rows are a whole number of them.
     Q4K(Blocks<BlockQ4K>),
+    /// `Q4_K` repacked for the grouped kernels ([`interleaved`]); rows are whole groups.
+    Q4KX8(Blocks<BlockQ4Kx8>),
     Q5K(Blocks<BlockQ5K>),
     Q6K(Blocks<BlockQ6K>),
+    /// `Q6_K` repacked as [`WeightData::Q4KX8`].
+    Q6KX8(Blocks<BlockQ6Kx8>),
 }
 
 /// A row-major `rows × cols` weight matrix; `y = x · Wᵀ` maps `cols` inputs to `rows` outputs.
@@ -66,8 +72,10 @@ impl Matrix {
             WeightData::Q5_1(v) => v.is_mapped(),
             WeightData::Q8_0(v) => v.is_mapped(),
             WeightData::Q4K(v) => v.is_mapped(),
+            WeightData::Q4KX8(v) => v.is_mapped(),
             WeightData::Q5K(v) => v.is_mapped(),
             WeightData::Q6K(v) => v.is_mapped(),
+            WeightData::Q6KX8(v) => v.is_mapped(),
         }
     }
 
@@ -88,8 +96,10 @@ impl Matrix {
                 | WeightData::Q5_1(_)
                 | WeightData::Q8_0(_)
                 | WeightData::Q4K(_)
+                | WeightData::Q4KX8(_)
                 | WeightData::Q5K(_)
                 | WeightData::Q6K(_)
+                | WeightData::Q6KX8(_)
         )
     }
 
@@ -102,9 +112,9 @@ impl Matrix {
             WeightData::Q5_0(_) => "q5_0",
             WeightData::Q5_1(_) => "q5_1",
             WeightData::Q8_0(_) => "q8_0",
-            WeightData::Q4K(_) => "q4_k",
+            WeightData::Q4K(_) | WeightData::Q4KX8(_) => "q4_k",
             WeightData::Q5K(_) => "q5_k",
-            WeightData::Q6K(_) => "q6_k",
+            WeightData::Q6K(_) | WeightData::Q6KX8(_) => "q6_k",
         }
     }
 
@@ -119,8 +129,10 @@ impl Matrix {
             WeightData::Q5_1(v) => v.len() * std::mem::size_of::<BlockQ5_1>(),
             WeightData::Q8_0(v) => v.len() * std::mem::size_of::<BlockQ8_0>(),
             WeightData::Q4K(v) => v.len() * std::mem::size_of::<BlockQ4K>(),
+            WeightData::Q4KX8(v) => v.len() * std::mem::size_of::<BlockQ4Kx8>(),
             WeightData::Q5K(v) => v.len() * std::mem::size_of::<BlockQ5K>(),
             WeightData::Q6K(v) => v.len() * std::mem::size_of::<BlockQ6K>(),
+            WeightData::Q6KX8(v) => v.len() * std::mem::size_of::<BlockQ6Kx8>(),
         }
     }
 
@@ -141,8 +153,10 @@ impl Matrix {
             WeightData::Q5_1(v) => quant::dequantize_q5_1(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q8_0(v) => quant::dequantize_q8_0(&v[r * nb..(r + 1) * nb], out),
             WeightData::Q4K(v) => kquant::dequantize_q4_k(&v[r * nbk..(r + 1) * nbk], out),
+            WeightData::Q4KX8(v) => interleaved::dequantize_row::<BlockQ4K>(v, nbk, r, out),
             WeightData::Q5K(v) => kquant::dequantize_q5_k(&v[r * nbk..(r + 1) * nbk], out),
             WeightData::Q6K(v) => kquant::dequantize_q6_k(&v[r * nbk..(r + 1) * nbk], out),
+            WeightData::Q6KX8(v) => interleaved::dequantize_row::<BlockQ6K>(v, nbk, r, out),
         }
     }
 
@@ -195,10 +209,34 @@ impl Matrix {
         })
     }
 
+    /// `Q4_K` and `Q6_K` weights in whole row groups repacked for the grouped kernels
+    /// ([`interleaved`]); any other matrix as it is. A mapped original's pages leave the
+    /// resident set, so the repacked copy does not hold the weights twice.
+    pub fn interleaved(self) -> Matrix {
+        fn repack<B: interleaved::Interleave + Sync>(v: &Blocks<B>, m: &Matrix) -> Blocks<B::Column>
+        where
+            B::Column: Send,
+        {
+            let columns = interleaved::interleave_rows(v, m.rows, m.cols / QK_K);
+            v.release_pages();
+            columns.into()
+        }
+        if !self.rows.is_multiple_of(quant::GROUP_ROWS) {
+            return self;
+        }
+        let data = match &self.data {
+            WeightData::Q4K(v) => WeightData::Q4KX8(repack(v, &self)),
+            WeightData::Q6K(v) => WeightData::Q6KX8(repack(v, &self)),
+            _ => return self,
+        };
+        Matrix { data, ..self }
+    }
+
     /// Rows `range` (the column-parallel shard of a tensor-parallel split); rows are
     /// contiguous, so mapped weights stay mapped.
     pub fn select_rows(&self, range: std::ops::Range<usize>) -> Matrix {
         let per_row = |block: usize| range.start * self.cols / block..range.end * self.cols / block;
+        let nbk = self.cols / QK_K;
         let data = match &self.data {
             WeightData::F32(v) => WeightData::F32(v.slice(per_row(1))),
             WeightData::F16(v) => WeightData::F16(v.slice(per_row(1))),
@@ -208,6 +246,12 @@ impl Matrix {
             WeightData::Q5_1(v) => WeightData::Q5_1(v.slice(per_row(QK))),
             WeightData::Q8_0(v) => WeightData::Q8_0(v.slice(per_row(QK))),
             WeightData::Q4K(v) => WeightData::Q4K(v.slice(per_row(QK_K))),
+            WeightData::Q4KX8(v) => {
+                WeightData::Q4K(interleaved::rows_of(v, nbk, range.clone()).into())
+            }
+            WeightData::Q6KX8(v) => {
+                WeightData::Q6K(interleaved::rows_of(v, nbk, range.clone()).into())
+            }
             WeightData::Q5K(v) => WeightData::Q5K(v.slice(per_row(QK_K))),
             WeightData::Q6K(v) => WeightData::Q6K(v.slice(per_row(QK_K))),
         };
@@ -241,6 +285,14 @@ impl Matrix {
             WeightData::Q5_1(v) if aligned => WeightData::Q5_1(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q8_0(v) if aligned => WeightData::Q8_0(pick(v, self.rows, nb, b0, b1)),
             WeightData::Q4K(v) if aligned_k => WeightData::Q4K(pick(v, self.rows, nbk, k0, k1)),
+            WeightData::Q4KX8(v) if aligned_k => {
+                let rows = interleaved::rows_of(v, nbk, 0..self.rows);
+                WeightData::Q4K(pick(&rows, self.rows, nbk, k0, k1))
+            }
+            WeightData::Q6KX8(v) if aligned_k => {
+                let rows = interleaved::rows_of(v, nbk, 0..self.rows);
+                WeightData::Q6K(pick(&rows, self.rows, nbk, k0, k1))
+            }
             WeightData::Q5K(v) if aligned_k => WeightData::Q5K(pick(v, self.rows, nbk, k0, k1)),
             WeightData::Q6K(v) if aligned_k => WeightData::Q6K(pick(v, self.rows, nbk, k0, k1)),
             _ => WeightData::F32(pick(&self.to_f32(), self.rows, c, range.start, range.end)),

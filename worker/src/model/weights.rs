@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use super::gguf::{GgufFile, TensorType};
 use super::{ModelConfig, PrecisionPolicy, WeightPrecision};
 use crate::backend::blocks::FileLayout;
-use crate::backend::{Blocks, Matrix, WeightData, kquant, quant};
+use crate::backend::{Blocks, Matrix, WeightData, interleaved, kquant, quant};
 
 /// Which slice of the tensor-parallel split this process holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +73,14 @@ impl Linear {
         let (quant, full) = match policy {
             PrecisionPolicy::Fp32 => (None, Some(m.to_f32_matrix())),
             PrecisionPolicy::Fp16 => (None, Some(m.to_f16_matrix())),
+            // The x86-64 kernels read k-quants faster repacked; elsewhere only the scalar
+            // reference would read the repacked layout, slower than the file's.
             PrecisionPolicy::Int8 | PrecisionPolicy::Auto { .. } if m.is_quantized() => {
+                let m = if cfg!(target_arch = "x86_64") {
+                    m.interleaved()
+                } else {
+                    m
+                };
                 (Some(m), None)
             }
             PrecisionPolicy::Int8 => match int8(&m) {
@@ -450,6 +457,14 @@ fn permute_rows(m: &Matrix, src_rows: &[usize]) -> Matrix {
         WeightData::Q5_1(v) => WeightData::Q5_1(pick(v, m.rows, src_rows)),
         WeightData::Q8_0(v) => WeightData::Q8_0(pick(v, m.rows, src_rows)),
         WeightData::Q4K(v) => WeightData::Q4K(pick(v, m.rows, src_rows)),
+        WeightData::Q4KX8(v) => {
+            let rows = interleaved::rows_of(v, m.cols / kquant::QK_K, 0..m.rows);
+            WeightData::Q4K(pick(&rows, m.rows, src_rows))
+        }
+        WeightData::Q6KX8(v) => {
+            let rows = interleaved::rows_of(v, m.cols / kquant::QK_K, 0..m.rows);
+            WeightData::Q6K(pick(&rows, m.rows, src_rows))
+        }
         WeightData::Q5K(v) => WeightData::Q5K(pick(v, m.rows, src_rows)),
         WeightData::Q6K(v) => WeightData::Q6K(pick(v, m.rows, src_rows)),
         WeightData::F32(v) => WeightData::F32(pick(v, m.rows, src_rows)),

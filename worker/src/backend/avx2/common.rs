@@ -5,6 +5,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use crate::backend::interleaved::InterleavedGroup;
 use crate::backend::quant::{BlockQ8Act, GROUP_ROWS, QK, WeightGroup};
 
 #[inline]
@@ -99,16 +100,41 @@ const L2_PREFETCHED_GROUP_BYTES: usize = 32 << 10;
 /// enough ahead of the `Q6_K` kernels, whose work per byte is the heaviest (7B shape, batch
 /// 1: 18 GB/s without, 22 to 26 with; `Q4_K` ran as fast either way).
 ///
+/// An interleaved group's columns are one run of bytes, and the next groups' follow it.
+///
 /// Prefetches never fault, so a share past the end of the matrix is harmless.
 #[inline(always)]
-pub(super) fn prefetch_share<B>(group: WeightGroup<'_, B>, b: usize, groups: usize) {
-    let Some(blocks) = group.contiguous() else {
-        prefetch_next_rows(group, b);
-        return;
-    };
-    let bytes = groups * std::mem::size_of_val(blocks);
-    let next = blocks.as_ptr().wrapping_add(blocks.len()) as *const i8;
-    let nb = group.row_blocks();
+pub(super) fn prefetch_share(group: impl Prefetched, b: usize, groups: usize) {
+    group.prefetch_share(b, groups)
+}
+
+/// A group whose next groups' bytes the kernels request ahead ([`prefetch_share`]).
+pub(super) trait Prefetched {
+    fn prefetch_share(self, b: usize, groups: usize);
+}
+
+impl<B> Prefetched for WeightGroup<'_, B> {
+    #[inline(always)]
+    fn prefetch_share(self, b: usize, groups: usize) {
+        match self.contiguous() {
+            Some(blocks) => prefetch_following(blocks, self.row_blocks(), b, groups),
+            None => prefetch_next_rows(self, b),
+        }
+    }
+}
+
+impl<C> Prefetched for InterleavedGroup<'_, C> {
+    #[inline(always)]
+    fn prefetch_share(self, b: usize, groups: usize) {
+        prefetch_following(self.columns(), self.row_blocks(), b, groups)
+    }
+}
+
+/// Share `b` of `nb` of the `groups` groups stored after `group`, each its size.
+#[inline(always)]
+fn prefetch_following<B>(group: &[B], nb: usize, b: usize, groups: usize) {
+    let bytes = groups * std::mem::size_of_val(group);
+    let next = group.as_ptr().wrapping_add(group.len()) as *const i8;
     let (start, end) = (b * bytes / nb, (b + 1) * bytes / nb);
     if bytes <= L1_PREFETCHED_GROUP_BYTES {
         for offset in (start..end).step_by(64) {

@@ -5,6 +5,7 @@ use std::arch::x86_64::*;
 
 use super::common::*;
 use super::int8::q4_1_sum;
+use crate::backend::interleaved::{BlockQ4Kx8, BlockQ6Kx8, InterleavedGroup};
 use crate::backend::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use crate::backend::quant::{BlockQ8Act, GROUP_ROWS, QK, WeightGroup};
 
@@ -77,7 +78,13 @@ unsafe fn words32(rows: [*const u8; GROUP_ROWS]) -> [__m256i; 8] {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kmin_scales(heads: [*const u8; GROUP_ROWS]) -> ([__m256; 8], [__m256; 8]) {
     // SAFETY: guaranteed by the caller; both block types are larger than 16 bytes.
-    let [dm, low, mid, high] = unsafe { transpose_rows(heads) };
+    kmin_scales_of(unsafe { transpose_rows(heads) })
+}
+
+/// [`kmin_scales`] from the heads already in lanes, as [`transpose_rows`] leaves them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn kmin_scales_of([dm, low, mid, high]: [__m256i; 4]) -> ([__m256; 8], [__m256; 8]) {
     let halves = |v: __m256i| {
         _mm256_cvtph_ps(_mm_packus_epi32(
             _mm256_castsi256_si128(v),
@@ -122,27 +129,59 @@ pub(super) fn expand_q4_k(
     blocks: &[&BlockQ4K; GROUP_ROWS],
     mut emit: impl FnMut(usize, &ExpandedKMin),
 ) {
-    let low = _mm256_set1_epi8(0x0f);
     // SAFETY: the pointers are the blocks' own.
     let (d, m) = unsafe { kmin_scales(column_ptrs(blocks, |b| (b as *const BlockQ4K).cast())) };
     for i in 0..4 {
         // SAFETY: each `qs` is 128 bytes; 32 are read from byte 32·i.
         let w = unsafe { words32(column_ptrs(blocks, |b| b.qs.as_ptr().add(32 * i))) };
-        let (mut first, mut second) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
-        for ((first, second), w) in first.iter_mut().zip(&mut second).zip(&w) {
-            *first = _mm256_and_si256(*w, low);
-            *second = _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low);
-        }
-        for (j, q) in [(2 * i, first), (2 * i + 1, second)] {
-            emit(
-                j,
-                &ExpandedKMin {
-                    q,
-                    d: d[j],
-                    m: m[j],
-                },
-            );
-        }
+        emit_q4_k_pair(i, &w, (&d, &m), &mut emit);
+    }
+}
+
+/// [`expand_q4_k`] of an interleaved column: the same vectors, loaded as stored.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn expand_q4_kx8(column: &BlockQ4Kx8, mut emit: impl FnMut(usize, &ExpandedKMin)) {
+    let (d, m) = kmin_scales_of(std::array::from_fn(|v| vector_at(&column.heads, v)));
+    for i in 0..4 {
+        let w = std::array::from_fn(|k| vector_at(&column.qs, 8 * i + k));
+        emit_q4_k_pair(i, &w, (&d, &m), &mut emit);
+    }
+}
+
+/// The 32-byte vector `v` of an interleaved column's field.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn vector_at(bytes: &[u8], v: usize) -> __m256i {
+    let vector = &bytes[32 * v..32 * (v + 1)];
+    // SAFETY: `vector` is 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_si256(vector.as_ptr().cast()) }
+}
+
+/// Sub-blocks `2i` (the low nibbles of `w`) and `2i + 1` (the high ones) of a `Q4_K` column.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn emit_q4_k_pair(
+    i: usize,
+    w: &[__m256i; 8],
+    (d, m): (&[__m256; 8], &[__m256; 8]),
+    emit: &mut impl FnMut(usize, &ExpandedKMin),
+) {
+    let low = _mm256_set1_epi8(0x0f);
+    let (mut first, mut second) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+    for ((first, second), w) in first.iter_mut().zip(&mut second).zip(w) {
+        *first = _mm256_and_si256(*w, low);
+        *second = _mm256_and_si256(_mm256_srli_epi16::<4>(*w), low);
+    }
+    for (j, q) in [(2 * i, first), (2 * i + 1, second)] {
+        emit(
+            j,
+            &ExpandedKMin {
+                q,
+                d: d[j],
+                m: m[j],
+            },
+        );
     }
 }
 
@@ -192,49 +231,79 @@ pub(super) fn expand_q6_k(
     blocks: &[&BlockQ6K; GROUP_ROWS],
     mut emit: impl FnMut(usize, &ExpandedQ6K),
 ) {
-    let low = _mm256_set1_epi8(0x0f);
-    let top_two = _mm256_set1_epi8(0x30);
     let d = f16x8(blocks.map(|b| b.d));
     // SAFETY: each `scales` is 16 bytes.
     let scales = unsafe { transpose_rows(column_ptrs(blocks, |b| b.scales.as_ptr().cast())) };
     for half in 0..2 {
         // SAFETY: `ql` is 128 bytes and `qh` 64; 32 are read from each start.
-        let (ql_a, ql_b, qh) = unsafe {
-            (
+        let words = unsafe {
+            [
                 words32(column_ptrs(blocks, |b| b.ql.as_ptr().add(64 * half))),
                 words32(column_ptrs(blocks, |b| b.ql.as_ptr().add(64 * half + 32))),
                 words32(column_ptrs(blocks, |b| b.qh.as_ptr().add(32 * half))),
-            )
+            ]
         };
-        for p in 0..4 {
-            let c = 4 * half + p;
-            let ql = if p % 2 == 0 { &ql_a } else { &ql_b };
-            let mut q = [_mm256_setzero_si256(); 8];
-            for ((q, ql), qh) in q.iter_mut().zip(ql).zip(&qh) {
-                let nibble = if p < 2 {
-                    _mm256_and_si256(*ql, low)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(*ql), low)
-                };
-                // Bits 2p, 2p + 1 of each byte moved to bits 4, 5 in one shift: the 16-bit
-                // lanes carry bits across bytes only outside the mask.
-                let high = match p {
-                    0 => _mm256_slli_epi16::<4>(*qh),
-                    1 => _mm256_slli_epi16::<2>(*qh),
-                    2 => *qh,
-                    _ => _mm256_srli_epi16::<2>(*qh),
-                };
-                *q = _mm256_or_si256(nibble, _mm256_and_si256(high, top_two));
-            }
-            emit(
-                c,
-                &ExpandedQ6K {
-                    q,
-                    d,
-                    sc: [signed_byte(&scales, 2 * c), signed_byte(&scales, 2 * c + 1)],
-                },
-            );
+        emit_q6_k_half(half, &words, d, &scales, &mut emit);
+    }
+}
+
+/// [`expand_q6_k`] of an interleaved column: the same vectors, loaded as stored.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn expand_q6_kx8(column: &BlockQ6Kx8, mut emit: impl FnMut(usize, &ExpandedQ6K)) {
+    let d = f16x8(column.d);
+    let scales = std::array::from_fn(|v| vector_at(&column.scales, v));
+    for half in 0..2 {
+        let words = [
+            std::array::from_fn(|k| vector_at(&column.ql, 16 * half + k)),
+            std::array::from_fn(|k| vector_at(&column.ql, 16 * half + 8 + k)),
+            std::array::from_fn(|k| vector_at(&column.qh, 8 * half + k)),
+        ];
+        emit_q6_k_half(half, &words, d, &scales, &mut emit);
+    }
+}
+
+/// Sub-block columns `4·half..4·half + 4` of a `Q6_K` column, from the words of its low bits
+/// at byte `64·half` and `64·half + 32` and of its high bits at byte `32·half`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn emit_q6_k_half(
+    half: usize,
+    [ql_a, ql_b, qh]: &[[__m256i; 8]; 3],
+    d: __m256,
+    scales: &[__m256i; 4],
+    emit: &mut impl FnMut(usize, &ExpandedQ6K),
+) {
+    let low = _mm256_set1_epi8(0x0f);
+    let top_two = _mm256_set1_epi8(0x30);
+    for p in 0..4 {
+        let c = 4 * half + p;
+        let ql = if p % 2 == 0 { ql_a } else { ql_b };
+        let mut q = [_mm256_setzero_si256(); 8];
+        for ((q, ql), qh) in q.iter_mut().zip(ql).zip(qh) {
+            let nibble = if p < 2 {
+                _mm256_and_si256(*ql, low)
+            } else {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(*ql), low)
+            };
+            // Bits 2p, 2p + 1 of each byte moved to bits 4, 5 in one shift: the 16-bit
+            // lanes carry bits across bytes only outside the mask.
+            let high = match p {
+                0 => _mm256_slli_epi16::<4>(*qh),
+                1 => _mm256_slli_epi16::<2>(*qh),
+                2 => *qh,
+                _ => _mm256_srli_epi16::<2>(*qh),
+            };
+            *q = _mm256_or_si256(nibble, _mm256_and_si256(high, top_two));
         }
+        emit(
+            c,
+            &ExpandedQ6K {
+                q,
+                d,
+                sc: [signed_byte(scales, 2 * c), signed_byte(scales, 2 * c + 1)],
+            },
+        );
     }
 }
 
@@ -307,13 +376,24 @@ macro_rules! kquant_kernels {
 
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q4_k_group_scalar`], bit for bit.
-            gemm_q4_k_group, BlockQ4K, ExpandedKMin, expand_q4_k, kq4_block, kq4_streamed, kq4_pass);
+            gemm_q4_k_group, WeightGroup<'_, BlockQ4K>, ExpandedKMin, expand_q4_k, kq4_block,
+            kq4_streamed, kq4_pass);
+        kquant_kernel!($features, $widest, [$($rest),*],
+            /// As [`crate::backend::interleaved::gemm_group_scalar`] of `Q4_K`, bit for bit.
+            gemm_q4_kx8_group, InterleavedGroup<'_, BlockQ4Kx8>, ExpandedKMin, expand_q4_kx8,
+            kq4_block, kq4x8_streamed, kq4x8_pass);
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q5_k_group_scalar`], bit for bit.
-            gemm_q5_k_group, BlockQ5K, ExpandedKMin, expand_q5_k, kq5_block, kq5_streamed, kq5_pass);
+            gemm_q5_k_group, WeightGroup<'_, BlockQ5K>, ExpandedKMin, expand_q5_k, kq5_block,
+            kq5_streamed, kq5_pass);
         kquant_kernel!($features, $widest, [$($rest),*],
             /// As [`crate::backend::kquant::gemm_q6_k_group_scalar`], bit for bit.
-            gemm_q6_k_group, BlockQ6K, ExpandedQ6K, expand_q6_k, kq6_block, kq6_streamed, kq6_pass);
+            gemm_q6_k_group, WeightGroup<'_, BlockQ6K>, ExpandedQ6K, expand_q6_k, kq6_block,
+            kq6_streamed, kq6_pass);
+        kquant_kernel!($features, $widest, [$($rest),*],
+            /// As [`crate::backend::interleaved::gemm_group_scalar`] of `Q6_K`, bit for bit.
+            gemm_q6_kx8_group, InterleavedGroup<'_, BlockQ6Kx8>, ExpandedQ6K, expand_q6_kx8,
+            kq6_block, kq6x8_streamed, kq6x8_pass);
     };
 }
 
@@ -324,14 +404,14 @@ macro_rules! kquant_kernels {
 /// pass (`$pass`, applying `$block` per column).
 macro_rules! kquant_kernel {
     ($features:literal, $widest:literal, [$($rest:literal),*],
-     $(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expanded_ty:ty, $expand:ident,
+     $(#[$doc:meta])* $gemm:ident, $group:ty, $expanded_ty:ty, $expand:ident,
      $block:ident, $streamed:ident, $pass:ident) => {
         $(#[$doc])*
         ///
         /// # Safety
         /// The CPU must support the module's target features.
         #[target_feature(enable = $features)]
-        pub unsafe fn $gemm(w: WeightGroup<'_, $block_ty>, x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
+        pub unsafe fn $gemm(w: $group, x: &[BlockQ8Act], out: &mut [[f32; GROUP_ROWS]]) {
             let nbk = w.row_blocks();
             out.fill([0.0; GROUP_ROWS]);
             if nbk == 0 {
@@ -371,7 +451,7 @@ macro_rules! kquant_kernel {
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn $streamed<const A: usize>(
-            w: WeightGroup<'_, $block_ty>,
+            w: $group,
             x: [&[BlockQ8Act]; A],
             out: &mut [[f32; GROUP_ROWS]],
         ) {

@@ -8,6 +8,7 @@ use std::arch::x86_64::*;
 use super::common::*;
 use super::int8::*;
 use super::kquant::*;
+use crate::backend::interleaved::{BlockQ4Kx8, BlockQ6Kx8, InterleavedGroup};
 use crate::backend::kquant::{ACT_BLOCKS, BlockQ4K, BlockQ5K, BlockQ6K};
 use crate::backend::quant::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8Act, GROUP_ROWS, QK, WeightGroup,

@@ -320,7 +320,7 @@ macro_rules! block_pair_kernel {
 /// groups at a time, joins them, and meets every activation row with them, eight rows a
 /// pass.
 macro_rules! kquant_pair_kernel {
-    ($(#[$doc:meta])* $gemm:ident, $block_ty:ty, $expanded_ty:ty, $pair_ty:ty,
+    ($(#[$doc:meta])* $gemm:ident, $group:ty, $expanded_ty:ty, $pair_ty:ty,
      $expand:ident, $join:ident, $block:ident, $pass:ident) => {
         $(#[$doc])*
         ///
@@ -328,8 +328,8 @@ macro_rules! kquant_pair_kernel {
         /// The CPU must support the module's features.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
         pub unsafe fn $gemm(
-            first: WeightGroup<'_, $block_ty>,
-            second: WeightGroup<'_, $block_ty>,
+            first: $group,
+            second: $group,
             x: &[BlockQ8Act],
             out: &mut [[f32; PAIR_ROWS]],
         ) {
@@ -395,16 +395,26 @@ block_pair_kernel!(
 );
 kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q4_k_group`], bit for bit.
-    gemm_q4_k_pair, BlockQ4K, ExpandedKMin, PairColumn, expand_q4_k,
+    gemm_q4_k_pair, WeightGroup<'_, BlockQ4K>, ExpandedKMin, PairColumn, expand_q4_k,
     join_columns, kmin_block, q4_k_pass
 );
 kquant_pair_kernel!(
+    /// Two groups of [`super::gemm_q4_kx8_group`], bit for bit.
+    gemm_q4_kx8_pair, InterleavedGroup<'_, BlockQ4Kx8>, ExpandedKMin, PairColumn,
+    expand_q4_kx8, join_columns, kmin_block, q4_kx8_pass
+);
+kquant_pair_kernel!(
+    /// Two groups of [`super::gemm_q6_kx8_group`], bit for bit.
+    gemm_q6_kx8_pair, InterleavedGroup<'_, BlockQ6Kx8>, ExpandedQ6K, PairQ6K, expand_q6_kx8,
+    join_q6_k, q6_k_block, q6_kx8_pass
+);
+kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q5_k_group`], bit for bit.
-    gemm_q5_k_pair, BlockQ5K, ExpandedKMin, PairColumn, expand_q5_k,
+    gemm_q5_k_pair, WeightGroup<'_, BlockQ5K>, ExpandedKMin, PairColumn, expand_q5_k,
     join_columns, kmin_block, q5_k_pass
 );
 kquant_pair_kernel!(
     /// Two groups of [`super::gemm_q6_k_group`], bit for bit.
-    gemm_q6_k_pair, BlockQ6K, ExpandedQ6K, PairQ6K, expand_q6_k,
+    gemm_q6_k_pair, WeightGroup<'_, BlockQ6K>, ExpandedQ6K, PairQ6K, expand_q6_k,
     join_q6_k, q6_k_block, q6_k_pass
 );
