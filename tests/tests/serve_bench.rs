@@ -1,6 +1,7 @@
 //! The worker through `serve` against llama.cpp's own C++ `llama-server` on the same GGUF file
-//! (`make bench-serve`; minutes, so not in `make test`): what a client of the OpenAI API sees
-//! of the engine speeds `npufleet-worker bench` measures in process.
+//! (`make bench-serve`; minutes, so not in `make test`, which runs one short round of it so
+//! the harness keeps working): what a client of the OpenAI API sees of the engine speeds
+//! `npufleet-worker bench` measures in process.
 //!
 //! Both servers run at once on loopback with the same thread count, one sequence at a time,
 //! and get the same token ids (cut from one text that llama-server's own tokenizer split, so
@@ -237,16 +238,22 @@ async fn round(
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a benchmark of minutes: make bench-serve"]
-async fn serve_against_llama_server() -> Result<()> {
-    let model = match std::env::var_os("NPUFLEET_BENCH_MODEL") {
-        Some(path) => PathBuf::from(path),
-        None => paths::smollm2_gguf()?,
-    };
-    let prompt_tokens = setting("NPUFLEET_BENCH_PROMPT_TOKENS", 500)?;
-    let decode_tokens = setting("NPUFLEET_BENCH_DECODE_TOKENS", 128)?;
-    let rounds = setting("NPUFLEET_BENCH_ROUNDS", 11)?;
+/// What one benchmark run measures.
+struct Run {
+    model: PathBuf,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    rounds: usize,
+}
+
+/// Both servers' figures (npufleet's, then llama.cpp's) over `run.rounds` rounds.
+async fn measure(run: &Run) -> Result<[Figures; 2]> {
+    let Run {
+        ref model,
+        prompt_tokens,
+        decode_tokens,
+        rounds,
+    } = *run;
     ensure!(
         rounds > 0 && prompt_tokens > 0 && decode_tokens > 1,
         "nothing to measure"
@@ -260,10 +267,9 @@ async fn serve_against_llama_server() -> Result<()> {
         .timeout(Duration::from_secs(600))
         .pool_max_idle_per_host(0)
         .build()?;
-    let context = prompt_tokens + decode_tokens + 64;
     let mut servers = [
-        start_worker(&model, &scratch)?,
-        start_llama_server(&model, &scratch, context)?,
+        start_worker(model, &scratch)?,
+        start_llama_server(model, &scratch, context(run))?,
     ];
     for server in &mut servers {
         server.wait_ready(&http).await?;
@@ -305,14 +311,41 @@ async fn serve_against_llama_server() -> Result<()> {
             .with_context(|| servers[i].process.log_tail(20))?;
         }
     }
+    Ok(figures)
+}
 
+/// The context both servers hold: the long prompt, the decode and room to spare.
+fn context(run: &Run) -> usize {
+    run.prompt_tokens + run.decode_tokens + 64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark of minutes: make bench-serve"]
+async fn serve_against_llama_server() -> Result<()> {
+    let run = Run {
+        model: match std::env::var_os("NPUFLEET_BENCH_MODEL") {
+            Some(path) => PathBuf::from(path),
+            None => paths::smollm2_gguf()?,
+        },
+        prompt_tokens: setting("NPUFLEET_BENCH_PROMPT_TOKENS", 500)?,
+        decode_tokens: setting("NPUFLEET_BENCH_DECODE_TOKENS", 128)?,
+        rounds: setting("NPUFLEET_BENCH_ROUNDS", 11)?,
+    };
+    let [ours, theirs] = &measure(&run).await?;
+    let Run {
+        ref model,
+        prompt_tokens,
+        decode_tokens,
+        rounds,
+    } = run;
     println!(
         "\nmodel {}, {THREADS} threads each, one stream at a time, {rounds} rounds alternating the servers' order",
         model.display()
     );
     println!(
         "llama-server: {} (built from the pinned llama-cpp-python source, native CPU flags), --parallel 1 --ctx-size {context}",
-        paths::llama_server()?.display()
+        paths::llama_server()?.display(),
+        context = context(&run),
     );
     println!();
     row(
@@ -324,7 +357,6 @@ async fn serve_against_llama_server() -> Result<()> {
         "advantage",
     );
     row("-", "-", "-", "-", "-", "-");
-    let [ours, theirs] = &figures;
     let ttft = theirs.ttft_ms.median() / ours.ttft_ms.median();
     figure_row(
         &format!("TTFT ms, {prompt_tokens}-token prompt"),
@@ -385,4 +417,29 @@ fn figure_row(metric: &str, ours: &Samples, theirs: &Samples, advantage: f64) {
         &spread(theirs),
         &format!("{advantage:.2}×"),
     );
+}
+
+/// One short round of the benchmark on SmolLM2, so its harness (both servers, the shared token
+/// ids, the streams it times) is exercised on every change: each server gives each figure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_round_of_the_serving_benchmark_measures_both_servers() -> Result<()> {
+    let run = Run {
+        model: paths::smollm2_gguf()?,
+        prompt_tokens: 64,
+        decode_tokens: 8,
+        rounds: 1,
+    };
+    for (server, figures) in ["npufleet", "llama.cpp"].iter().zip(measure(&run).await?) {
+        for (what, samples) in [
+            ("TTFT", &figures.ttft_ms),
+            ("decode", &figures.decode_tok_s),
+        ] {
+            let value = samples.median();
+            ensure!(
+                value.is_finite() && value > 0.0,
+                "{server}'s {what} figure is {value}"
+            );
+        }
+    }
+    Ok(())
 }
