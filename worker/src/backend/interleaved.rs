@@ -76,15 +76,8 @@ fn tail_at(words: usize, tail: usize, r: usize) -> usize {
     words * VECTOR + tail * r
 }
 
-/// The column of block `rows[r]` for each row `r`.
-pub fn interleave<B: Interleave>(rows: [&B; GROUP_ROWS]) -> B::Column {
-    let mut column = B::Column::zeroed();
-    interleave_into(rows, &mut column);
-    column
-}
-
-/// [`interleave`] into `column`, which a large matrix's repacking writes in place.
-fn interleave_into<B: Interleave>(rows: [&B; GROUP_ROWS], column: &mut B::Column) {
+/// Writes the column of block `rows[r]` for each row `r` into `column`.
+fn interleave<B: Interleave>(rows: [&B; GROUP_ROWS], column: &mut B::Column) {
     let out = bytemuck::bytes_of_mut(column);
     for (r, block) in rows.into_iter().enumerate() {
         let (words, tail) = bytemuck::bytes_of(block).as_chunks::<4>();
@@ -138,7 +131,7 @@ where
             .for_each(|(out, group)| {
                 for (s, out) in out.iter_mut().enumerate() {
                     let column = out.write(B::Column::zeroed());
-                    interleave_into(std::array::from_fn(|r| &group[r * row_blocks + s]), column);
+                    interleave(std::array::from_fn(|r| &group[r * row_blocks + s]), column);
                 }
             });
     }
@@ -167,9 +160,11 @@ pub fn dequantize_row<B: Interleave>(
     r: usize,
     out: &mut [f32],
 ) {
-    let row = rows_of::<B>(columns, row_blocks, r..r + 1);
-    debug_assert_eq!(out.len(), row.len() * QK_K);
-    B::DEQUANTIZE(&row, out)
+    // A block at a time: the float path widens rows tile by tile, so this stays allocation-free.
+    let group = &columns[r / GROUP_ROWS * row_blocks..][..row_blocks];
+    for (column, out) in group.iter().zip(out.chunks_exact_mut(QK_K)) {
+        B::DEQUANTIZE(&[block_of(column, r % GROUP_ROWS)], out);
+    }
 }
 
 /// The super-block columns of one interleaved group, as the grouped kernels read them.
