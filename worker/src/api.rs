@@ -259,6 +259,8 @@ pub struct LoadSnapshot {
     pub prefix_cache_hits_total: u64,
     pub preemptions_total: u64,
     pub steps_total: u64,
+    /// Steps stopped before their end for a higher priority's request (in `steps_total` too).
+    pub steps_interrupted_total: u64,
     /// Batch size of the last engine step.
     pub last_batch_size: usize,
     /// Steps that computed prompt positions, sized by the positions they computed.

@@ -481,6 +481,49 @@ fn lower_priorities_sit_out_the_steps_of_a_higher_prompt() {
 }
 
 #[test]
+fn a_higher_priority_stops_a_lower_step_that_later_runs_again_unchanged() {
+    // The whole long prompt in one step, long enough to be running when the urgent request
+    // arrives.
+    let cfg = EngineConfig {
+        max_num_batched_tokens: 2048,
+        ..config()
+    };
+    let numbers: String = (0..300).map(|i| format!("{i}, ")).collect();
+    let long = || request("low", &format!("Continue: {numbers}"), greedy(3));
+    let alone = run(&start(cfg.clone()), long());
+    assert!(
+        (500..2048).contains(&alone.usage.prompt_tokens),
+        "a long prompt that fits one step: {:?}",
+        alone.usage
+    );
+
+    let engine = start(cfg);
+    let mut low = engine.submit(long()).expect("a low-priority request");
+    // Admission and the step's start happen under one lock: once the queue is empty the step
+    // runs.
+    wait_load(&engine, |load| load.waiting == 0, "the long prompt's step");
+    let mut high = engine
+        .submit(with_priority(
+            request("high", &chat("Name a colour."), greedy(2)),
+            1,
+        ))
+        .expect("a high-priority request");
+    high.blocking_recv().expect("its first token");
+    let waker = std::task::Waker::noop();
+    assert!(
+        low.poll_recv(&mut std::task::Context::from_waker(waker))
+            .is_pending(),
+        "the long prompt's step was stopped before it gave a token"
+    );
+    assert!(engine.load().steps_interrupted_total >= 1);
+    let low = collect(low);
+    assert_eq!(
+        low.tokens, alone.tokens,
+        "the step run again gives the same answer"
+    );
+}
+
+#[test]
 fn stop_strings_and_stop_tokens_end_generation() {
     let engine = start(config());
     let prompt = "Here is a list of fruits: apple, banana,";

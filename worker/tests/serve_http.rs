@@ -249,6 +249,7 @@ async fn metrics_expose_the_standard_names() {
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "vllm:num_preemptions_total",
+        "npufleet_steps_interrupted_total",
         "npufleet_batch_size",
         "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total",

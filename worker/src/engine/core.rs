@@ -14,7 +14,7 @@ use super::stream::SequenceOutput;
 use super::warm_up::WarmUpPlan;
 use super::{EngineConfig, Sequence, Shared, SharedState, check_config};
 use crate::api::{FinishReason, LoadSnapshot, RequestTimings, Usage};
-use crate::model::{KvCache, Model, SequenceChunk, StepBuffers, WeightPrecision};
+use crate::model::{ForwardError, KvCache, Model, SequenceChunk, StepBuffers, WeightPrecision};
 
 /// Sizes derived from the model and the configuration before the engine starts.
 #[derive(Debug, Clone)]
@@ -33,6 +33,13 @@ pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
         WeightPrecision::Int8 => 0,
         WeightPrecision::Full => 1,
     }
+}
+
+/// How a step's forward pass ended.
+enum Step {
+    Completed,
+    /// Stopped for a more urgent request before its end: the step counts for nothing.
+    Interrupted,
 }
 
 /// One sequence's share of an engine step: positions `start..start + len`.
@@ -338,12 +345,21 @@ impl EngineCore {
                 );
                 continue;
             }
+            let top = plan.iter().map(|item| self.running[&item.order].priority);
+            self.shared.interrupt.arm(top.max().unwrap_or(i32::MAX));
             drop(state);
             let started = Instant::now();
             match self.execute(&plan) {
-                Ok(()) => {
+                Ok(Step::Completed) => {
                     self.count_step(&plan, started.elapsed().as_secs_f64());
                     self.update(&plan);
+                }
+                Ok(Step::Interrupted) => {
+                    tracing::debug!(
+                        sequences = plan.len(),
+                        "step interrupted for a higher priority"
+                    );
+                    self.counters.steps_interrupted_total += 1;
                 }
                 Err(message) => {
                     tracing::error!(%message);
@@ -602,8 +618,9 @@ impl EngineCore {
     }
 
     /// Runs one forward pass over the plan and samples the next token of every sequence
-    /// whose prompt it completes, into `self.sampled`.
-    fn execute(&mut self, plan: &[Scheduled]) -> Result<(), String> {
+    /// whose prompt it completes, into `self.sampled`, unless a submission outranking the
+    /// whole plan stops the pass ([`super::interrupt`]).
+    fn execute(&mut self, plan: &[Scheduled]) -> Result<Step, String> {
         let batch: Vec<SequenceChunk<'_>> = plan
             .iter()
             .map(|item| {
@@ -617,11 +634,18 @@ impl EngineCore {
                 }
             })
             .collect();
+        let interrupt = &self.shared.interrupt;
         let result = self
             .model
-            .forward_into(&mut self.kv, &batch, &mut self.buffers);
+            .forward_unless(&mut self.kv, &batch, &mut self.buffers, &|| {
+                interrupt.raised()
+            });
         drop(batch);
-        result.map_err(|err| format!("the forward pass failed: {err}"))?;
+        match result {
+            Ok(()) => {}
+            Err(ForwardError::Interrupted { .. }) => return Ok(Step::Interrupted),
+            Err(err) => return Err(format!("the forward pass failed: {err}")),
+        }
         let mut logits = self.buffers.logits();
         self.sampled.clear();
         for item in plan {
@@ -636,7 +660,7 @@ impl EngineCore {
             };
             self.sampled.push(token);
         }
-        Ok(())
+        Ok(Step::Completed)
     }
 
     /// Advances every sequence of the plan past its computed positions, appends the tokens

@@ -23,6 +23,7 @@
 
 mod blocks;
 mod core;
+mod interrupt;
 pub mod kv_events;
 pub mod sampler;
 mod stop;
@@ -160,6 +161,7 @@ pub fn start(model: Model, cfg: EngineConfig) -> anyhow::Result<Arc<EngineHandle
         }),
         wake: Condvar::new(),
         kv_events: kv_events::KvEventLog::new(cfg.block_size),
+        interrupt: interrupt::StepInterrupt::default(),
     });
     let config = model.config();
     let info = ModelInfo {
@@ -221,6 +223,7 @@ struct Shared {
     /// Signalled when work arrives or the engine must stop.
     wake: Condvar,
     kv_events: kv_events::KvEventLog,
+    interrupt: interrupt::StepInterrupt,
 }
 
 impl Shared {
@@ -538,6 +541,7 @@ impl Engine for EngineHandle {
             prompt_tokens = sequence.prompt_len,
             "request queued"
         );
+        self.shared.interrupt.offer(sequence.priority);
         state.enqueue(sequence);
         drop(state);
         self.shared.wake.notify_all();

@@ -42,12 +42,14 @@ fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf
 }
 
-/// Runs the pass; the logits are left in `buf` (see [`StepBuffers::logits`]).
+/// Runs the pass, checking `interrupted` before each layer and before the output head; the
+/// logits are left in `buf` (see [`StepBuffers::logits`]).
 pub(super) fn forward(
     m: &Model,
     kv: &mut KvCache,
     batch: &[SequenceChunk<'_>],
     buf: &mut StepBuffers,
+    interrupted: &(dyn Fn() -> bool + Sync),
 ) -> Result<(), ForwardError> {
     let (cfg, w, be) = (&m.config, &m.weights, m.backend.as_ref());
     let (dim, hd, eps) = (cfg.dim, cfg.head_dim, cfg.rms_eps);
@@ -86,6 +88,9 @@ pub(super) fn forward(
     let (k, v) = (zeroed(k, n * nkv * hd), zeroed(v, n * nkv * hd));
     let (gate, up) = (zeroed(gate, n * ffn), zeroed(up, n * ffn));
     for (l, lw) in w.layers.iter().enumerate() {
+        if interrupted() {
+            return Err(ForwardError::Interrupted { layers: l });
+        }
         rms_norm(x, &lw.attn_norm, eps, xb);
         linear_shared_input(
             be,
@@ -136,6 +141,11 @@ pub(super) fn forward(
         linear(be, &lw.w_down, gate, &rows.segments, out);
         m.all_reduce(out)?;
         add(x, out);
+    }
+    if interrupted() {
+        return Err(ForwardError::Interrupted {
+            layers: w.layers.len(),
+        });
     }
     let wanted: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].want_logits).collect();
     let last = zeroed(last, wanted.len() * dim);

@@ -166,6 +166,6 @@ pub(super) fn follow(model: &Model, kv: &mut KvCache) -> Result<(), ForwardError
                 },
             })
             .collect();
-        model.forward_local(kv, &batch, &mut buffers)
+        model.forward_local(kv, &batch, &mut buffers, &|| false)
     })
 }

@@ -235,6 +235,8 @@ pub enum ForwardError {
     KvCacheMismatch(String),
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    #[error("the pass was interrupted after {layers} of its layers")]
+    Interrupted { layers: usize },
 }
 
 impl Model {
@@ -397,15 +399,30 @@ impl Model {
         batch: &[SequenceChunk<'_>],
         buffers: &mut StepBuffers,
     ) -> Result<(), ForwardError> {
+        self.forward_unless(kv, batch, buffers, &|| false)
+    }
+
+    /// [`Model::forward_into`] that stops between two layers once `interrupted` returns
+    /// true, with [`ForwardError::Interrupted`]. The caller runs the step again later: the
+    /// positions the stopped pass wrote to the KV cache are then written again with the same
+    /// values. A tensor-parallel group's step runs to its end, as its followers wait in the
+    /// step's collectives.
+    pub fn forward_unless(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SequenceChunk<'_>],
+        buffers: &mut StepBuffers,
+        interrupted: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(), ForwardError> {
         match &self.leader {
             Some(leader) if !batch.is_empty() => {
                 // A plan the followers would refuse must not reach them.
                 self.validate(kv, batch)?;
                 leader.run(&group::plan_of(batch), || {
-                    self.run_validated(kv, batch, buffers)
+                    self.run_validated(kv, batch, buffers, &|| false)
                 })
             }
-            _ => self.forward_local(kv, batch, buffers),
+            _ => self.forward_local(kv, batch, buffers, interrupted),
         }
     }
 
@@ -415,13 +432,14 @@ impl Model {
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],
         buffers: &mut StepBuffers,
+        interrupted: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), ForwardError> {
         self.validate(kv, batch)?;
         if batch.is_empty() {
             buffers.logits.clear();
             return Ok(());
         }
-        self.run_validated(kv, batch, buffers)
+        self.run_validated(kv, batch, buffers, interrupted)
     }
 
     fn run_validated(
@@ -429,10 +447,11 @@ impl Model {
         kv: &mut KvCache,
         batch: &[SequenceChunk<'_>],
         buffers: &mut StepBuffers,
+        interrupted: &(dyn Fn() -> bool + Sync),
     ) -> Result<(), ForwardError> {
         let mut result = None;
         self.backend
-            .run(&mut || result = Some(forward::forward(self, kv, batch, buffers)));
+            .run(&mut || result = Some(forward::forward(self, kv, batch, buffers, interrupted)));
         result.expect("the backend runs the forward pass")
     }
 

@@ -46,6 +46,7 @@ pub struct Metrics {
     generation_tokens: IntCounter,
     request_success: IntCounterVec,
     preemptions: IntCounter,
+    steps_interrupted: IntCounter,
     batch_size: IntGauge,
     prefix_cache_hits: IntCounter,
     prefix_cache_queries: IntCounter,
@@ -258,6 +259,10 @@ impl Metrics {
                 "vllm:num_preemptions_total",
                 "Requests preempted to free KV-cache blocks.",
             ),
+            steps_interrupted: r.counter(
+                "npufleet_steps_interrupted_total",
+                "Engine steps stopped before their end for a higher-priority request.",
+            ),
             batch_size: r.gauge("npufleet_batch_size", "Sequences in the last engine step."),
             prefix_cache_hits: r.counter(
                 "vllm:prefix_cache_hits_total",
@@ -363,6 +368,7 @@ impl Metrics {
             (&self.prompt_tokens, load.prompt_tokens_total),
             (&self.generation_tokens, load.generation_tokens_total),
             (&self.preemptions, load.preemptions_total),
+            (&self.steps_interrupted, load.steps_interrupted_total),
             (&self.prefix_cache_hits, load.prefix_cache_hits_total),
             (&self.prefix_cache_queries, load.prefix_cache_queries_total),
         ] {
