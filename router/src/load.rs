@@ -126,11 +126,7 @@ async fn scrape_replica(
         };
         match scraped.await {
             Ok(load) => state.set_report(Report {
-                load: ReportedLoad {
-                    waiting: load.waiting,
-                    running: load.running,
-                    kv_cache_usage: load.kv_cache_usage,
-                },
+                load: ReportedLoad::new(load.waiting, load.running, load.kv_cache_usage),
                 draining: false,
                 received: Instant::now(),
             }),
@@ -257,11 +253,7 @@ async fn stream_reports(
 fn to_report(report: &LoadReport) -> Report {
     let draining = matches!(report.state(), WorkerState::Draining | WorkerState::Drained);
     Report {
-        load: ReportedLoad {
-            waiting: report.waiting,
-            running: report.running,
-            kv_cache_usage: report.kv_cache_usage,
-        },
+        load: ReportedLoad::new(report.waiting, report.running, report.kv_cache_usage),
         draining,
         received: Instant::now(),
     }

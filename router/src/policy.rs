@@ -23,27 +23,49 @@ pub struct ReportedLoad {
     pub running: u32,
     /// Fraction of KV-cache blocks in use, 0..=1.
     pub kv_cache_usage: f64,
+    /// This router's requests in flight at the replica when the report arrived: the rest of
+    /// the report's count is other routers' and clients'.
+    pub own_in_flight: u32,
+}
+
+impl ReportedLoad {
+    /// The worker's figures, before the router stamps its own count on them.
+    pub fn new(waiting: u32, running: u32, kv_cache_usage: f64) -> Self {
+        Self {
+            waiting,
+            running,
+            kv_cache_usage,
+            own_in_flight: 0,
+        }
+    }
+
+    /// Requests at the replica that are not this router's, as of the report.
+    fn others(&self) -> u32 {
+        self.waiting
+            .saturating_add(self.running)
+            .saturating_sub(self.own_in_flight)
+    }
 }
 
 impl Candidate {
-    /// Requests outstanding at the replica. The worker's count covers every router's
-    /// requests but is up to one report interval old; this router's own count is exact for its
-    /// share, so the larger of the two is the best estimate.
+    /// Requests outstanding at the replica: this router's own, counted exactly, and the
+    /// others' as of the last report. The report is up to one interval old, so its count of
+    /// this router's requests is not used: after a burst finishes it would keep the replica
+    /// looking busy for the rest of the interval.
     pub fn outstanding(&self) -> u32 {
-        let reported = self
-            .reported
-            .map_or(0, |r| r.waiting.saturating_add(r.running));
-        self.in_flight.max(reported)
+        let others = self.reported.map_or(0, |r| r.others());
+        self.in_flight.saturating_add(others)
     }
 
-    /// Least-load score: outstanding requests, with queued ones counted again (they are what
-    /// adds latency), and KV-cache use (0..1) breaking ties between equally busy replicas.
+    /// Least-load score: outstanding requests, with the others' queued ones counted again
+    /// (they are what adds latency), and KV-cache use (0..1) breaking ties between equally
+    /// busy replicas.
     pub fn load_score(&self) -> f64 {
-        let waiting = self.reported.map_or(0, |r| r.waiting);
+        let queued = self.reported.map_or(0, |r| r.waiting.min(r.others()));
         let kv = self
             .reported
             .map_or(0.0, |r| r.kv_cache_usage.clamp(0.0, 1.0));
-        f64::from(self.outstanding()) + f64::from(waiting) + kv
+        f64::from(self.outstanding()) + f64::from(queued) + kv
     }
 }
 
@@ -184,11 +206,7 @@ mod tests {
         Candidate {
             id: id.to_owned(),
             in_flight,
-            reported: Some(ReportedLoad {
-                waiting,
-                running,
-                kv_cache_usage: kv,
-            }),
+            reported: Some(ReportedLoad::new(waiting, running, kv)),
             cached_blocks: 0,
         }
     }
@@ -241,6 +259,19 @@ mod tests {
         // The report says "b" is idle, but this router has just sent it five requests.
         let candidates = [with_load("a", 1, 0, 1, 0.0), with_load("b", 5, 0, 0, 0.0)];
         assert_eq!(least_load(&candidates, 1), Some(0));
+    }
+
+    #[test]
+    fn least_load_does_not_count_its_own_finished_requests_from_a_lagging_report() {
+        // Both reports counted two of this router's requests, and "a"'s have since finished;
+        // "b" also serves another router's three.
+        let mut a = with_load("a", 0, 0, 2, 0.0);
+        let mut b = with_load("b", 1, 1, 4, 0.0);
+        for c in [&mut a, &mut b] {
+            c.reported.as_mut().unwrap().own_in_flight = 2;
+        }
+        assert_eq!((a.outstanding(), b.outstanding()), (0, 4));
+        assert_eq!(least_load(&[b, a], 0), Some(1));
     }
 
     #[test]
@@ -343,11 +374,7 @@ mod tests {
         let idle_fleet = [idle("pod-a"), idle("pod-b")];
         let home = bounded_load_consistent_hash(&idle_fleet, key, 1.25).unwrap();
         let mut busy = idle_fleet.clone();
-        busy[home].reported = Some(ReportedLoad {
-            waiting: 6,
-            running: 4,
-            kv_cache_usage: 0.5,
-        });
+        busy[home].reported = Some(ReportedLoad::new(6, 4, 0.5));
         assert_eq!(
             bounded_load_consistent_hash(&busy, key, 1.25),
             Some(1 - home)

@@ -54,7 +54,9 @@ impl ReplicaState {
         self.cached.lock().expect("cache lock").clear();
     }
 
-    pub fn set_report(&self, report: Report) {
+    /// Keeps the worker's report, stamped with this router's requests in flight there now.
+    pub fn set_report(&self, mut report: Report) {
+        report.load.own_in_flight = self.in_flight.load(Ordering::Relaxed);
         *self.report.lock().expect("report lock") = Some(report);
     }
 
@@ -334,11 +336,7 @@ mod tests {
             .unwrap();
         assert_eq!(only.pod, "chat-1-0");
         pool.replica(model.endpoints[1].ip).set_report(Report {
-            load: ReportedLoad {
-                waiting: 0,
-                running: 0,
-                kv_cache_usage: 0.0,
-            },
+            load: ReportedLoad::new(0, 0, 0.0),
             draining: true,
             received: Instant::now(),
         });
@@ -355,6 +353,34 @@ mod tests {
     }
 
     #[test]
+    fn a_report_counts_this_routers_requests_only_while_they_last() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let busy = |running| Report {
+            load: ReportedLoad::new(0, running, 0.0),
+            draining: false,
+            received: Instant::now(),
+        };
+        let mine = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        let (own, other) = match model.endpoints.iter().position(|e| e.pod == mine.pod) {
+            Some(0) => (&model.endpoints[0], &model.endpoints[1]),
+            _ => (&model.endpoints[1], &model.endpoints[0]),
+        };
+        // Each replica reports one request: this router's on one, another's on the other.
+        pool.replica(own.ip).set_report(busy(1));
+        pool.replica(other.ip).set_report(busy(1));
+        drop(mine);
+        for _ in 0..2 {
+            let next = pool
+                .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                .unwrap();
+            assert_eq!(next.pod, own.pod, "its own request has finished there");
+        }
+    }
+
+    #[test]
     fn stale_reports_are_ignored() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
@@ -362,11 +388,7 @@ mod tests {
             return;
         };
         pool.replica(model.endpoints[0].ip).set_report(Report {
-            load: ReportedLoad {
-                waiting: 0,
-                running: 0,
-                kv_cache_usage: 0.0,
-            },
+            load: ReportedLoad::new(0, 0, 0.0),
             draining: true,
             received: long_ago,
         });

@@ -44,13 +44,15 @@ const SYSTEM_PROMPTS: usize = 6;
 /// about 25 blocks, beside the requests in flight).
 const SYSTEM_PROMPTS_THAT_FIT: usize = 3;
 /// Conversations of the multi-turn trace, each with its own system prompt: about twice what one
-/// replica's cache holds, and what the three hold together only when each keeps its own.
-const CONVERSATIONS: usize = 9;
-const TURNS: usize = 4;
+/// replica's cache holds, and what the three hold together only when each keeps its own. Not a
+/// multiple of [`REPLICAS`]: the trace goes turn by turn, and round-robin would otherwise send
+/// every turn of a chat to the same replica by the accident of its order.
+const CONVERSATIONS: usize = 10;
+const TURNS: usize = 6;
 /// Sentences of about 22 tokens: a system prompt of about 400 tokens.
 const SYSTEM_PROMPT_SENTENCES: usize = 18;
 const CLIENTS: usize = 6;
-const REQUESTS_PER_RUN: usize = 36;
+const REQUESTS_PER_RUN: usize = 60;
 const MAX_TOKENS: u32 = 8;
 const POLICIES: [RoutingPolicy; 4] = [
     RoutingPolicy::RoundRobin,
