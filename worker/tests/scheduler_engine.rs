@@ -524,6 +524,38 @@ fn a_higher_priority_stops_a_lower_step_that_later_runs_again_unchanged() {
 }
 
 #[test]
+fn beside_a_higher_prioritys_decodes_a_lower_prompt_advances_in_small_chunks() {
+    let engine = start(EngineConfig {
+        max_num_batched_tokens: 2048,
+        ignore_eos: true,
+        ..config()
+    });
+    let mut high = engine
+        .submit(with_priority(
+            request("high", &chat("Name a colour."), greedy(12)),
+            1,
+        ))
+        .expect("a high-priority request");
+    high.blocking_recv()
+        .expect("its first token: it decodes from now on");
+    let numbers: String = (0..300).map(|i| format!("{i}, ")).collect();
+    let mut low = engine
+        .submit(request("low", &format!("Continue: {numbers}"), greedy(2)))
+        .expect("a low-priority request");
+    // The budget would take the whole prompt in the next step; in small chunks it is not
+    // done before the high priority's eleven decodes are.
+    collect(high);
+    let waker = std::task::Waker::noop();
+    assert!(
+        low.poll_recv(&mut std::task::Context::from_waker(waker))
+            .is_pending(),
+        "the long prompt finished beside the higher priority's decodes"
+    );
+    let low = collect(low);
+    assert!(low.usage.prompt_tokens > 12 * 32, "{:?}", low.usage);
+}
+
+#[test]
 fn stop_strings_and_stop_tokens_end_generation() {
     let engine = start(config());
     let prompt = "Here is a list of fruits: apple, banana,";

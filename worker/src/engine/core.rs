@@ -35,6 +35,13 @@ pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
     }
 }
 
+/// Prompt positions a step computes for a sequence while a higher priority runs beside it:
+/// the chunk shares the step with the higher priority's decodes, and a long one would stretch
+/// their time per token many times over (a 512-position chunk of a small model on CPU takes
+/// about as long as a hundred decode steps); 32 positions about double a decode step there,
+/// and the prompt still advances every step.
+const OUTRANKED_PROMPT_CHUNK: usize = 32;
+
 /// How a step's forward pass ended.
 enum Step {
     Completed,
@@ -432,7 +439,8 @@ impl EngineCore {
     /// running sequences, then newly admitted sequences, all within the token budget. A
     /// prompt of a higher priority than some running sequence runs without those: a step
     /// takes longer with every sequence in it, and the prompt's first token should not wait
-    /// on lower priorities' decodes.
+    /// on lower priorities' decodes. Beside a higher priority's decodes, a lower priority's
+    /// prompt advances [`OUTRANKED_PROMPT_CHUNK`] positions a step.
     fn schedule(&mut self, state: &mut SharedState) -> Vec<Scheduled> {
         let Some(urgent) = self.urgent_priority(state) else {
             return self.schedule_from(i32::MIN, state);
@@ -480,6 +488,14 @@ impl EngineCore {
             .filter(|&(priority, _)| priority >= floor)
             .collect();
         orders.sort_by_key(|&(priority, order)| (std::cmp::Reverse(priority), order));
+        let top = orders.first().map_or(i32::MIN, |&(priority, _)| priority);
+        let chunk_limit = |priority: i32| {
+            if priority < top {
+                OUTRANKED_PROMPT_CHUNK
+            } else {
+                usize::MAX
+            }
+        };
         for decodes in [true, false] {
             for &(_, order) in &orders {
                 if budget == 0 {
@@ -492,7 +508,7 @@ impl EngineCore {
                 if (remaining == 1) != decodes {
                     continue;
                 }
-                let len = remaining.min(budget);
+                let len = remaining.min(budget).min(chunk_limit(sequence.priority));
                 if self.reserve(order, len, &mut plan, &mut budget, state) {
                     let start = self.running[&order].num_computed;
                     plan.push(Scheduled { order, start, len });
@@ -519,7 +535,9 @@ impl EngineCore {
                 let cached = self
                     .blocks
                     .match_prefix(&sequence.tokens, &mut sequence.blocks);
-                let len = (sequence.tokens.len() - cached).min(budget);
+                let len = (sequence.tokens.len() - cached)
+                    .min(budget)
+                    .min(chunk_limit(priority));
                 if self.blocks.grow(&mut sequence.blocks, cached + len) {
                     Some((cached, len))
                 } else {
