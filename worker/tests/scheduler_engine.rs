@@ -393,6 +393,12 @@ fn preemption_under_a_tiny_kv_cache_still_completes_every_request() {
     );
 }
 
+/// Whether `stream` has no event ready now.
+fn nothing_yet(stream: &mut GenerationStream) -> bool {
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    stream.poll_recv(&mut context).is_pending()
+}
+
 fn with_priority(mut request: GenerateRequest, priority: i32) -> GenerateRequest {
     request.priority = priority;
     request
@@ -509,10 +515,8 @@ fn a_higher_priority_stops_a_lower_step_that_later_runs_again_unchanged() {
         ))
         .expect("a high-priority request");
     high.blocking_recv().expect("its first token");
-    let waker = std::task::Waker::noop();
     assert!(
-        low.poll_recv(&mut std::task::Context::from_waker(waker))
-            .is_pending(),
+        nothing_yet(&mut low),
         "the long prompt's step was stopped before it gave a token"
     );
     assert!(engine.load().steps_interrupted_total >= 1);
@@ -545,10 +549,8 @@ fn beside_a_higher_prioritys_decodes_a_lower_prompt_advances_in_small_chunks() {
     // The budget would take the whole prompt in the next step; in small chunks it is not
     // done before the high priority's eleven decodes are.
     collect(high);
-    let waker = std::task::Waker::noop();
     assert!(
-        low.poll_recv(&mut std::task::Context::from_waker(waker))
-            .is_pending(),
+        nothing_yet(&mut low),
         "the long prompt finished beside the higher priority's decodes"
     );
     let low = collect(low);
