@@ -1,12 +1,11 @@
 //! The latency objectives against queue depth on real workers (`make bench-autoscaler`;
 //! minutes, so not in `make test`): the real control plane, the operator's built-in
 //! autoscaler, SmolLM2 workers run by the node agent and the router as its own process. One
-//! seeded trace (the simulator's generator, `sim::tokens::mixed_prompts`, at the size
-//! [`Mix::SMALL_CPU`] gives: Poisson arrivals at 0.3 req/s with a burst to 1.5 req/s from 30 s
-//! to 120 s, 20 % long prompts) is replayed through the router under each mode; per mode, the
-//! share of requests meeting the TTFT and TPOT objectives, replica-seconds (ready serving
-//! replicas, sampled each half second), the scale-up reaction to the burst and the requests
-//! failed.
+//! seeded trace (the simulator's generator, `sim::tokens::CPU_PHASES`: 20 s of quiet chat,
+//! 100 s of chat at 3 req/s, 60 s of documents at 2 req/s) is replayed through the router
+//! under each mode; per mode, the share of requests meeting the TTFT and TPOT objectives,
+//! replica-seconds (ready serving replicas, sampled each half second), when the fleet first
+//! grew and the requests failed. `sim::tokens::cpu_benchmark` is the same run simulated.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,23 +16,17 @@ use futures::StreamExt;
 use kube::api::{ListParams, Patch, PatchParams};
 use npufleet_contract::pods;
 use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
-use npufleet_operator::autoscaler::sim::Trace;
-use npufleet_operator::autoscaler::sim::tokens::{Mix, Request, SEED, mixed_prompts};
+use npufleet_operator::autoscaler::sim::tokens::{
+    CPU_MAX_REPLICAS, CPU_PHASES, CPU_TPOT_TARGET, CPU_TTFT_TARGET, Request, SEED, phased,
+};
 use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text};
 use npufleet_tests::{cluster, service};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "autoscaling-bench";
-const TRACE: Trace = Trace::Step {
-    base: 0.3,
-    peak: 1.5,
-    start: 30.0,
-    end: 120.0,
-};
-const DURATION: f64 = 180.0;
-const TTFT_TARGET: f64 = 2.0;
-const TPOT_TARGET: f64 = 0.15;
-const MAX_REPLICAS: i32 = 3;
+const TTFT_TARGET: f64 = CPU_TTFT_TARGET;
+const TPOT_TARGET: f64 = CPU_TPOT_TARGET;
+const MAX_REPLICAS: u32 = CPU_MAX_REPLICAS;
 
 /// A prompt of about `tokens` tokens (one a word) that shares no prefix with another request's.
 fn prompt(n: usize, tokens: u32) -> String {
@@ -59,6 +52,7 @@ async fn replay(http: &reqwest::Client, url: &str, n: usize, request: Request) -
         "model": service::SMOLLM2,
         "messages": [{"role": "user", "content": prompt(n, request.prompt)}],
         "max_tokens": request.output,
+        "ignore_eos": true,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
@@ -101,7 +95,7 @@ struct ModeRun {
     ttft_met: f64,
     tpot_met: f64,
     replica_seconds: f64,
-    reaction: Option<f64>,
+    grew_at: Option<f64>,
     failed: usize,
     most: usize,
 }
@@ -126,6 +120,7 @@ async fn run_mode(
     let pod_api = bed.pods();
     let serving = Arc::new(AtomicUsize::new(1));
     let started = Instant::now();
+    let duration: f64 = CPU_PHASES.iter().map(|p| p.seconds).sum();
     let sampler = tokio::spawn({
         let serving = serving.clone();
         async move {
@@ -139,11 +134,26 @@ async fn run_mode(
                     && let Ok(service) = services.get("chat").await
                     && let Some(o) = service
                         .status
-                        .and_then(|s| s.autoscaling)
-                        .and_then(|a| a.objectives)
+                        .as_ref()
+                        .and_then(|s| s.autoscaling.as_ref())
+                        .and_then(|a| a.objectives.clone())
                 {
+                    let capacity = service
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.autoscaling.as_ref())
+                        .and_then(|a| a.capacity.as_ref())
+                        .map(|c| {
+                            format!(
+                                "prefill {:.4} + {:.5}/pos, decode {:.4} + {:.5}/seq",
+                                c.prefill.intercept_seconds,
+                                c.prefill.seconds_per_unit,
+                                c.decode.intercept_seconds,
+                                c.decode.seconds_per_unit
+                            )
+                        });
                     eprintln!(
-                        "  {:>5.1} s: {} req/s, implied {:?}, ttft {:?}, tpot {:?}",
+                        "  {:>5.1} s: {} req/s, implied {:?}, ttft {:?}, tpot {:?}, {capacity:?}",
                         started.elapsed().as_secs_f64(),
                         o.arrival_rate.unwrap_or_default(),
                         o.replicas_implied,
@@ -160,10 +170,10 @@ async fn run_mode(
                 replica_seconds += 0.5 * now as f64;
                 most = most.max(now);
                 let t = started.elapsed().as_secs_f64();
-                if now > 1 && t >= 30.0 && first_up.is_none() {
-                    first_up = Some(t - 30.0);
+                if now > 1 && first_up.is_none() {
+                    first_up = Some(t);
                 }
-                if t >= DURATION + 30.0 {
+                if t >= duration + 30.0 {
                     break;
                 }
             }
@@ -190,7 +200,7 @@ async fn run_mode(
             }
         }
     }
-    let (replica_seconds, reaction, most) = sampler.await?;
+    let (replica_seconds, grew_at, most) = sampler.await?;
     let share = |met: usize, of: usize| met as f64 / of.max(1) as f64;
     let with_tpot: Vec<f64> = timings.iter().filter_map(|t| t.tpot).collect();
     Ok(ModeRun {
@@ -203,7 +213,7 @@ async fn run_mode(
             with_tpot.len(),
         ),
         replica_seconds,
-        reaction,
+        grew_at,
         failed,
         most,
     })
@@ -221,7 +231,7 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
         bed.apply_smollm2("chat", json!({"replicas": 1, "engine": engine})).await?;
         bed.wait_serving(1).await?;
         let router = RunningRouter::start(cluster::shared(), "router-autoscaling-bench", &bed.namespace, &[]).await?;
-        let requests = mixed_prompts(&TRACE, DURATION, SEED, &Mix::SMALL_CPU);
+        let requests = phased(&CPU_PHASES, SEED);
         let objectives = json!({
             "mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
             "objectives": {
@@ -234,17 +244,20 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
             "targetQueueDepth": target, "objectives": null,
         });
         println!(
-            "\n### Objectives against queue depth on real workers: SmolLM2-135M (1 thread a replica, 2 cores), {} requests over {DURATION} s (seed {SEED}), objectives TTFT p90 {TTFT_TARGET} s and TPOT p90 {} ms, 1 to {MAX_REPLICAS} replicas\n",
+            "\n### Objectives against queue depth on real workers: SmolLM2-135M (1 thread a replica, 2 cores), {} requests (seed {SEED}; chat from {} s, documents from {} s), objectives TTFT p90 {TTFT_TARGET} s and TPOT p90 {} ms, 1 to {MAX_REPLICAS} replicas\n",
             requests.len(),
+            CPU_PHASES[0].seconds,
+            CPU_PHASES[0].seconds + CPU_PHASES[1].seconds,
             TPOT_TARGET * 1000.0
         );
-        println!("| mode | TTFT met | TPOT met | replica-seconds | scale-up after the burst began | most replicas | failed |");
+        println!("| mode | TTFT met | TPOT met | replica-seconds | first grew at | most replicas | failed |");
         println!("|---|---|---|---|---|---|---|");
         let mut failed = 0;
         for (name, autoscaling) in [
             ("objectives".to_owned(), objectives),
-            ("queue depth 1".to_owned(), queue(1)),
-            ("queue depth 3".to_owned(), queue(3)),
+            ("queue depth 2".to_owned(), queue(2)),
+            ("queue depth 4".to_owned(), queue(4)),
+            ("queue depth 6".to_owned(), queue(6)),
         ] {
             let run = run_mode(&bed, &router, &requests, autoscaling).await?;
             println!(
@@ -252,7 +265,7 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
                 100.0 * run.ttft_met,
                 100.0 * run.tpot_met,
                 run.replica_seconds,
-                run.reaction.map_or("none".to_owned(), |s| format!("{s:.1} s")),
+                run.grew_at.map_or("never".to_owned(), |s| format!("{s:.1} s")),
                 run.most,
                 run.failed
             );

@@ -1,7 +1,8 @@
 //! Replays bursty load traces on a simulated fleet with a model warm-up delay and compares
 //! the built-in queue-depth autoscaler with HPA- and KPA-equivalent policies; then replays
-//! the token-level benchmark trace (short and long prompts) under the latency objectives and
-//! under queue depth at several targets.
+//! the token-level benchmark traces (short and long prompts on an NPU-like fleet; chat then
+//! documents on one-thread CPU workers, the benchmark on real workers simulated) under the
+//! latency objectives and under queue depth at several targets.
 
 use clap::Parser;
 use npufleet_operator::autoscaler::policy::PolicyConfig;
@@ -153,11 +154,50 @@ fn objectives_table(max_replicas: u32) {
         fleet.max_batch,
         fleet.warm_up,
     );
+    table(tokens::compare(max_replicas));
+    let (fleet, requests) = tokens::cpu_benchmark();
+    let phases: Vec<String> = tokens::CPU_PHASES
+        .iter()
+        .map(|p| {
+            format!(
+                "{} s at {} req/s with prompts of {}..={} tokens and outputs of {}..={}",
+                p.seconds,
+                p.rate,
+                p.mix.short_prompt.0.min(p.mix.long_prompt.0),
+                p.mix.short_prompt.1.max(p.mix.long_prompt.1),
+                p.mix.output.0,
+                p.mix.output.1
+            )
+        })
+        .collect();
+    println!(
+        "\nThe benchmark on real workers, simulated: TTFT {}, TPOT {}; {} requests: {}; groups: \
+         prefill {} s + {} s a position, decode {} s + {} s a sequence, warm-up {} s; 1 to {} \
+         groups.\n",
+        objective(fleet.targets.ttft),
+        objective(fleet.targets.tpot),
+        requests.len(),
+        phases.join(", then "),
+        fleet.prefill.intercept,
+        fleet.prefill.slope,
+        fleet.decode.intercept,
+        fleet.decode.slope,
+        fleet.warm_up,
+        tokens::CPU_MAX_REPLICAS,
+    );
+    table(tokens::compare_on(
+        &fleet,
+        &requests,
+        tokens::CPU_MAX_REPLICAS,
+    ));
+}
+
+fn table(outcomes: Vec<(String, tokens::Outcome)>) {
     println!(
         "| mode | TTFT met | TPOT met | replica-seconds | scale-up reaction (s) | failed requests | max replicas |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    for (mode, o) in tokens::compare(max_replicas) {
+    for (mode, o) in outcomes {
         let reaction = o
             .scale_up_reaction
             .map_or_else(|| "never".to_owned(), |t| format!("{t:.1}"));
