@@ -1184,12 +1184,13 @@ pub struct ObjectivePrediction {
     /// The percentile predicted with `replicasImplied` groups.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_seconds_at_implied: Option<f64>,
-    /// TTFT only: the percentile the workers measured over the last window with enough
-    /// requests (20 s, at least 20 first tokens).
+    /// What the workers measured over the last window with enough of it (20 s): for TTFT
+    /// the percentile of at least 20 first tokens, for TPOT the mean wait between tokens
+    /// over at least 20 decode steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub measured_seconds: Option<f64>,
-    /// TTFT only: `measuredSeconds` over the percentile predicted for that window's arrivals
-    /// and replica groups (bounded to 0.25..4); the predictions above are multiplied by it.
+    /// `measuredSeconds` over the prediction for that window's arrivals and replica groups
+    /// (bounded to 0.25..4); the predictions above are multiplied by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<f64>,
 }

@@ -344,7 +344,10 @@ fn objectives_status(
     ready_seconds: f64,
     sizing: &Sizing,
     at_ready: &Prediction,
-    calibration: Option<&objectives::Calibration>,
+    (ttft_calibration, tpot_calibration): (
+        Option<&objectives::Calibration>,
+        Option<&objectives::Calibration>,
+    ),
 ) -> ObjectivesStatus {
     let round = |x: f64, digits: i32| {
         let scale = 10f64.powi(digits);
@@ -359,12 +362,16 @@ fn objectives_status(
             ..Default::default()
         })
     };
-    let ttft =
-        entry(targets.ttft, at_ready.ttft, sizing.at_replicas.ttft).map(|e| ObjectivePrediction {
-            measured_seconds: calibration.map(|c| round(c.measured, 4)),
-            calibration: calibration.map(|c| round(c.factor, 3)),
+    let calibrated =
+        |e: ObjectivePrediction, c: Option<&objectives::Calibration>| ObjectivePrediction {
+            measured_seconds: c.map(|c| round(c.measured, 4)),
+            calibration: c.map(|c| round(c.factor, 3)),
             ..e
-        });
+        };
+    let ttft = entry(targets.ttft, at_ready.ttft, sizing.at_replicas.ttft)
+        .map(|e| calibrated(e, ttft_calibration));
+    let tpot = entry(targets.tpot, at_ready.tpot, sizing.at_replicas.tpot)
+        .map(|e| calibrated(e, tpot_calibration));
     ObjectivesStatus {
         arrival_rate: Some(round(demand.measured_rate, 3)),
         mean_prompt_tokens: Some(round(demand.mean_prompt, 1)),
@@ -372,7 +379,7 @@ fn objectives_status(
         ready_seconds: Some(round(ready_seconds, 2)),
         replicas_implied: Some(i32::try_from(sizing.replicas).unwrap_or(i32::MAX)),
         ttft,
-        tpot: entry(targets.tpot, at_ready.tpot, sizing.at_replicas.tpot),
+        tpot,
     }
 }
 
@@ -787,6 +794,7 @@ impl Autoscaler {
             sizing,
             at_ready,
             calibration,
+            tpot_calibration,
         } = evaluation;
         let ready_seconds = state
             .tracker
@@ -798,7 +806,7 @@ impl Autoscaler {
             ready_seconds,
             &sizing,
             &at_ready,
-            calibration.as_ref(),
+            (calibration.as_ref(), tpot_calibration.as_ref()),
         ));
         // A fleet at zero with nothing arriving misses nothing.
         if ready > 0 || demand.measured_rate > 0.0 {

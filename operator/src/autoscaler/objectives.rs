@@ -32,8 +32,11 @@
 //! long window holds [`MIN_MEASURED`] first tokens, the TTFT percentile they measured is
 //! compared with the one predicted for the same arrivals on the same number of groups, and
 //! every TTFT prediction is multiplied by the ratio (bounded to [`CALIBRATION_BOUNDS`]) until
-//! the next such window: the correction an NVIDIA Dynamo planner applies too. TPOT needs
-//! none: its prediction is the measured step time itself.
+//! the next such window: the correction an NVIDIA Dynamo planner applies too. TPOT is
+//! corrected the same way, against the batch-weighted mean decode step the workers ran over
+//! the window stretched by the share of time their prompt steps took: the fitted decode line
+//! is a least-squares fit over every batch seen, and the batch the model solves for nears
+//! its throughput limit long before the engine does.
 //!
 //! Until both step kinds have [`MIN_STEPS`] samples the model is the conservative default;
 //! for the first long window after a start the count holds instead ([`Unknown::Starting`]),
@@ -330,11 +333,11 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    /// The prediction with its TTFT multiplied by a calibration `factor`.
-    fn calibrated(self, factor: f64) -> Self {
+    /// The prediction with its TTFT and TPOT multiplied by their calibration factors.
+    fn calibrated(self, factors: Factors) -> Self {
         Self {
-            ttft: self.ttft.map(|t| t * factor),
-            ..self
+            ttft: self.ttft.map(|t| t * factors.ttft),
+            tpot: self.tpot.map(|t| t * factors.tpot),
         }
     }
 
@@ -403,6 +406,20 @@ pub fn predict(
     }
 }
 
+/// What the predictions are multiplied by: measured over predicted, per objective.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Factors {
+    pub ttft: f64,
+    pub tpot: f64,
+}
+
+impl Factors {
+    pub const NONE: Factors = Factors {
+        ttft: 1.0,
+        tpot: 1.0,
+    };
+}
+
 /// The replica-group count the objectives ask for.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sizing {
@@ -417,17 +434,16 @@ pub struct Sizing {
 /// that no count can meet (the prefill of a long prompt alone outlasts the target) becomes a
 /// budget for the delay that queueing adds to what an idle group would give: more groups
 /// than that buy nothing the objective asks for. `met` says whether every objective as
-/// written is met. Every TTFT prediction is multiplied by the calibration `ttft_factor`.
+/// written is met. Every prediction is multiplied by its calibration `factors`.
 pub fn size(
     capacity: &Capacity,
     demand: &Demand,
     targets: &Targets,
     max_replicas: u32,
-    ttft_factor: f64,
+    factors: Factors,
 ) -> Sizing {
     let max_replicas = max_replicas.max(1);
-    let predict =
-        |demand: &Demand, n| predict(capacity, demand, targets, n).calibrated(ttft_factor);
+    let predict = |demand: &Demand, n| predict(capacity, demand, targets, n).calibrated(factors);
     let idle = predict(
         &Demand {
             rate: 0.0,
@@ -466,32 +482,33 @@ pub fn size(
     }
 }
 
-/// How the TTFT predictions compare with what the workers measured.
+/// How an objective's predictions compare with what the workers measured.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Calibration {
-    /// The TTFT percentile the workers measured over the long window it was taken from.
+    /// What the workers measured over the long window it was taken from.
     pub measured: f64,
-    /// `measured` over the percentile predicted for that window's arrivals on its groups,
-    /// within [`CALIBRATION_BOUNDS`]: what every TTFT prediction is multiplied by.
+    /// `measured` over the prediction for that window's arrivals on its groups, within
+    /// [`CALIBRATION_BOUNDS`]: what every prediction of the objective is multiplied by.
     pub factor: f64,
 }
 
-/// The calibration from a long window whose first tokens give `measured` at the TTFT
-/// target's percentile, with `demand` arriving at its measured rate on `groups` groups on
-/// average; `None` when the model predicts those groups cannot keep up.
+/// The calibration from a long window in which the workers measured `measured` (of the
+/// objective `objective` picks from a prediction), with `demand` arriving at its measured
+/// rate on `groups` groups on average; `None` when the model predicts those groups cannot
+/// keep up.
 fn calibrate(
     capacity: &Capacity,
     demand: &Demand,
     targets: &Targets,
-    measured: f64,
-    groups: f64,
+    (measured, groups): (f64, f64),
+    objective: fn(&Prediction) -> Option<f64>,
 ) -> Option<Calibration> {
     let groups = (groups.round() as u32).max(1);
     let window = Demand {
         rate: demand.measured_rate,
         ..*demand
     };
-    let predicted = predict(capacity, &window, targets, groups).ttft?;
+    let predicted = objective(&predict(capacity, &window, targets, groups))?;
     (predicted > 0.0).then(|| Calibration {
         measured,
         factor: (measured / predicted).clamp(CALIBRATION_BOUNDS.0, CALIBRATION_BOUNDS.1),
@@ -507,6 +524,8 @@ pub struct Evaluation {
     pub at_ready: Prediction,
     /// The calibration the TTFT predictions above include, once there is one.
     pub calibration: Option<Calibration>,
+    /// The calibration the TPOT predictions above include, once there is one.
+    pub tpot_calibration: Option<Calibration>,
 }
 
 /// Takes in one tick (`groups` at `now`, `waiting` requests queued, `ready` groups serving)
@@ -526,18 +545,28 @@ pub fn evaluate(
     let demand = tracker.demand(now, waiting, count(serving.count()), count(with_counters))?;
     let capacity = *tracker.capacity();
     if let Some(target) = targets.ttft
-        && let Some((measured, groups)) = tracker.measured_ttft(target.quantile)
-        && let Some(calibration) = calibrate(&capacity, &demand, targets, measured, groups)
+        && let Some(measured) = tracker.measured_ttft(target.quantile)
+        && let Some(calibration) = calibrate(&capacity, &demand, targets, measured, |p| p.ttft)
     {
         tracker.calibration = Some(calibration);
     }
-    let calibration = tracker.calibration;
-    let factor = calibration.map_or(1.0, |c| c.factor);
+    if targets.tpot.is_some()
+        && let Some(measured) = tracker.window_tpot
+        && let Some(calibration) = calibrate(&capacity, &demand, targets, measured, |p| p.tpot)
+    {
+        tracker.tpot_calibration = Some(calibration);
+    }
+    let (calibration, tpot_calibration) = (tracker.calibration, tracker.tpot_calibration);
+    let factors = Factors {
+        ttft: calibration.map_or(1.0, |c| c.factor),
+        tpot: tpot_calibration.map_or(1.0, |c| c.factor),
+    };
     Ok(Evaluation {
         demand,
-        sizing: size(&capacity, &demand, targets, max_replicas, factor),
-        at_ready: predict(&capacity, &demand, targets, ready).calibrated(factor),
+        sizing: size(&capacity, &demand, targets, max_replicas, factors),
+        at_ready: predict(&capacity, &demand, targets, ready).calibrated(factors),
         calibration,
+        tpot_calibration,
     })
 }
 
@@ -627,6 +656,11 @@ pub struct Tracker {
     window_ttft: (Latencies, f64),
     /// The TTFT calibration, from the last long window with enough first tokens.
     calibration: Option<Calibration>,
+    /// The time per output token the workers took over the last long window and the groups
+    /// serving through it on average, once it holds [`MIN_MEASURED`] decode steps.
+    window_tpot: Option<(f64, f64)>,
+    /// The TPOT calibration, from the last long window with enough decode steps.
+    tpot_calibration: Option<Calibration>,
 }
 
 /// What the fleet did between two ticks, and how many groups' counters it sums.
@@ -656,6 +690,8 @@ impl Tracker {
             max_batch: None,
             window_ttft: (Latencies::default(), 0.0),
             calibration: None,
+            window_tpot: None,
+            tpot_calibration: None,
         }
     }
 
@@ -783,6 +819,14 @@ impl Tracker {
             0.0
         };
         self.window_ttft = (long.time_to_first_token.clone(), groups);
+        // A decoding sequence waits one step for each token: the steps' mean weighted by
+        // the sequences in them, stretched by the share of time prompt steps took, as the
+        // model predicts it.
+        if long.decode.n >= MIN_MEASURED && long.decode.x > 0.0 && group_seconds > 0.0 {
+            let step = long.decode.xy / long.decode.x;
+            let prefill_share = (long.prefill.y / group_seconds).min(0.9);
+            self.window_tpot = Some((step / (1.0 - prefill_share), groups));
+        }
         let rate = |c: &Counters, span: f64| if span > 0.0 { c.requests / span } else { 0.0 };
         let long_rate = rate(&long, long_span);
         // The short window sees a burst first, but over a few requests its rate is mostly
@@ -921,13 +965,13 @@ mod tests {
     fn the_fewest_replicas_that_meet_both_targets_and_long_prompts_need_more() {
         let capacity = capacity();
         let t = targets(0.8, 0.08);
-        let short = size(&capacity, &demand(4.0, 200.0, 50.0), &t, 20, 1.0);
+        let short = size(&capacity, &demand(4.0, 200.0, 50.0), &t, 20, Factors::NONE);
         assert!(short.met);
         assert!(
             !predict(&capacity, &demand(4.0, 200.0, 50.0), &t, short.replicas - 1).meets(&t),
             "one fewer misses"
         );
-        let long = size(&capacity, &demand(4.0, 1000.0, 50.0), &t, 20, 1.0);
+        let long = size(&capacity, &demand(4.0, 1000.0, 50.0), &t, 20, Factors::NONE);
         assert!(
             long.met && long.replicas > short.replicas,
             "{short:?} {long:?}"
@@ -944,7 +988,7 @@ mod tests {
             .ttft
             .unwrap();
         assert!((idle - 2.05).abs() < 1e-9, "{idle}");
-        let sizing = size(&capacity, &long, &t, 50, 1.0);
+        let sizing = size(&capacity, &long, &t, 50, Factors::NONE);
         assert!(!sizing.met);
         let budget = idle + 0.8;
         assert!(sizing.at_replicas.ttft.unwrap() <= budget, "{sizing:?}");
@@ -1104,6 +1148,10 @@ mod tests {
     /// Evaluates one group that served 40 requests of 500 tokens (10 out) in 20 s, with
     /// `first_tokens` (seconds, how many) measured.
     fn evaluate_measured(first_tokens: &[(f64, u64)]) -> Evaluation {
+        evaluate_measured_for(first_tokens, &targets(0.8, 0.2))
+    }
+
+    fn evaluate_measured_for(first_tokens: &[(f64, u64)], t: &Targets) -> Evaluation {
         let mut h = Latencies::over(&npufleet_contract::proto::load_report_latency_bounds());
         for &(seconds, n) in first_tokens {
             for _ in 0..n {
@@ -1120,17 +1168,41 @@ mod tests {
             r
         };
         let mut tracker = Tracker::new(capacity(), Some(10.0));
-        let t = targets(0.8, 0.2);
         let s = |t: u64| Duration::from_secs(t);
         let none = Latencies::over(&h.bounds);
         let first = [sample(0, true, Some(with(report(0, 0, 0, 0, 0), &none)))];
-        evaluate(&mut tracker, s(0), &first, (0, 1), &t, 10).unwrap_err();
+        evaluate(&mut tracker, s(0), &first, (0, 1), t, 10).unwrap_err();
         let busy = [sample(
             0,
             true,
             Some(with(report(40, 20_000, 40, 400, 400), &h)),
         )];
-        evaluate(&mut tracker, s(20), &busy, (0, 1), &t, 10).unwrap()
+        evaluate(&mut tracker, s(20), &busy, (0, 1), t, 10).unwrap()
+    }
+
+    #[test]
+    fn the_measured_decode_steps_calibrate_the_tpot_predictions() {
+        // 400 decode steps of 4 sequences at 50 ms each and no prompt steps: each sequence
+        // waited 50 ms a token.
+        let e = evaluate_measured(&[]);
+        let c = e.tpot_calibration.expect("400 decode steps are enough");
+        assert!((c.measured - 0.05).abs() < 1e-9, "{c:?}");
+        assert!(
+            (CALIBRATION_BOUNDS.0..1.0).contains(&c.factor),
+            "the model expects slower steps: {c:?}"
+        );
+        // The same window with no TPOT objective: the model alone.
+        let ttft_only = Targets {
+            tpot: None,
+            ..targets(0.8, 0.2)
+        };
+        let model = evaluate_measured_for(&[], &ttft_only);
+        assert_eq!(model.tpot_calibration, None);
+        let (calibrated, alone) = (e.at_ready.tpot.unwrap(), model.at_ready.tpot.unwrap());
+        assert!(
+            (calibrated - alone * c.factor).abs() < 1e-9,
+            "{calibrated} {alone}"
+        );
     }
 
     #[test]
