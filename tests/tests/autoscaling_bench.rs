@@ -1,8 +1,8 @@
 //! The latency objectives against queue depth on real workers (`make bench-autoscaler`;
 //! minutes, so not in `make test`): the real control plane, the operator's built-in
 //! autoscaler, SmolLM2 workers run by the node agent and the router as its own process. One
-//! seeded trace (the simulator's generator, `sim::tokens::CPU_PHASES`: 20 s of quiet chat,
-//! 100 s of chat at 3 req/s, 60 s of documents at 2 req/s) is replayed through the router
+//! seeded trace (the simulator's generator over `sim::tokens::CPU_PHASES`: quiet chat, then
+//! busy chat, then documents) is replayed through the router
 //! under each mode; per mode, the share of requests meeting the TTFT and TPOT objectives,
 //! replica-seconds (ready serving replicas, sampled each half second), when the fleet first
 //! grew and the requests failed. `sim::tokens::cpu_benchmark` is the same run simulated.
