@@ -11,22 +11,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
 use kube::api::{ListParams, Patch, PatchParams};
 use npufleet_contract::pods;
 use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
+use npufleet_operator::autoscaler::objectives::Target;
 use npufleet_operator::autoscaler::sim::tokens::{
-    CPU_MAX_REPLICAS, CPU_PHASES, CPU_TPOT_TARGET, CPU_TTFT_TARGET, Request, SEED, phased,
+    CPU_MAX_REPLICAS, CPU_PHASES, Request, SEED, cpu_benchmark,
 };
 use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text};
 use npufleet_tests::{cluster, service};
 use serde_json::{Value, json};
 
 const MANAGER: &str = "autoscaling-bench";
-const TTFT_TARGET: f64 = CPU_TTFT_TARGET;
-const TPOT_TARGET: f64 = CPU_TPOT_TARGET;
-const MAX_REPLICAS: u32 = CPU_MAX_REPLICAS;
 
 /// A prompt of about `tokens` tokens (one a word) that shares no prefix with another request's.
 fn prompt(n: usize, tokens: u32) -> String {
@@ -100,11 +98,13 @@ struct ModeRun {
     most: usize,
 }
 
-/// Replays `requests` through the router with the fleet at one replica under `autoscaling`.
+/// Replays `requests` through the router with the fleet at one replica under `autoscaling`;
+/// each request meets the objectives' targets or not.
 async fn run_mode(
     bed: &Testbed,
     router: &RunningRouter,
     requests: &[Request],
+    (ttft, tpot): (Target, Target),
     autoscaling: Value,
 ) -> Result<ModeRun> {
     let services = bed.services();
@@ -205,11 +205,11 @@ async fn run_mode(
     let with_tpot: Vec<f64> = timings.iter().filter_map(|t| t.tpot).collect();
     Ok(ModeRun {
         ttft_met: share(
-            timings.iter().filter(|t| t.ttft <= TTFT_TARGET).count(),
+            timings.iter().filter(|t| t.ttft <= ttft.seconds).count(),
             requests.len(),
         ),
         tpot_met: share(
-            with_tpot.iter().filter(|&&t| t <= TPOT_TARGET).count(),
+            with_tpot.iter().filter(|&&t| t <= tpot.seconds).count(),
             with_tpot.len(),
         ),
         replica_seconds,
@@ -231,24 +231,29 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
         bed.apply_smollm2("chat", json!({"replicas": 1, "engine": engine})).await?;
         bed.wait_serving(1).await?;
         let router = RunningRouter::start(cluster::shared(), "router-autoscaling-bench", &bed.namespace, &[]).await?;
-        let requests = phased(&CPU_PHASES, SEED);
+        let (fleet, requests) = cpu_benchmark();
+        let targets = (
+            fleet.targets.ttft.context("the benchmark has a TTFT objective")?,
+            fleet.targets.tpot.context("the benchmark has a TPOT objective")?,
+        );
+        let objective = |t: Target| json!({"percentile": t.quantile * 100.0, "target": format!("{}ms", t.seconds * 1000.0)});
         let objectives = json!({
-            "mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
-            "objectives": {
-                "ttft": {"percentile": 90, "target": format!("{TTFT_TARGET}s")},
-                "tpot": {"percentile": 90, "target": format!("{}ms", TPOT_TARGET * 1000.0)},
-            },
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": CPU_MAX_REPLICAS,
+            "objectives": {"ttft": objective(targets.0), "tpot": objective(targets.1)},
         });
         let queue = |target: u32| json!({
-            "mode": "builtin", "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": CPU_MAX_REPLICAS,
             "targetQueueDepth": target, "objectives": null,
         });
         println!(
-            "\n### Objectives against queue depth on real workers: SmolLM2-135M (1 thread a replica, 2 cores), {} requests (seed {SEED}; chat from {} s, documents from {} s), objectives TTFT p90 {TTFT_TARGET} s and TPOT p90 {} ms, 1 to {MAX_REPLICAS} replicas\n",
+            "\n### Objectives against queue depth on real workers: SmolLM2-135M (1 thread a replica, 2 cores), {} requests (seed {SEED}; chat from {} s, documents from {} s), objectives TTFT p{} {} s and TPOT p{} {} ms, 1 to {CPU_MAX_REPLICAS} replicas\n",
             requests.len(),
             CPU_PHASES[0].seconds,
             CPU_PHASES[0].seconds + CPU_PHASES[1].seconds,
-            TPOT_TARGET * 1000.0
+            targets.0.quantile * 100.0,
+            targets.0.seconds,
+            targets.1.quantile * 100.0,
+            targets.1.seconds * 1000.0
         );
         println!("| mode | TTFT met | TPOT met | replica-seconds | first grew at | most replicas | failed |");
         println!("|---|---|---|---|---|---|---|");
@@ -259,7 +264,7 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
             ("queue depth 4".to_owned(), queue(4)),
             ("queue depth 6".to_owned(), queue(6)),
         ] {
-            let run = run_mode(&bed, &router, &requests, autoscaling).await?;
+            let run = run_mode(&bed, &router, &requests, targets, autoscaling).await?;
             println!(
                 "| {name} | {:.1}% | {:.1}% | {:.0} | {} | {} | {} |",
                 100.0 * run.ttft_met,

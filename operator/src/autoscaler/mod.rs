@@ -793,7 +793,7 @@ impl Autoscaler {
             demand,
             sizing,
             at_ready,
-            calibration,
+            ttft_calibration,
             tpot_calibration,
         } = evaluation;
         let ready_seconds = state
@@ -806,7 +806,7 @@ impl Autoscaler {
             ready_seconds,
             &sizing,
             &at_ready,
-            (calibration.as_ref(), tpot_calibration.as_ref()),
+            (ttft_calibration.as_ref(), tpot_calibration.as_ref()),
         ));
         // A fleet at zero with nothing arriving misses nothing.
         if ready > 0 || demand.measured_rate > 0.0 {

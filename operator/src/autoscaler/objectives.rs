@@ -523,7 +523,7 @@ pub struct Evaluation {
     /// The prediction with the groups serving now.
     pub at_ready: Prediction,
     /// The calibration the TTFT predictions above include, once there is one.
-    pub calibration: Option<Calibration>,
+    pub ttft_calibration: Option<Calibration>,
     /// The calibration the TPOT predictions above include, once there is one.
     pub tpot_calibration: Option<Calibration>,
 }
@@ -548,7 +548,7 @@ pub fn evaluate(
         && let Some(measured) = tracker.measured_ttft(target.quantile)
         && let Some(calibration) = calibrate(&capacity, &demand, targets, measured, |p| p.ttft)
     {
-        tracker.calibration = Some(calibration);
+        tracker.ttft_calibration = Some(calibration);
     }
     if targets.tpot.is_some()
         && let Some(measured) = tracker.window_tpot
@@ -556,16 +556,16 @@ pub fn evaluate(
     {
         tracker.tpot_calibration = Some(calibration);
     }
-    let (calibration, tpot_calibration) = (tracker.calibration, tracker.tpot_calibration);
+    let (ttft_calibration, tpot_calibration) = (tracker.ttft_calibration, tracker.tpot_calibration);
     let factors = Factors {
-        ttft: calibration.map_or(1.0, |c| c.factor),
+        ttft: ttft_calibration.map_or(1.0, |c| c.factor),
         tpot: tpot_calibration.map_or(1.0, |c| c.factor),
     };
     Ok(Evaluation {
         demand,
         sizing: size(&capacity, &demand, targets, max_replicas, factors),
         at_ready: predict(&capacity, &demand, targets, ready).calibrated(factors),
-        calibration,
+        ttft_calibration,
         tpot_calibration,
     })
 }
@@ -655,7 +655,7 @@ pub struct Tracker {
     /// The first tokens of the last long window and the groups that served them on average.
     window_ttft: (Latencies, f64),
     /// The TTFT calibration, from the last long window with enough first tokens.
-    calibration: Option<Calibration>,
+    ttft_calibration: Option<Calibration>,
     /// The time per output token the workers took over the last long window and the groups
     /// serving through it on average, once it holds [`MIN_MEASURED`] decode steps.
     window_tpot: Option<(f64, f64)>,
@@ -689,7 +689,7 @@ impl Tracker {
             ready_seconds: ready_seconds.filter(|s| s.is_finite() && *s > 0.0),
             max_batch: None,
             window_ttft: (Latencies::default(), 0.0),
-            calibration: None,
+            ttft_calibration: None,
             window_tpot: None,
             tpot_calibration: None,
         }
@@ -1208,14 +1208,14 @@ mod tests {
     #[test]
     fn the_measured_ttft_calibrates_the_predictions_both_ways_once_a_window_holds_enough() {
         let uncalibrated = evaluate_measured(&[]);
-        assert_eq!(uncalibrated.calibration, None);
+        assert_eq!(uncalibrated.ttft_calibration, None);
         let predicted = uncalibrated.at_ready.ttft.unwrap();
         // Too few first tokens for a p90: the model alone.
-        assert_eq!(evaluate_measured(&[(0.05, 19)]).calibration, None);
+        assert_eq!(evaluate_measured(&[(0.05, 19)]).ttft_calibration, None);
 
         // All within 0.06 s: the predictions fall as far as the bound lets them.
         let fast = evaluate_measured(&[(0.05, 40)]);
-        let c = fast.calibration.unwrap();
+        let c = fast.ttft_calibration.unwrap();
         assert!((0.04..=0.06).contains(&c.measured), "{c:?}");
         assert_eq!(c.factor, CALIBRATION_BOUNDS.0, "{c:?} {predicted}");
         assert!((fast.at_ready.ttft.unwrap() - predicted * c.factor).abs() < 1e-9);
@@ -1226,7 +1226,7 @@ mod tests {
 
         // First tokens at 1.9 s where the model says 0.81: more groups for the same target.
         let slow = evaluate_measured(&[(1.9, 40)]);
-        let c = slow.calibration.unwrap();
+        let c = slow.ttft_calibration.unwrap();
         assert!(
             (1.58..=2.0).contains(&c.measured),
             "within the bucket of 1.9 s: {c:?}"

@@ -592,16 +592,7 @@ fn rescale(
 /// TTFT p90 800 ms and TPOT p90 80 ms, and a trace of 2 req/s with a burst to 8 req/s from
 /// 120 s to 360 s, 600 s in all.
 pub fn benchmark() -> (Fleet, Trace, f64) {
-    let targets = Targets {
-        ttft: Some(objectives::Target {
-            quantile: 0.9,
-            seconds: 0.8,
-        }),
-        tpot: Some(objectives::Target {
-            quantile: 0.9,
-            seconds: 0.08,
-        }),
-    };
+    let targets = p90(0.8, 0.08);
     let fleet = Fleet {
         warm_up: 30.0,
         prefill: Line {
@@ -694,16 +685,7 @@ pub fn cpu_benchmark() -> (Fleet, Vec<Request>) {
         queue_limit: 1024,
         initial_replicas: 1,
         drain: 60.0,
-        targets: Targets {
-            ttft: Some(objectives::Target {
-                quantile: 0.9,
-                seconds: CPU_TTFT_TARGET,
-            }),
-            tpot: Some(objectives::Target {
-                quantile: 0.9,
-                seconds: CPU_TPOT_TARGET,
-            }),
-        },
+        targets: p90(2.0, 0.15),
         burst_start: CPU_PHASES[0].seconds,
     };
     (fleet, phased(&CPU_PHASES, SEED))
@@ -712,9 +694,20 @@ pub fn cpu_benchmark() -> (Fleet, Vec<Request>) {
 /// The CPU benchmark's largest fleet. Simulated groups each have their own core; on a
 /// two-core machine a third one-thread worker shares one and slows the other two.
 pub const CPU_MAX_REPLICAS: u32 = 3;
-/// The CPU benchmark's objectives, in seconds: TTFT p90 and TPOT p90.
-pub const CPU_TTFT_TARGET: f64 = 2.0;
-pub const CPU_TPOT_TARGET: f64 = 0.15;
+
+/// Objectives at the 90th percentile: TTFT and TPOT in seconds.
+fn p90(ttft: f64, tpot: f64) -> Targets {
+    let at = |seconds| {
+        Some(objectives::Target {
+            quantile: 0.9,
+            seconds,
+        })
+    };
+    Targets {
+        ttft: at(ttft),
+        tpot: at(tpot),
+    }
+}
 
 #[cfg(test)]
 mod tests {
