@@ -1163,7 +1163,8 @@ pub struct ObjectivesStatus {
     /// (a default until one is); the count covers the load expected that far ahead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_seconds: Option<f64>,
-    /// The fewest replica groups predicted to meet every objective.
+    /// The fewest replica groups predicted to meet every objective, each taking at most
+    /// 90 % of the rate one group is predicted to serve within them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas_implied: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -824,7 +824,7 @@ impl Autoscaler {
             let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
             state.objectives_met = Some((condition, turned || unannounced));
         }
-        Some(f64::from(sizing.replicas))
+        Some(sizing.groups)
     }
 
     /// Records an event when `ObjectivesMet` turns, and has the status written at once.
@@ -1416,6 +1416,7 @@ mod tests {
         };
         let sizing = Sizing {
             replicas: 3,
+            groups: 2.4,
             met: true,
             at_replicas: Prediction {
                 ttft: Some(0.5),

@@ -419,17 +419,28 @@ impl Policy {
         if let Some(kv_target) = self.config.target_kv_usage {
             demand = demand.max(observation.kv_usage() / kv_target);
         }
-        self.decide_on(now, observation, Some(demand))
+        self.decide_with(now, observation, Some(demand), Rounding::Tolerant)
     }
 
-    /// Decides the count on a demand in replica groups measured elsewhere (the latency
-    /// objectives); `None` when none could be measured this tick, which holds the count as
-    /// a load not read does.
+    /// Decides the count on a demand in replica groups the latency objectives measured;
+    /// `None` when none could be measured this tick, which holds the count as a load not
+    /// read does. Fewer groups than that demand are predicted to miss the objectives, so
+    /// the tolerance only keeps a count above it.
     pub fn decide_on(
         &mut self,
         now: Duration,
         observation: &Observation,
         demand: Option<f64>,
+    ) -> Decision {
+        self.decide_with(now, observation, demand, Rounding::AtLeast)
+    }
+
+    fn decide_with(
+        &mut self,
+        now: Duration,
+        observation: &Observation,
+        demand: Option<f64>,
+        rounding: Rounding,
     ) -> Decision {
         let config = self.config.clone();
         // With no history the autoscaler cannot know a burst is over, so it starts as if
@@ -451,7 +462,10 @@ impl Policy {
         let ready = observation.ready();
         let current = observation.spec_replicas;
         let tolerance = config.tolerance;
-        let round = |d: f64| round_with_tolerance(d, current, tolerance);
+        let round = |d: f64| match rounding {
+            Rounding::AtLeast if d > f64::from(current) => round_with_tolerance(d, current, 0.0),
+            _ => round_with_tolerance(d, current, tolerance),
+        };
 
         if panic_demand / f64::from(ready.max(1)) >= config.panic_threshold {
             self.panic_last_over = Some(now);
@@ -629,6 +643,17 @@ impl Policy {
 
 /// The whole groups a fractional demand needs, except that a demand within `tolerance`
 /// of the current count keeps it.
+/// How a demand in groups becomes a count.
+#[derive(Clone, Copy)]
+enum Rounding {
+    /// Within the tolerance of the current count either way, the count stays: a queue
+    /// depth a little over its target is noise.
+    Tolerant,
+    /// The demand is the fewest groups that meet the objectives: the count stays within
+    /// the tolerance only above it.
+    AtLeast,
+}
+
 fn round_with_tolerance(demand: f64, current: u32, tolerance: f64) -> u32 {
     if current > 0 {
         let current = f64::from(current);
@@ -1040,6 +1065,26 @@ mod tests {
         });
         assert!(decisions.iter().all(|(_, d)| d.desired == 4));
         assert_eq!(decisions.last().unwrap().1.reason, Reason::Steady);
+    }
+
+    #[test]
+    fn an_objectives_demand_above_the_count_scales_up_within_the_tolerance() {
+        // 4.2 groups against 4: within the tolerance of a queue depth, short of the
+        // objectives'. Below the count the tolerance still holds it.
+        for (demand, expected) in [(4.2, 5), (3.8, 4)] {
+            let mut policy = Policy::new(config()).unwrap();
+            let mut fleet = Fleet::new(4, Duration::ZERO);
+            let mut now = Duration::ZERO;
+            let mut last = None;
+            while now <= secs(30.0) {
+                let observation = fleet.observe(now, 0);
+                let decision = policy.decide_on(now, &observation, Some(demand));
+                fleet.apply(now, decision.desired);
+                last = Some(decision.desired);
+                now += TICK;
+            }
+            assert_eq!(last, Some(expected), "demand {demand}");
+        }
     }
 
     #[test]

@@ -275,7 +275,7 @@ impl Scaler for Objectives {
             &self.targets,
             self.policy.config().max_replicas,
         );
-        let demand = evaluation.ok().map(|e| f64::from(e.sizing.replicas));
+        let demand = evaluation.ok().map(|e| e.sizing.groups);
         self.policy.decide_on(now, observation, demand).desired
     }
 }
