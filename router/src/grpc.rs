@@ -267,7 +267,7 @@ impl GrpcFrontDoor {
                 },
             )
             .await;
-        let (lease, sent_at, response) = match sent {
+        let (mut lease, sent_at, response) = match sent {
             Ok(sent) => sent,
             Err(status) => {
                 let error = stream_error(model, &message.id, &status);
@@ -281,6 +281,7 @@ impl GrpcFrontDoor {
             match upstream.message().await {
                 Ok(Some(answer)) => {
                     if std::mem::take(&mut first) {
+                        lease.first_token();
                         self.router
                             .metrics
                             .upstream_ttft_seconds

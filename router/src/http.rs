@@ -396,6 +396,7 @@ impl Passthrough {
                     Some(Ok(bytes)) => {
                         if let Some(ttft) = s.ttft.take() {
                             ttft.observe(s.sent_at.elapsed().as_secs_f64());
+                            s.lease.first_token();
                         }
                         if !s.event_stream {
                             return Some((Ok(bytes), s));

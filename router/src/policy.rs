@@ -9,6 +9,8 @@ pub struct Candidate {
     pub id: String,
     /// Requests this router has sent to the replica and not yet seen finish.
     pub in_flight: u32,
+    /// Of those, the ones whose first token has not come back yet: still in the prefill.
+    pub prefilling: u32,
     /// The replica's own report, when a fresh one is at hand.
     pub reported: Option<ReportedLoad>,
     /// How many of the request's leading prompt blocks the replica's prefix cache holds, as
@@ -57,17 +59,27 @@ impl Candidate {
         self.in_flight.saturating_add(others)
     }
 
-    /// Least-load score: outstanding requests, with the others' queued ones counted again
-    /// (they are what adds latency), and KV-cache use (0..1) breaking ties between equally
-    /// busy replicas.
+    /// Least-load score: outstanding requests, with the others' queued ones and this
+    /// router's still in their prefill counted [`PREFILL_WEIGHT`] more times (a new
+    /// request's first token waits behind the prompts ahead of it, while a decoding
+    /// sequence costs it a share of a step), and KV-cache use (0..1) breaking ties between
+    /// equally busy replicas.
     pub fn load_score(&self) -> f64 {
         let queued = self.reported.map_or(0, |r| r.waiting.min(r.others()));
+        let prefills = queued.saturating_add(self.prefilling.min(self.in_flight));
         let kv = self
             .reported
             .map_or(0.0, |r| r.kv_cache_usage.clamp(0.0, 1.0));
-        f64::from(self.outstanding()) + f64::from(queued) + kv
+        f64::from(self.outstanding()) + PREFILL_WEIGHT * f64::from(prefills) + kv
     }
 }
+
+/// How many more times a request still before its first token counts in the load score
+/// than one decoding. Counted once, like a decoding one, a replica just freed and handed
+/// one prompt looked as good as one whose two requests were finishing their decodes: in a
+/// closed loop two clients whose requests ended together were sent to the same replica
+/// and their prompts queued behind each other, round after round.
+const PREFILL_WEIGHT: f64 = 2.0;
 
 /// The candidate with the lowest [`Candidate::load_score`]. Ties go to the first at or after
 /// `rotation` (mod the count), so equal replicas take turns instead of the first one taking
@@ -197,6 +209,7 @@ mod tests {
         Candidate {
             id: id.to_owned(),
             in_flight: 0,
+            prefilling: 0,
             reported: None,
             cached_blocks: 0,
         }
@@ -206,6 +219,7 @@ mod tests {
         Candidate {
             id: id.to_owned(),
             in_flight,
+            prefilling: 0,
             reported: Some(ReportedLoad::new(waiting, running, kv)),
             cached_blocks: 0,
         }
@@ -217,6 +231,24 @@ mod tests {
             in_flight,
             ..idle(id)
         }
+    }
+
+    #[test]
+    fn a_prompt_still_in_its_prefill_weighs_more_than_a_decoding_sequence() {
+        let prefilling = |id, in_flight, prefilling| Candidate {
+            in_flight,
+            prefilling,
+            ..idle(id)
+        };
+        // One prompt ahead on "a"; two sequences decoding on "b".
+        let candidates = [prefilling("a", 1, 1), prefilling("b", 2, 0)];
+        for turn in 0..2 {
+            assert_eq!(least_load(&candidates, turn), Some(1));
+            assert_eq!(cache_aware(&candidates, 2, turn), Some(1));
+        }
+        // Two prompts ahead on "b": "a" again.
+        let candidates = [prefilling("a", 1, 1), prefilling("b", 2, 2)];
+        assert_eq!(least_load(&candidates, 1), Some(0));
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub struct Report {
 #[derive(Default, Debug)]
 pub struct ReplicaState {
     in_flight: AtomicU32,
+    /// The most of this router's requests in flight at once since the last report came.
+    in_flight_peak: AtomicU32,
+    /// This router's requests in flight whose first token has not come back yet.
+    prefilling: AtomicU32,
     report: Mutex<Option<Report>>,
     /// Tokens per prefix-cache block, as the worker publishes it; 0 until read.
     block_size: AtomicUsize,
@@ -54,9 +58,16 @@ impl ReplicaState {
         self.cached.lock().expect("cache lock").clear();
     }
 
-    /// Keeps the worker's report, stamped with this router's requests in flight there now.
+    /// Keeps the worker's report, stamped with the most of this router's requests in flight
+    /// there since the previous one. The worker counted at some moment in between: a
+    /// request of this router's that finished after that moment is in its count, and
+    /// taken for another router's it would keep a just-freed replica looking busy until the
+    /// next report, steering requests away from the one replica that has room. The peak
+    /// errs the other way, towards fewer of the others' requests, which the next report
+    /// corrects.
     pub fn set_report(&self, mut report: Report) {
-        report.load.own_in_flight = self.in_flight.load(Ordering::Relaxed);
+        let now = self.in_flight.load(Ordering::Relaxed);
+        report.load.own_in_flight = self.in_flight_peak.swap(now, Ordering::Relaxed).max(now);
         *self.report.lock().expect("report lock") = Some(report);
     }
 
@@ -80,6 +91,8 @@ pub struct Lease {
     /// The flow-control priority the request was admitted at, passed on for the replica's
     /// scheduler to run higher priorities first; none without flow control.
     pub priority: Option<i32>,
+    /// Whether the request still counts as in its prefill at the replica.
+    prefilling: bool,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
     /// The model's flow-control queue, told when this lease frees a place.
@@ -97,10 +110,19 @@ impl Lease {
     pub fn on_release(&mut self, flow: Arc<Flow>) {
         self.released = Some(flow);
     }
+
+    /// The replica's answer has begun: the request's prompt is no longer ahead of the next
+    /// one's there.
+    pub fn first_token(&mut self) {
+        if std::mem::take(&mut self.prefilling) {
+            self.state.prefilling.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.first_token();
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
         if let Some(gauge) = &self.shown {
             gauge.dec();
@@ -204,6 +226,7 @@ impl Pool {
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
                 in_flight,
+                prefilling: state.prefilling.load(Ordering::Relaxed),
                 reported: report.map(|r| r.load),
                 cached_blocks,
             };
@@ -223,12 +246,16 @@ impl Pool {
         }?;
         let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
         // Another request may have taken the last place since it was counted.
-        state
+        let before = state
             .in_flight
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < places).then_some(n + 1)
             })
             .ok()?;
+        state
+            .in_flight_peak
+            .fetch_max(before + 1, Ordering::Relaxed);
+        state.prefilling.fetch_add(1, Ordering::Relaxed);
         Some(Lease {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
@@ -241,6 +268,7 @@ impl Pool {
                 _ => None,
             },
             priority: None,
+            prefilling: true,
             state,
             shown: None,
             released: None,
@@ -378,6 +406,71 @@ mod tests {
                 .unwrap();
             assert_eq!(next.pod, own.pod, "its own request has finished there");
         }
+    }
+
+    #[test]
+    fn a_request_that_finished_since_the_workers_count_is_not_taken_for_another_routers() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let report = |running, kv| Report {
+            load: ReportedLoad::new(0, running, kv),
+            draining: false,
+            received: Instant::now(),
+        };
+        let mut leases: Vec<Lease> = (0..4)
+            .map(|_| {
+                pool.pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                    .unwrap()
+            })
+            .collect();
+        let a = &model.endpoints[0];
+        assert_eq!(leases.iter().filter(|l| l.pod == a.pod).count(), 2);
+        // One of this router's two requests on "a" finishes; the worker's report, counted
+        // just before, still holds both. Two of this router's are in flight on "b".
+        let finished = leases.iter().position(|l| l.pod == a.pod).unwrap();
+        drop(leases.swap_remove(finished));
+        pool.replica(a.ip).set_report(report(2, 0.5));
+        let next = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        assert_eq!(next.pod, a.pod, "one in flight on a against two on b");
+        // From the next report on, a request of another router's there counts.
+        pool.replica(a.ip).set_report(report(2, 0.5));
+        pool.replica(a.ip).set_report(report(4, 0.5));
+        let last = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        assert_eq!(last.pod, model.endpoints[1].pod, "two others' on a");
+    }
+
+    #[test]
+    fn a_lease_counts_as_prefilling_until_its_first_token_or_its_end() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let prefilling = |lease: &Lease| {
+            pool.replica(lease.ip)
+                .prefilling
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let mut first = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        assert_eq!(prefilling(&first), 1);
+        first.first_token();
+        first.first_token();
+        assert_eq!(prefilling(&first), 0, "counted down once");
+        let second = pool
+            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .unwrap();
+        let ip = second.ip;
+        drop(second);
+        assert_eq!(
+            pool.replica(ip)
+                .prefilling
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "a request that ends before its first token leaves the count too"
+        );
     }
 
     #[test]

@@ -2,10 +2,10 @@
 //! control plane, the operator, the node agent running SmolLM2 workers, and the router as its
 //! own process. [`routing_benchmark`] measures, on three workers, for round-robin, least-load,
 //! prefix-affinity (the prompt's leading bytes hashed) and cache-aware (the workers' own cache
-//! events), throughput, time to first token and each replica's prefix-cache hits on four
+//! events), throughput, time to first token and each replica's prefix-cache hits on five
 //! traces: shared system prompts that the caches cannot all hold, shared system prompts that
-//! every cache can hold, multi-turn conversations that outnumber what a cache holds, and
-//! prompts that share nothing; then the time from a request at zero replicas to its first
+//! every cache can hold, multi-turn conversations that outnumber what a cache holds (each
+//! with its own system prompt, then all under one), and prompts that share nothing; then the time from a request at zero replicas to its first
 //! token against the worker's own ready time.
 //! [`router_cost_benchmark`] measures the router's cost against talking to one worker directly
 //! (`cargo test --release -p npufleet-tests --test router_bench router_cost -- --ignored
@@ -185,6 +185,10 @@ enum Trace {
     /// [`CONVERSATIONS`] chats of [`TURNS`] turns, each turn's prompt the chat so far; the
     /// conversations take turns, so a chat comes back after every other one has spoken.
     MultiTurn,
+    /// [`CONVERSATIONS`] chats of [`TURNS`] turns under one system prompt, as one chat
+    /// application's users are, with answers of about 60 tokens: what tells the chats apart
+    /// is their history, past the leading bytes the byte-hash policy keys on.
+    SharedSystemChats,
     /// Prompts as long as the shared ones, unique from their first token.
     NoSharedPrefix,
 }
@@ -197,6 +201,9 @@ impl Trace {
             }
             Trace::SharedPrefix { prompts } => format!("{prompts} shared prompts, evicting"),
             Trace::MultiTurn => format!("{CONVERSATIONS} chats × {TURNS} turns, evicting"),
+            Trace::SharedSystemChats => {
+                format!("{CONVERSATIONS} chats × {TURNS} turns, one system prompt, evicting")
+            }
             Trace::NoSharedPrefix => "no shared prefix".to_owned(),
         }
     }
@@ -231,6 +238,21 @@ impl Trace {
                     chat(Value::Array(messages))
                 })
                 .collect(),
+            Trace::SharedSystemChats => {
+                let system = system_prompt(tag, 0);
+                (0..TURNS)
+                    .flat_map(|turn| (0..CONVERSATIONS).map(move |c| (turn, c)))
+                    .map(|(turn, c)| {
+                        let mut messages = vec![json!({"role": "system", "content": system})];
+                        for earlier in 0..turn {
+                            messages.push(json!({"role": "user", "content": format!("Question {earlier} of chat {c}: which river should the team of desk {c} visit next, and why?")}));
+                            messages.push(json!({"role": "assistant", "content": format!("For chat {c}, stop {earlier}: the Loire, since its valley of castles suits a walking trip of a few days. Start at Orléans, follow the river west through Blois and Amboise, and end at Tours, where trains run back {earlier} times a day.")}));
+                        }
+                        messages.push(json!({"role": "user", "content": format!("Question {turn} of chat {c}: which river should the team of desk {c} visit next, and why?")}));
+                        chat(Value::Array(messages))
+                    })
+                    .collect()
+            }
             Trace::NoSharedPrefix => (0..REQUESTS_PER_RUN)
                 .map(|i| {
                     chat(json!([
@@ -439,6 +461,7 @@ impl Bench {
                 prompts: SYSTEM_PROMPTS_THAT_FIT,
             },
             Trace::MultiTurn,
+            Trace::SharedSystemChats,
             Trace::NoSharedPrefix,
         ];
         for (t, trace) in traces.into_iter().enumerate() {
