@@ -226,32 +226,24 @@ impl Trace {
                     })
                     .collect()
             }
-            Trace::MultiTurn => (0..TURNS)
-                .flat_map(|turn| (0..CONVERSATIONS).map(move |c| (turn, c)))
-                .map(|(turn, c)| {
-                    let mut messages = vec![json!({"role": "system", "content": system_prompt(tag, c)})];
-                    for earlier in 0..turn {
-                        messages.push(json!({"role": "user", "content": format!("Question {earlier} of chat {c}: name a river.")}));
-                        messages.push(json!({"role": "assistant", "content": format!("The river {earlier} of chat {c} is the Loire.")}));
-                    }
-                    messages.push(json!({"role": "user", "content": format!("Question {turn} of chat {c}: name a river.")}));
-                    chat(Value::Array(messages))
-                })
-                .collect(),
+            Trace::MultiTurn => chats(
+                |c| system_prompt(tag, c),
+                |turn, c| format!("Question {turn} of chat {c}: name a river."),
+                |turn, c| format!("The river {turn} of chat {c} is the Loire."),
+            )
+            .into_iter()
+            .map(chat)
+            .collect(),
             Trace::SharedSystemChats => {
                 let system = system_prompt(tag, 0);
-                (0..TURNS)
-                    .flat_map(|turn| (0..CONVERSATIONS).map(move |c| (turn, c)))
-                    .map(|(turn, c)| {
-                        let mut messages = vec![json!({"role": "system", "content": system})];
-                        for earlier in 0..turn {
-                            messages.push(json!({"role": "user", "content": format!("Question {earlier} of chat {c}: which river should the team of desk {c} visit next, and why?")}));
-                            messages.push(json!({"role": "assistant", "content": format!("For chat {c}, stop {earlier}: the Loire, since its valley of castles suits a walking trip of a few days. Start at Orléans, follow the river west through Blois and Amboise, and end at Tours, where trains run back {earlier} times a day.")}));
-                        }
-                        messages.push(json!({"role": "user", "content": format!("Question {turn} of chat {c}: which river should the team of desk {c} visit next, and why?")}));
-                        chat(Value::Array(messages))
-                    })
-                    .collect()
+                chats(
+                    |_| system.clone(),
+                    |turn, c| format!("Question {turn} of chat {c}: which river should the team of desk {c} visit next, and why?"),
+                    |turn, c| format!("For chat {c}, stop {turn}: the Loire, since its valley of castles suits a walking trip of a few days. Start at Orléans, follow the river west through Blois and Amboise, and end at Tours, where trains run back {turn} times a day."),
+                )
+                .into_iter()
+                .map(chat)
+                .collect()
             }
             Trace::NoSharedPrefix => (0..REQUESTS_PER_RUN)
                 .map(|i| {
@@ -263,6 +255,28 @@ impl Trace {
                 .collect(),
         }
     }
+}
+
+/// The messages of [`CONVERSATIONS`] chats of [`TURNS`] turns, turn by turn (a chat comes
+/// back after every other one has spoken): chat `c`'s system prompt, then for each earlier
+/// turn its question and answer, then this turn's question.
+fn chats(
+    system: impl Fn(usize) -> String,
+    question: impl Fn(usize, usize) -> String,
+    answer: impl Fn(usize, usize) -> String,
+) -> Vec<Value> {
+    (0..TURNS)
+        .flat_map(|turn| (0..CONVERSATIONS).map(move |c| (turn, c)))
+        .map(|(turn, c)| {
+            let mut messages = vec![json!({"role": "system", "content": system(c)})];
+            for earlier in 0..turn {
+                messages.push(json!({"role": "user", "content": question(earlier, c)}));
+                messages.push(json!({"role": "assistant", "content": answer(earlier, c)}));
+            }
+            messages.push(json!({"role": "user", "content": question(turn, c)}));
+            Value::Array(messages)
+        })
+        .collect()
 }
 
 /// One streamed request's time to its first generated text and to its end.

@@ -462,9 +462,9 @@ impl Policy {
         let ready = observation.ready();
         let current = observation.spec_replicas;
         let tolerance = config.tolerance;
-        let round = |d: f64| match rounding {
-            Rounding::AtLeast if d > f64::from(current) => round_with_tolerance(d, current, 0.0),
-            _ => round_with_tolerance(d, current, tolerance),
+        let round = |d: f64| {
+            let below = matches!(rounding, Rounding::AtLeast) && d > f64::from(current);
+            round_with_tolerance(d, current, if below { 0.0 } else { tolerance })
         };
 
         if panic_demand / f64::from(ready.max(1)) >= config.panic_threshold {
@@ -641,8 +641,6 @@ impl Policy {
     }
 }
 
-/// The whole groups a fractional demand needs, except that a demand within `tolerance`
-/// of the current count keeps it.
 /// How a demand in groups becomes a count.
 #[derive(Clone, Copy)]
 enum Rounding {
@@ -654,6 +652,8 @@ enum Rounding {
     AtLeast,
 }
 
+/// The whole groups a fractional demand needs, except that a demand within `tolerance`
+/// of the current count keeps it.
 fn round_with_tolerance(demand: f64, current: u32, tolerance: f64) -> u32 {
     if current > 0 {
         let current = f64::from(current);
