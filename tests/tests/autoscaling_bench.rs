@@ -18,7 +18,7 @@ use npufleet_contract::pods;
 use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
 use npufleet_operator::autoscaler::objectives::Target;
 use npufleet_operator::autoscaler::sim::tokens::{
-    CPU_MAX_REPLICAS, CPU_PHASES, Request, SEED, cpu_benchmark,
+    CPU_MAX_REPLICAS, CPU_PHASES, Request, SEED, TAIL_SECONDS, cpu_benchmark,
 };
 use npufleet_tests::fleet::{RunningRouter, Testbed, sse_error, sse_has_text};
 use npufleet_tests::{cluster, service};
@@ -173,7 +173,7 @@ async fn run_mode(
                 if now > 1 && first_up.is_none() {
                     first_up = Some(t);
                 }
-                if t >= duration + 30.0 {
+                if t >= duration + TAIL_SECONDS {
                     break;
                 }
             }

@@ -28,7 +28,9 @@
 //! mean. The arrival rate planned for is the higher of the long window's and the short
 //! window's less its Poisson noise (one standard deviation of its count), plus the queued
 //! requests spread over the measured time a new group takes to become ready: capacity asked
-//! for now serves only that much later, and must work off what queued meanwhile.
+//! for now serves only that much later, and must work off what queued meanwhile. The prompt
+//! lengths are the short window's when its mean is the higher: long prompts arriving at the
+//! rate short ones did are a burst of work that the long window's mean dilutes.
 //!
 //! The queueing approximation's tail is a model; the workers measure the real one. Once a
 //! long window holds [`MIN_MEASURED`] first tokens, the TTFT percentile they measured is
@@ -61,6 +63,8 @@ const DEFAULT_MAX_BATCH: f64 = 128.0;
 /// First tokens a long window needs before its measured percentile calibrates the TTFT
 /// predictions: fewer say little about a p90.
 pub const MIN_MEASURED: f64 = 20.0;
+/// Prompts the short window must have admitted for its mean prompt length to count.
+const MIN_SHORT_ADMITTED: f64 = 4.0;
 /// The share of the rate the model says one group serves within the objectives that a
 /// group is sized to take. At the model's edge a fleet has nothing for the Poisson bursts
 /// within a window nor for the rise while a new group becomes ready: sized to 1.0, the
@@ -894,10 +898,25 @@ impl Tracker {
         };
         if long.admitted > 0.0 {
             self.prefill_steps = Some((long.prefill.n / long.admitted).max(1.0));
-            self.mean_prompt = Some((
-                long.prompt_tokens / long.admitted,
-                long.prompt_tokens_squared / long.admitted,
-            ));
+            let moments = |c: &Counters| {
+                (
+                    c.prompt_tokens / c.admitted,
+                    c.prompt_tokens_squared / c.admitted,
+                )
+            };
+            // Prompts that grow at a steady rate are a burst of work the long window's mean
+            // dilutes for its length: the short window's mean counts when it is the higher.
+            let long_moments = moments(&long);
+            self.mean_prompt = Some(if short.admitted >= MIN_SHORT_ADMITTED {
+                let short_moments = moments(&short);
+                if short_moments.0 > long_moments.0 {
+                    short_moments
+                } else {
+                    long_moments
+                }
+            } else {
+                long_moments
+            });
         }
         if long.finished > 0.0 {
             self.mean_output = Some(long.output_tokens / long.finished);
@@ -1159,6 +1178,32 @@ mod tests {
             Err(Unknown::NoCounters(why)) => assert!(why.contains("no request counters")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn longer_prompts_count_from_the_short_window_and_shorter_ones_wait_for_the_long() {
+        let mut tracker = Tracker::new(capacity(), Some(10.0));
+        let s = |t: f64| Duration::from_secs_f64(t);
+        // 15 s of 100-token prompts at 2 req/s, then 5 s of 600-token ones at the same rate.
+        let mut totals = (0, 0);
+        let mut tick = |tracker: &mut Tracker, t: f64, prompt: u64| {
+            totals = (totals.0 + 10, totals.1 + 10 * prompt);
+            let mut r = report(totals.0, totals.1, totals.0, 20 * totals.0, totals.0);
+            r.prompt_tokens_squared_total = 0.0;
+            tracker.observe(s(t), &[sample(0, true, Some(r))]);
+        };
+        tick(&mut tracker, 0.0, 0);
+        for t in [5.0, 10.0, 15.0] {
+            tick(&mut tracker, t, 100);
+        }
+        assert_eq!(tracker.demand(s(15.0), 0, 1, 1).unwrap().mean_prompt, 100.0);
+        tick(&mut tracker, 20.0, 600);
+        // The long window's mean (225) dilutes the new prompts until they fill it.
+        assert_eq!(tracker.demand(s(20.0), 0, 1, 1).unwrap().mean_prompt, 600.0);
+        // Back to short prompts: the long window still holds the long ones.
+        tick(&mut tracker, 25.0, 100);
+        let d = tracker.demand(s(25.0), 0, 1, 1).unwrap();
+        assert!((d.mean_prompt - 225.0).abs() < 1e-9, "{d:?}");
     }
 
     #[test]

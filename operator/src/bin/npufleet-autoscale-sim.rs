@@ -172,14 +172,15 @@ fn objectives_table(max_replicas: u32) {
         .collect();
     println!(
         "\nThe benchmark on real workers, simulated: TTFT {}, TPOT {}; {} requests: {}; groups: \
-         prefill {} s + {} s a position, decode {} s + {} s a sequence, warm-up {} s; 1 to {} \
-         groups.\n",
+         prefill {} s + {} s a position and {} s a position per earlier position, decode {} s \
+         + {} s a sequence, warm-up {} s; 1 to {} groups.\n",
         objective(fleet.targets.ttft),
         objective(fleet.targets.tpot),
         requests.len(),
         phases.join(", then "),
         fleet.prefill.intercept,
         fleet.prefill.slope,
+        fleet.attention,
         fleet.decode.intercept,
         fleet.decode.slope,
         fleet.warm_up,
