@@ -27,8 +27,9 @@
 //! little between requests (each averages over its own tokens), so its percentile is the
 //! mean. The arrival rate planned for is the higher of the long window's and the short
 //! window's less its Poisson noise (one standard deviation of its count), plus the queued
-//! requests spread over the measured time a new group takes to become ready: capacity asked
-//! for now serves only that much later, and must work off what queued meanwhile. The prompt
+//! requests spread over the measured time a new group takes to become ready (at least the
+//! short window): capacity asked for now serves only that much later, and must work off
+//! what queued meanwhile. The prompt
 //! lengths are the short window's when its mean is the higher: long prompts arriving at the
 //! rate short ones did are a burst of work that the long window's mean dilutes.
 //!
@@ -928,9 +929,15 @@ impl Tracker {
         // Capacity asked for now serves only once ready: the queue built meanwhile must be
         // worked off within that time on top of the arrivals. (Carrying the rise between
         // the windows on over the ready time as well bought replicas for Poisson noise in
-        // the simulator, 13 % more replica-seconds for 0.6 points of attainment.)
-        let ready = self.ready_seconds.unwrap_or(DEFAULT_READY_SECONDS);
-        let planned = long_rate.max(short_rate) + f64::from(waiting) / ready;
+        // the simulator, 13 % more replica-seconds for 0.6 points of attainment.) Over no
+        // less than the short window: groups ready in half a second made two prompts
+        // waiting their turn behind a third look like four more requests a second, and a
+        // fleet at a third of its capacity read as overrun.
+        let horizon = self
+            .ready_seconds
+            .unwrap_or(DEFAULT_READY_SECONDS)
+            .max(SHORT_WINDOW.as_secs_f64());
+        let planned = long_rate.max(short_rate) + f64::from(waiting) / horizon;
         let (mean_prompt, prompt_second_moment) = self.mean_prompt.unwrap_or((0.0, 0.0));
         Ok(Demand {
             rate: planned,
@@ -1163,6 +1170,10 @@ mod tests {
             (queued.rate - d.rate - 2.0).abs() < 1e-9,
             "{queued:?} {d:?}"
         );
+        // Groups ready in half a second: the queue is spread over the short window.
+        tracker.ready_seconds = Some(0.5);
+        let fast = tracker.demand(s(5.5), 20, 1, 1).unwrap();
+        assert!((fast.rate - d.rate - 4.0).abs() < 1e-9, "{fast:?} {d:?}");
         // Prompt tokens the prefix cache held are not prefill work.
         let cached = LoadReport {
             prefix_cache_hits_total: 750,
