@@ -297,6 +297,8 @@ struct ServiceState {
     /// The `ObjectivesMet` condition as last decided, and whether it turned since the event
     /// that says so was recorded.
     objectives_met: Option<(Condition, bool)>,
+    /// Since when the predictions have said the other status than `objectives_met`'s.
+    objectives_turning_since: Option<std::time::Duration>,
 }
 
 /// The objectives as fractions and seconds; `Err` names the field that is wrong.
@@ -380,6 +382,31 @@ fn objectives_status(
         replicas_implied: Some(i32::try_from(sizing.replicas).unwrap_or(i32::MAX)),
         ttft,
         tpot,
+    }
+}
+
+/// How long the predictions must say the other status before `ObjectivesMet` turns: a
+/// prediction near its target crosses it tick by tick (the short window's Poisson noise),
+/// and a condition and event for each crossing bury the turns that last.
+const OBJECTIVES_SETTLE: std::time::Duration = objectives::SHORT_WINDOW;
+
+/// Whether this tick's `ObjectivesMet` is taken, and since when a turn has been pending: a
+/// turn (`turned`; the first condition is taken at once) is taken once it has held
+/// [`OBJECTIVES_SETTLE`] from `since`, the tick it was first seen.
+fn settled_turn(
+    turned: bool,
+    first: bool,
+    since: Option<std::time::Duration>,
+    now: std::time::Duration,
+) -> (bool, Option<std::time::Duration>) {
+    if !turned || first {
+        return (true, None);
+    }
+    let since = since.unwrap_or(now);
+    if now.saturating_sub(since) >= OBJECTIVES_SETTLE {
+        (true, None)
+    } else {
+        (false, Some(since))
     }
 }
 
@@ -690,6 +717,7 @@ impl Autoscaler {
                             tracker,
                             objectives: evaluated,
                             objectives_met,
+                            objectives_turning_since: None,
                         },
                     );
                 }
@@ -821,8 +849,17 @@ impl Autoscaler {
                 &Time(k8s_openapi::jiff::Timestamp::now()),
             );
             let turned = previous.is_none_or(|p| p.status != condition.status);
-            let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
-            state.objectives_met = Some((condition, turned || unannounced));
+            let (settled, since) = settled_turn(
+                turned,
+                previous.is_none(),
+                state.objectives_turning_since,
+                now,
+            );
+            state.objectives_turning_since = since;
+            if settled {
+                let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
+                state.objectives_met = Some((condition, turned || unannounced));
+            }
         }
         Some(sizing.groups)
     }
@@ -1400,6 +1437,34 @@ mod tests {
             "{error}"
         );
         assert!(targets(&ObjectivesSpec::default()).is_err());
+    }
+
+    #[test]
+    fn objectives_met_turns_only_once_the_other_status_held_the_settling_time() {
+        let s = std::time::Duration::from_secs_f64;
+        // The first condition is taken at once, as is the same status again.
+        assert_eq!(settled_turn(true, true, None, s(1.0)), (true, None));
+        assert_eq!(
+            settled_turn(false, false, Some(s(1.0)), s(2.0)),
+            (true, None)
+        );
+        // A turn waits, from the tick it was first seen, and a tick back resets it.
+        assert_eq!(
+            settled_turn(true, false, None, s(10.0)),
+            (false, Some(s(10.0)))
+        );
+        assert_eq!(
+            settled_turn(true, false, Some(s(10.0)), s(14.5)),
+            (false, Some(s(10.0)))
+        );
+        assert_eq!(
+            settled_turn(true, false, Some(s(10.0)), s(15.0)),
+            (true, None)
+        );
+        assert_eq!(
+            settled_turn(false, false, Some(s(10.0)), s(12.0)),
+            (true, None)
+        );
     }
 
     #[test]
