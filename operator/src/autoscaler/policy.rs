@@ -366,7 +366,7 @@ impl Decision {
             None => String::new(),
         };
         format!(
-            "{} {from} -> {} replicas: {load}, demand {:.2} stable / {:.2} panic{}{unread}",
+            "{} {from} -> {} replicas: {load}, replica groups demanded {:.2} over the stable window / {:.2} over the panic window{}{unread}",
             self.reason,
             self.desired,
             self.stable_demand,
@@ -1287,7 +1287,7 @@ mod tests {
         };
         assert_eq!(
             decision.message(1),
-            "Burst 1 -> 4 replicas: 15.00 requests per ready replica, demand 1.50 stable / 3.75 panic (panic mode)"
+            "Burst 1 -> 4 replicas: 15.00 requests per ready replica, replica groups demanded 1.50 over the stable window / 3.75 over the panic window (panic mode)"
         );
     }
 
