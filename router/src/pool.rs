@@ -447,27 +447,25 @@ mod tests {
     fn a_lease_counts_as_prefilling_until_its_first_token_or_its_end() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
-        let prefilling = |lease: &Lease| {
-            pool.replica(lease.ip)
+        let prefilling = |ip| {
+            pool.replica(ip)
                 .prefilling
                 .load(std::sync::atomic::Ordering::Relaxed)
         };
         let mut first = pool
             .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
             .unwrap();
-        assert_eq!(prefilling(&first), 1);
+        assert_eq!(prefilling(first.ip), 1);
         first.first_token();
         first.first_token();
-        assert_eq!(prefilling(&first), 0, "counted down once");
+        assert_eq!(prefilling(first.ip), 0, "counted down once");
         let second = pool
             .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
             .unwrap();
         let ip = second.ip;
         drop(second);
         assert_eq!(
-            pool.replica(ip)
-                .prefilling
-                .load(std::sync::atomic::Ordering::Relaxed),
+            prefilling(ip),
             0,
             "a request that ends before its first token leaves the count too"
         );

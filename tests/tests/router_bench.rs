@@ -5,8 +5,9 @@
 //! events), throughput, time to first token and each replica's prefix-cache hits on five
 //! traces: shared system prompts that the caches cannot all hold, shared system prompts that
 //! every cache can hold, multi-turn conversations that outnumber what a cache holds (each
-//! with its own system prompt, then all under one), and prompts that share nothing; then the time from a request at zero replicas to its first
-//! token against the worker's own ready time.
+//! with its own system prompt, then all under one), and prompts that share nothing; then
+//! the time from a request at zero replicas to its first token against the worker's own
+//! ready time.
 //! [`router_cost_benchmark`] measures the router's cost against talking to one worker directly
 //! (`cargo test --release -p npufleet-tests --test router_bench router_cost -- --ignored
 //! --nocapture` runs it alone). Each prints markdown tables; the two never run at once.

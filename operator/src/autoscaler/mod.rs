@@ -391,15 +391,14 @@ fn objectives_status(
 const OBJECTIVES_SETTLE: std::time::Duration = objectives::SHORT_WINDOW;
 
 /// Whether this tick's `ObjectivesMet` is taken, and since when a turn has been pending: a
-/// turn (`turned`; the first condition is taken at once) is taken once it has held
-/// [`OBJECTIVES_SETTLE`] from `since`, the tick it was first seen.
+/// turn from the last condition taken (`turning`) is taken once it has held
+/// [`OBJECTIVES_SETTLE`] from `since`, the tick it was first seen; anything else at once.
 fn settled_turn(
-    turned: bool,
-    first: bool,
+    turning: bool,
     since: Option<std::time::Duration>,
     now: std::time::Duration,
 ) -> (bool, Option<std::time::Duration>) {
-    if !turned || first {
+    if !turning {
         return (true, None);
     }
     let since = since.unwrap_or(now);
@@ -849,12 +848,8 @@ impl Autoscaler {
                 &Time(k8s_openapi::jiff::Timestamp::now()),
             );
             let turned = previous.is_none_or(|p| p.status != condition.status);
-            let (settled, since) = settled_turn(
-                turned,
-                previous.is_none(),
-                state.objectives_turning_since,
-                now,
-            );
+            let turning = previous.is_some() && turned;
+            let (settled, since) = settled_turn(turning, state.objectives_turning_since, now);
             state.objectives_turning_since = since;
             if settled {
                 let unannounced = state.objectives_met.as_ref().is_some_and(|(_, u)| *u);
@@ -1443,28 +1438,16 @@ mod tests {
     fn objectives_met_turns_only_once_the_other_status_held_the_settling_time() {
         let s = std::time::Duration::from_secs_f64;
         // The first condition is taken at once, as is the same status again.
-        assert_eq!(settled_turn(true, true, None, s(1.0)), (true, None));
-        assert_eq!(
-            settled_turn(false, false, Some(s(1.0)), s(2.0)),
-            (true, None)
-        );
+        assert_eq!(settled_turn(false, None, s(1.0)), (true, None));
+        assert_eq!(settled_turn(false, Some(s(1.0)), s(2.0)), (true, None));
         // A turn waits, from the tick it was first seen, and a tick back resets it.
+        assert_eq!(settled_turn(true, None, s(10.0)), (false, Some(s(10.0))));
         assert_eq!(
-            settled_turn(true, false, None, s(10.0)),
+            settled_turn(true, Some(s(10.0)), s(14.5)),
             (false, Some(s(10.0)))
         );
-        assert_eq!(
-            settled_turn(true, false, Some(s(10.0)), s(14.5)),
-            (false, Some(s(10.0)))
-        );
-        assert_eq!(
-            settled_turn(true, false, Some(s(10.0)), s(15.0)),
-            (true, None)
-        );
-        assert_eq!(
-            settled_turn(false, false, Some(s(10.0)), s(12.0)),
-            (true, None)
-        );
+        assert_eq!(settled_turn(true, Some(s(10.0)), s(15.0)), (true, None));
+        assert_eq!(settled_turn(false, Some(s(10.0)), s(12.0)), (true, None));
     }
 
     #[test]

@@ -29,9 +29,9 @@
 //! window's less its Poisson noise (one standard deviation of its count), plus the queued
 //! requests spread over the measured time a new group takes to become ready (at least the
 //! short window): capacity asked for now serves only that much later, and must work off
-//! what queued meanwhile. The prompt
-//! lengths are the short window's when its mean is the higher: long prompts arriving at the
-//! rate short ones did are a burst of work that the long window's mean dilutes.
+//! what queued meanwhile. The prompt lengths are the short window's when its mean is the
+//! higher: long prompts arriving at the rate short ones did are a burst of work that the
+//! long window's mean dilutes.
 //!
 //! The queueing approximation's tail is a model; the workers measure the real one. Once a
 //! long window holds [`MIN_MEASURED`] first tokens, the TTFT percentile they measured is
@@ -907,17 +907,11 @@ impl Tracker {
             };
             // Prompts that grow at a steady rate are a burst of work the long window's mean
             // dilutes for its length: the short window's mean counts when it is the higher.
-            let long_moments = moments(&long);
-            self.mean_prompt = Some(if short.admitted >= MIN_SHORT_ADMITTED {
-                let short_moments = moments(&short);
-                if short_moments.0 > long_moments.0 {
-                    short_moments
-                } else {
-                    long_moments
-                }
-            } else {
-                long_moments
-            });
+            let mut prompt = moments(&long);
+            if short.admitted >= MIN_SHORT_ADMITTED && moments(&short).0 > prompt.0 {
+                prompt = moments(&short);
+            }
+            self.mean_prompt = Some(prompt);
         }
         if long.finished > 0.0 {
             self.mean_output = Some(long.output_tokens / long.finished);

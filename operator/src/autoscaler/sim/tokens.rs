@@ -1,8 +1,8 @@
 //! A token-level simulated fleet for latency objectives: each request has a prompt and an
 //! output length, and each replica group runs the worker's continuous batching step by step
 //! (decodes first, then prompt chunks within the step's token budget, admitting queued
-//! prompts while there is budget, as `worker/src/engine/core.rs` schedules), each step taking the time a line in its size
-//! gives. Time to first token and time per output token come out per request, so a policy can
+//! prompts while there is budget, as `worker/src/engine/core.rs` schedules), each step
+//! taking the time a line in its size gives. Time to first token and time per output token come out per request, so a policy can
 //! be judged on the share of requests meeting each objective, and the groups report the same
 //! counters the worker's `LoadReport` carries, so the objectives mode learns its capacity
 //! model as it would from real workers.
@@ -475,6 +475,9 @@ fn advance(group: &mut Group, fleet: &Fleet, requests: &[Request], now: f64, tim
             });
         }
         let chunks: u32 = group.prefilling.iter().map(|s| s.chunk).sum();
+        if batch == 0 && chunks == 0 {
+            return;
+        }
         // Positions `done..done + chunk` of a prompt attend to about `done + chunk / 2` each.
         let attention: f64 = group
             .prefilling
@@ -485,9 +488,6 @@ fn advance(group: &mut Group, fleet: &Fleet, requests: &[Request], now: f64, tim
                 fleet.attention * chunk * (done + chunk / 2.0)
             })
             .sum();
-        if batch == 0 && chunks == 0 {
-            return;
-        }
         let (sums, line, size) = if chunks > 0 {
             (&mut group.counters.prefill, fleet.prefill, batch + chunks)
         } else {
@@ -699,8 +699,8 @@ pub fn compare_on(
 /// (prefill 5.5 ms + 1.05 ms a position, decode 8 ms + 2.2 ms a sequence) and attention
 /// of 2.4 µs a position per earlier position, which the documents' line needs (fitted
 /// during them: 1.7 ms a position), 512 positions a step, batch 256, 10 s from asking for a
-/// worker to it serving, objectives
-/// TTFT p90 2 s and TPOT p90 150 ms, on [`CPU_PHASES`], 1 to [`CPU_MAX_REPLICAS`] groups.
+/// worker to it serving, objectives TTFT p90 2 s and TPOT p90 150 ms, on [`CPU_PHASES`], 1
+/// to [`CPU_MAX_REPLICAS`] groups.
 pub fn cpu_benchmark() -> (Fleet, Vec<Request>) {
     let fleet = Fleet {
         warm_up: 10.0,
