@@ -129,6 +129,78 @@ impl Evictions {
     }
 }
 
+/// How long a created pod the pod watch has not shown is taken to exist regardless. The watch
+/// shows a create within milliseconds; past this the store is trusted again, so a pod created
+/// and deleted while the watch was away (never shown) is not waited for longer than this.
+const CREATION_MEMORY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Pods the operator created that the pod store may not show yet. A reconcile reads the store,
+/// which trails the operator's own writes: a group's ranks are created one request after
+/// another, and a reconcile that ran after the first rank's watch event but before the
+/// second's would see a group missing a rank and delete it as broken. Each created pod stands
+/// in for itself until the store shows its name, the watch reports it deleted, or
+/// [`CREATION_MEMORY`] passes.
+#[derive(Clone, Default)]
+pub struct Creations(Arc<Mutex<HashMap<NamedPod, (Pod, std::time::Instant)>>>);
+
+/// A pod by namespace and name.
+type NamedPod = (String, String);
+
+impl Creations {
+    /// Remembers `pod`, as the apiserver answered its create.
+    pub fn note(&self, pod: Pod) {
+        let (Some(namespace), Ok(mut created)) = (ResourceExt::namespace(&pod), self.0.lock())
+        else {
+            return;
+        };
+        created.insert(
+            (namespace, pod.name_any()),
+            (pod, std::time::Instant::now()),
+        );
+    }
+
+    /// Forgets `pod`, which the watch reported deleted, if it is the incarnation remembered.
+    fn deleted(&self, pod: &Pod) {
+        let (Some(namespace), Ok(mut created)) = (ResourceExt::namespace(pod), self.0.lock())
+        else {
+            return;
+        };
+        let key = (namespace, pod.name_any());
+        if created
+            .get(&key)
+            .is_some_and(|(p, _)| ResourceExt::uid(p) == ResourceExt::uid(pod))
+        {
+            created.remove(&key);
+        }
+    }
+
+    /// `held`, the pods the store holds for the InferenceService with UID `owner` in
+    /// `namespace`, and the pods created for it that the store does not show yet. A created pod
+    /// whose name the store shows is forgotten: the store holds that incarnation or a later one.
+    pub fn with_unseen(&self, namespace: &str, owner: &str, mut held: Vec<Pod>) -> Vec<Pod> {
+        let Ok(mut created) = self.0.lock() else {
+            return held;
+        };
+        created.retain(|_, (_, at)| at.elapsed() < CREATION_MEMORY);
+        let owned_here = |pod: &Pod| {
+            ResourceExt::namespace(pod).as_deref() == Some(namespace)
+                && pod
+                    .owner_references()
+                    .iter()
+                    .any(|r| r.uid == owner && r.controller == Some(true))
+        };
+        let shown: Vec<String> = held.iter().map(|p| p.name_any()).collect();
+        created.retain(|(_, name), (pod, _)| !(owned_here(pod) && shown.contains(name)));
+        held.extend(
+            created
+                .values()
+                .filter(|(pod, _)| owned_here(pod))
+                .map(|(pod, _)| pod.clone()),
+        );
+        held
+    }
+}
+
 /// Readers of every store. Cloning a [`Store`] shares it.
 #[derive(Clone)]
 pub struct Stores {
@@ -140,6 +212,7 @@ pub struct Stores {
     /// Empty until the PodGroup API is found to be served.
     pub pod_groups: Store<DynamicObject>,
     pub evictions: Evictions,
+    pub creations: Creations,
     /// Turns true once every store but the PodGroups' holds what the cluster had when its
     /// watch started.
     synced: watch::Receiver<bool>,
@@ -205,12 +278,12 @@ where
 }
 
 /// The watch of `api` (retried with backoff, `managedFields` dropped) keeping `writer`'s
-/// store filled, and its changes; `see` looks at every object the watch applies.
+/// store filled, and its changes; `see` looks at every object the watch applies or deletes.
 fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
     writer: Writer<K>,
-    mut see: impl FnMut(&K) + Send + 'static,
+    mut see: impl FnMut(&watcher::Event<K>) + Send + 'static,
 ) -> (
     impl std::future::Future<Output = ()> + Send + 'static,
     Changes<K>,
@@ -223,8 +296,8 @@ where
         .modify(without_managed_fields)
         .default_backoff()
         .inspect(move |event| {
-            if let Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) = event {
-                see(object);
+            if let Ok(event) = event {
+                see(event);
             }
         });
     reflect(events, writer)
@@ -318,6 +391,7 @@ impl Cache {
                 rank_tables,
                 pod_groups,
                 evictions: Evictions::default(),
+                creations: Creations::default(),
                 synced,
             },
             writers: Mutex::new(Some(Writers {
@@ -344,11 +418,18 @@ impl Cache {
             |_| {},
         );
         let evictions = self.stores.evictions.clone();
+        let creations = self.stores.creations.clone();
         let (pods, pods_changes) = watch(
             scope.api::<Pod>(client),
             managed.clone(),
             writers.pods,
-            move |pod| evictions.note(pod),
+            move |event| match event {
+                watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
+                    evictions.note(pod);
+                }
+                watcher::Event::Delete(pod) => creations.deleted(pod),
+                watcher::Event::Init | watcher::Event::InitDone => {}
+            },
         );
         let (services, services_changes) = watch(
             scope.api::<PartialObjectMeta<Service>>(client),
@@ -438,7 +519,7 @@ mod tests {
     use kube::ResourceExt;
     use kube::runtime::{reflector, watcher::Event};
 
-    use super::{WatchScope, reflect};
+    use super::{Creations, WatchScope, reflect};
 
     fn pod(name: &str) -> Pod {
         let mut pod = Pod::default();
@@ -516,5 +597,57 @@ mod tests {
         assert_eq!(parse("  ").namespace(), None);
         assert_eq!(parse(" team-a ").namespace(), Some("team-a"));
         assert_eq!(parse(""), WatchScope::default());
+    }
+
+    fn created(name: &str, uid: &str, owner: &str) -> Pod {
+        let mut pod = pod(name);
+        pod.metadata.uid = Some(uid.to_string());
+        pod.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                uid: owner.to_string(),
+                controller: Some(true),
+                ..Default::default()
+            },
+        ]);
+        pod
+    }
+
+    #[test]
+    fn a_created_pod_stands_in_for_itself_until_the_store_or_a_deletion_shows_it() {
+        let creations = Creations::default();
+        creations.note(created("tp-0-0", "a", "isvc"));
+        creations.note(created("tp-0-1", "b", "isvc"));
+        creations.note(created("other-0-0", "c", "other"));
+        let names = |pods: Vec<Pod>| -> Vec<String> {
+            let mut names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
+            names.sort();
+            names
+        };
+        // The store shows rank 0 only: rank 1 is added, the other service's pod is not.
+        let held = vec![created("tp-0-0", "a", "isvc")];
+        assert_eq!(
+            names(creations.with_unseen("team-a", "isvc", held.clone())),
+            ["tp-0-0", "tp-0-1"]
+        );
+        assert_eq!(
+            names(creations.with_unseen("team-b", "isvc", Vec::new())),
+            Vec::<String>::new()
+        );
+        // A deletion of another incarnation of the name leaves the one created.
+        creations.deleted(&created("tp-0-1", "older", "isvc"));
+        assert_eq!(
+            names(creations.with_unseen("team-a", "isvc", held.clone())),
+            ["tp-0-0", "tp-0-1"]
+        );
+        creations.deleted(&created("tp-0-1", "b", "isvc"));
+        assert_eq!(
+            names(creations.with_unseen("team-a", "isvc", held)),
+            ["tp-0-0"]
+        );
+        // Rank 0 was forgotten once the store showed it: an empty store now means gone.
+        assert_eq!(
+            names(creations.with_unseen("team-a", "isvc", Vec::new())),
+            Vec::<String>::new()
+        );
     }
 }

@@ -269,7 +269,7 @@ struct Writer<'a> {
 }
 
 impl Writer<'_> {
-    async fn apply<K>(&mut self, object: &K)
+    async fn apply<K>(&mut self, object: &K) -> Option<K>
     where
         K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
             + Clone
@@ -278,19 +278,24 @@ impl Writer<'_> {
             + std::fmt::Debug,
     {
         let api = Api::<K>::namespaced(self.client.clone(), self.namespace);
-        self.apply_with(&api, &K::kind(&()), object).await;
+        self.apply_with(&api, &K::kind(&()), object).await
     }
 
+    /// Applies `object`; returns it as the apiserver answered, or `None` when refused.
     #[tracing::instrument(skip(self, api, object), fields(name = %object.name_any()))]
-    async fn apply_with<K>(&mut self, api: &Api<K>, kind: &str, object: &K)
+    async fn apply_with<K>(&mut self, api: &Api<K>, kind: &str, object: &K) -> Option<K>
     where
         K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
     {
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let name = object.name_any();
-        if let Err(error) = api.patch(&name, &params, &Patch::Apply(object)).await {
-            self.failures
-                .push(Failure::new("create", kind, &name, error));
+        match api.patch(&name, &params, &Patch::Apply(object)).await {
+            Ok(applied) => Some(applied),
+            Err(error) => {
+                self.failures
+                    .push(Failure::new("create", kind, &name, error));
+                None
+            }
         }
     }
 
@@ -346,11 +351,13 @@ fn observe(isvc: &InferenceService, ctx: &Context, namespace: &str) -> Observed 
     } else {
         Vec::new()
     };
+    let held = cache::owned_by(&stores.pods, namespace, isvc)
+        .iter()
+        .map(|p| Pod::clone(p))
+        .collect();
+    let owner = isvc.meta().uid.as_deref().unwrap_or_default();
     Observed {
-        pods: cache::owned_by(&stores.pods, namespace, isvc)
-            .iter()
-            .map(|p| Pod::clone(p))
-            .collect(),
+        pods: stores.creations.with_unseen(namespace, owner, held),
         rank_tables: cache::owned_by(&stores.rank_tables, namespace, isvc)
             .iter()
             .map(|o| o.name_any())
@@ -474,7 +481,7 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
     let observed = observe(&isvc, &ctx, &namespace);
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let plan = reconcile::plan(&isvc, &observed, &ctx.settings, &now);
-    let failures = write_objects(&ctx.client, &namespace, &plan).await;
+    let failures = write_objects(&ctx, &namespace, &plan).await;
     let status_written = write_status(&ctx, &isvc, &plan, &failures, &now).await;
     publish_notes(&ctx, &isvc, &namespace, &plan.notes, &failures).await;
     status_written?;
@@ -501,7 +508,8 @@ async fn reconcile(isvc: Arc<InferenceService>, ctx: Arc<Context>) -> Result<Act
 
 /// Applies and deletes what `plan` says, in order: the objects around the pods, then the pods.
 /// Returns the writes the apiserver refused.
-async fn write_objects(client: &Client, namespace: &str, plan: &reconcile::Plan) -> Vec<Failure> {
+async fn write_objects(ctx: &Context, namespace: &str, plan: &reconcile::Plan) -> Vec<Failure> {
+    let client = &ctx.client;
     let mut writer = Writer {
         client,
         namespace,
@@ -544,11 +552,12 @@ async fn write_objects(client: &Client, namespace: &str, plan: &reconcile::Plan)
     if let Some(name) = &plan.delete_inference_pool {
         writer.delete(&inference_pools, "InferencePool", name).await;
     }
-    write_pods(&mut writer, plan).await;
+    write_pods(&mut writer, plan, &ctx.cache.stores.creations).await;
     writer.failures
 }
 
-async fn write_pods(writer: &mut Writer<'_>, plan: &reconcile::Plan) {
+/// The pods' writes; each pod created is remembered until the pod store shows it.
+async fn write_pods(writer: &mut Writer<'_>, plan: &reconcile::Plan, creations: &cache::Creations) {
     let pods = Api::<Pod>::namespaced(writer.client.clone(), writer.namespace);
     for name in &plan.make_evictable {
         writer.label(&pods, name, labels::EVICTABLE).await;
@@ -564,7 +573,9 @@ async fn write_pods(writer: &mut Writer<'_>, plan: &reconcile::Plan) {
         writer.delete_with(&pods, "Pod", name, &now).await;
     }
     for pod in &plan.create_pods {
-        writer.apply(pod).await;
+        if let Some(created) = writer.apply(pod).await {
+            creations.note(created);
+        }
     }
 }
 

@@ -78,6 +78,21 @@ async fn reconcile_once(
     settings: Settings,
     answer: impl Fn(&Call) -> Answer + Send + 'static,
 ) -> (Result<Action, Error>, Vec<Call>) {
+    reconcile_rounds(isvc, settings, answer, 1)
+        .await
+        .pop()
+        .expect("one round")
+}
+
+/// Runs `rounds` reconciles of `isvc` in a row with one context, against a mock apiserver that
+/// answers each request with `answer` (a pod is answered with a UID, as created); returns each
+/// round's result and requests. The cache is never started: the store never shows a write.
+async fn reconcile_rounds(
+    isvc: InferenceService,
+    settings: Settings,
+    answer: impl Fn(&Call) -> Answer + Send + 'static,
+    rounds: usize,
+) -> Vec<(Result<Action, Error>, Vec<Call>)> {
     let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let calls = Arc::new(Mutex::new(Vec::new()));
     let live = serde_json::to_value(&isvc).unwrap();
@@ -105,6 +120,12 @@ async fn reconcile_once(
                         reply["status"] = call.body["status"].clone();
                         (StatusCode::OK, reply)
                     }
+                    Ok(()) if call.kind() == "Pod" => {
+                        let mut reply = call.body.clone();
+                        let uid = format!("uid-{}", reply["metadata"]["name"].as_str().unwrap());
+                        reply["metadata"]["uid"] = json!(uid);
+                        (StatusCode::OK, reply)
+                    }
                     Ok(()) => (StatusCode::OK, call.body.clone()),
                     Err((code, message)) => (
                         code,
@@ -129,12 +150,19 @@ async fn reconcile_once(
         Metrics::new().unwrap(),
         None,
     ));
-    let result = tokio::time::timeout(Duration::from_secs(10), reconcile(Arc::new(isvc), ctx))
+    let isvc = Arc::new(isvc);
+    let mut done = Vec::new();
+    for _ in 0..rounds {
+        let result = tokio::time::timeout(
+            Duration::from_secs(10),
+            reconcile(isvc.clone(), ctx.clone()),
+        )
         .await
         .expect("the reconcile finishes against the mock apiserver");
+        done.push((result, std::mem::take(&mut *calls.lock().unwrap())));
+    }
     server.abort();
-    let calls = std::mem::take(&mut *calls.lock().unwrap());
-    (result, calls)
+    done
 }
 
 /// The status a reconcile wrote under the operator's field manager.
@@ -323,4 +351,37 @@ async fn a_service_being_deleted_is_left_to_garbage_collection() {
     result.unwrap();
     // No finalizer to remove and nothing to make: its children go with it by owner reference.
     assert!(calls.is_empty(), "{calls:#?}");
+}
+
+#[tokio::test]
+async fn pods_created_count_as_there_before_the_watch_shows_them() {
+    // A group's ranks are created one request after another and reach the store one watch
+    // event after another: a reconcile in between must neither make the group again nor take
+    // it for one that lost a rank (and delete it).
+    let mut isvc = service(1);
+    isvc.spec = serde_json::from_value(json!({
+        "model": {"name": "m", "source": {"imagePath": "/models/m.gguf"}},
+        "replicas": 1,
+        "accelerator": {"type": "ascend910", "devicesPerPod": 1},
+        "parallelism": {"tensor": 2},
+    }))
+    .unwrap();
+    let rounds = reconcile_rounds(isvc, Settings::default(), |_| Ok(()), 2).await;
+    let pod_writes = |calls: &[Call]| -> Vec<String> {
+        calls
+            .iter()
+            .filter(|c| c.path.starts_with("/api/v1/namespaces/ns/pods"))
+            .map(|c| format!("{} {}", c.method, c.path))
+            .collect()
+    };
+    let (first, first_calls) = &rounds[0];
+    assert!(first.is_ok(), "{first:?}");
+    assert_eq!(
+        pod_writes(first_calls).len(),
+        2,
+        "both ranks created: {first_calls:#?}"
+    );
+    let (second, second_calls) = &rounds[1];
+    assert!(second.is_ok(), "{second:?}");
+    assert_eq!(pod_writes(second_calls), Vec::<String>::new());
 }
