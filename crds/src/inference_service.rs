@@ -649,8 +649,11 @@ pub fn parse_objective_duration(text: &str) -> Result<std::time::Duration, Strin
 fn default_min_replicas() -> i32 {
     1
 }
+/// The queue depth per replica group the built-in autoscaler aims for when none is given.
+pub const DEFAULT_TARGET_QUEUE_DEPTH: i32 = 5;
+
 fn default_target_queue_depth() -> i32 {
-    5
+    DEFAULT_TARGET_QUEUE_DEPTH
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
 use kube::api::{ListParams, Patch, PatchParams};
 use npufleet_contract::pods;
-use npufleet_crds::DEFAULT_WARMUP_ITERATIONS;
+use npufleet_crds::{DEFAULT_TARGET_QUEUE_DEPTH, DEFAULT_WARMUP_ITERATIONS};
 use npufleet_operator::autoscaler::objectives::Target;
 use npufleet_operator::autoscaler::sim::tokens::{
     CPU_MAX_REPLICAS, CPU_PHASES, Request, SEED, TAIL_SECONDS, cpu_benchmark,
@@ -262,6 +262,10 @@ async fn objectives_against_queue_depth_on_real_workers() -> Result<()> {
             ("objectives".to_owned(), objectives),
             ("queue depth 2".to_owned(), queue(2)),
             ("queue depth 4".to_owned(), queue(4)),
+            (
+                format!("queue depth {DEFAULT_TARGET_QUEUE_DEPTH} (the default)"),
+                queue(DEFAULT_TARGET_QUEUE_DEPTH as u32),
+            ),
             ("queue depth 6".to_owned(), queue(6)),
         ] {
             let run = run_mode(&bed, &router, &requests, targets, autoscaling).await?;

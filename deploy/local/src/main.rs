@@ -27,7 +27,7 @@ use npufleet_local::chart::{self, LocalImages};
 use npufleet_local::cluster::{Cluster, ClusterOptions};
 use npufleet_local::net::free_port;
 use npufleet_local::node_agent::{self, NodeAgent, NodeAgentConfig};
-use npufleet_local::process::Process;
+use npufleet_local::process::{Process, Supervisor};
 use npufleet_local::router::{RunningRouter, serving_addresses};
 use npufleet_local::{paths, wait};
 use serde_json::{Value, json};
@@ -39,6 +39,9 @@ const NODE: &str = "local-node-0";
 const TARGET_QUEUE: u32 = 2;
 const MAX_REPLICAS: u32 = 3;
 const SAMPLE: &str = "deploy/samples/cpu-smollm2.yaml";
+/// How often the operator or the router is started again after exiting before the platform
+/// gives up on it.
+const RESTARTS: u32 = 5;
 
 /// A local control plane with the operator managing a SmolLM2 fleet, a load burst to watch
 /// it scale, and the fleet left serving until Ctrl-C.
@@ -338,7 +341,7 @@ impl Ticker {
     /// desired replicas when the InferenceService could be read.
     async fn tick(&mut self, fleet: &mut Fleet, phase: &str) -> Result<Option<i32>> {
         self.ticks.tick().await;
-        fleet.ensure_running()?;
+        fleet.keep_running()?;
         let (desired, ready, queue) = match self.services.get(SERVICE).await {
             Ok(s) => {
                 let status = s.status.unwrap_or_default();
@@ -406,8 +409,9 @@ enum Fleet {
     Processes {
         operator: Process,
         operator_log: PathBuf,
-        router: RunningRouter,
+        router: Box<RunningRouter>,
         pod_logs: PathBuf,
+        supervisor: Supervisor,
         _agent: NodeAgent,
     },
     /// The chart's operator and router pods and the worker containers, on the real node.
@@ -455,8 +459,9 @@ impl Fleet {
         Ok(Fleet::Processes {
             operator,
             operator_log,
-            router,
+            router: Box::new(router),
             pod_logs,
+            supervisor: Supervisor::new(RESTARTS),
             _agent: agent,
         })
     }
@@ -497,14 +502,20 @@ impl Fleet {
         }
     }
 
-    /// Fails once a process of the fleet has exited; kubelet restarts pods on the real node.
-    fn ensure_running(&mut self) -> Result<()> {
+    /// Starts the operator or the router again when its process exited, as their
+    /// Deployments' pods are (kubelet restarts them on the real node); fails once one
+    /// exhausted its restarts.
+    fn keep_running(&mut self) -> Result<()> {
         if let Fleet::Processes {
-            operator, router, ..
+            operator,
+            router,
+            supervisor,
+            ..
         } = self
         {
-            operator.ensure_running()?;
-            router.process.ensure_running()?;
+            for line in supervisor.restart_exited(&mut [operator, &mut router.process])? {
+                println!("{line}");
+            }
         }
         Ok(())
     }
@@ -596,7 +607,7 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
     )
     .await
     .with_context(|| failed_pods_summary(&failures.lock().expect("failures"), &fleet.pod_logs()))?;
-    fleet.ensure_running()?;
+    fleet.keep_running()?;
     println!(
         "first replica serving after {:.1} s; starting {} streaming clients for {} s",
         started.elapsed().as_secs_f64(),
@@ -630,7 +641,7 @@ async fn demo(cluster: &Cluster, args: &Args, binaries: Binaries) -> Result<()> 
         println!("\nserving until Ctrl-C");
         loop {
             ticker.ticks.tick().await;
-            fleet.ensure_running()?;
+            fleet.keep_running()?;
         }
     }
     Ok(())

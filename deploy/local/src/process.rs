@@ -412,6 +412,50 @@ impl Drop for Process {
     }
 }
 
+/// Keeps processes running as a Deployment keeps its pod running: one that exited is started
+/// again with the same command line, up to a limit of restarts each, past which the error
+/// names its exit and carries its log's tail rather than loop on a process that cannot start.
+pub struct Supervisor {
+    limit: u32,
+    restarts: std::collections::HashMap<String, u32>,
+}
+
+impl Supervisor {
+    pub fn new(limit: u32) -> Self {
+        Self {
+            limit,
+            restarts: Default::default(),
+        }
+    }
+
+    /// Starts again each of `processes` that has exited; returns a line for each restart.
+    pub fn restart_exited(&mut self, processes: &mut [&mut Process]) -> Result<Vec<String>> {
+        let mut said = Vec::new();
+        for process in processes.iter_mut() {
+            let Some(status) = process.try_wait() else {
+                continue;
+            };
+            let restarts = self.restarts.entry(process.name().to_string()).or_default();
+            anyhow::ensure!(
+                *restarts < self.limit,
+                "{} exited with {status} after {} restarts; last log lines:\n{}",
+                process.name(),
+                self.limit,
+                process.log_tail(30)
+            );
+            *restarts += 1;
+            process.restart()?;
+            said.push(format!(
+                "{} exited with {status}; started again (restart {}), as its Deployment's pod would be; log: {}",
+                process.name(),
+                restarts,
+                process.log_path().display()
+            ));
+        }
+        Ok(said)
+    }
+}
+
 /// Runs `cmd` to completion and returns what it printed; a non-zero exit is an error that
 /// carries the command and everything it printed.
 pub fn stdout_of(mut cmd: Command) -> Result<String> {
@@ -424,4 +468,47 @@ pub fn stdout_of(mut cmd: Command) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exited_process_is_started_again_until_its_restarts_run_out() {
+        let log = std::env::temp_dir().join(format!("supervised-{}.log", unique_suffix()));
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo started; exit 3"]);
+        let mut process = Process::start("short-lived", cmd, &log).expect("sh starts");
+        let mut supervisor = Supervisor::new(2);
+        let mut restarted = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let error = loop {
+            assert!(Instant::now() < deadline, "restarted only {restarted:?}");
+            match supervisor.restart_exited(&mut [&mut process]) {
+                Ok(lines) => restarted.extend(lines),
+                Err(error) => break error,
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(restarted.len(), 2, "{restarted:?}");
+        assert!(
+            restarted[0]
+                .starts_with("short-lived exited with exit status: 3; started again (restart 1)"),
+            "{}",
+            restarted[0]
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("short-lived exited with exit status: 3 after 2 restarts"),
+            "{message}"
+        );
+        // Three runs, one log: the error carries what each printed.
+        assert_eq!(
+            message.matches("started\n").count() + usize::from(message.ends_with("started")),
+            3,
+            "{message}"
+        );
+        let _ = std::fs::remove_file(log);
+    }
 }

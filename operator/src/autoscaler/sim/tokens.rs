@@ -651,8 +651,8 @@ pub fn benchmark() -> (Fleet, Trace, f64) {
 }
 
 /// Queue-depth targets the comparison tries, to find the cheapest that meets the objectives
-/// as often as the objectives mode.
-pub const QUEUE_TARGETS: [f64; 7] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0];
+/// as often as the objectives mode; the default target among them.
+pub const QUEUE_TARGETS: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0];
 
 /// Every mode on the benchmark: the objectives mode, then queue depth at each of
 /// [`QUEUE_TARGETS`].
@@ -810,6 +810,12 @@ mod tests {
             assert!(within.iter().all(|r| (low..=high).contains(&r.prompt)));
             start = end;
         }
+    }
+
+    #[test]
+    fn the_comparison_includes_the_default_queue_depth() {
+        let default = f64::from(npufleet_crds::DEFAULT_TARGET_QUEUE_DEPTH);
+        assert!(QUEUE_TARGETS.contains(&default));
     }
 
     #[test]
