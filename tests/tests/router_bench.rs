@@ -55,6 +55,12 @@ const SYSTEM_PROMPT_SENTENCES: usize = 18;
 const CLIENTS: usize = 6;
 const REQUESTS_PER_RUN: usize = 60;
 const MAX_TOKENS: u32 = 8;
+/// The seed of the open-loop runs' arrival times.
+const OPEN_LOOP_SEED: u64 = 20_261_206;
+/// The open-loop rates, requests a second: one every policy keeps up with on the chats, and
+/// one between what byte-hash affinity (about 3) and cache-aware routing (5 to 6) served of
+/// them with six closed-loop clients.
+const OPEN_LOOP_RATES: [f64; 2] = [2.0, 4.0];
 const POLICIES: [RoutingPolicy; 4] = [
     RoutingPolicy::RoundRobin,
     RoutingPolicy::LeastLoad,
@@ -359,6 +365,42 @@ async fn run_trace(url: &str, bodies: Vec<Value>, clients: usize) -> Result<RunR
     Ok(result)
 }
 
+/// Sends `bodies` in order to `url` at the arrival times of a Poisson process of `rate`
+/// requests a second (seeded), each as it comes due whether or not the ones before have been
+/// answered: a service's users do not wait for each other, so a policy that falls behind
+/// builds a queue instead of slowing its clients down.
+async fn run_open(url: &str, bodies: Vec<Value>, rate: f64) -> Result<RunResult> {
+    use rand::{Rng, SeedableRng};
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(OPEN_LOOP_SEED);
+    let mut due = Duration::ZERO;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for body in bodies {
+        tokio::time::sleep_until((started + due).into()).await;
+        let (http, url) = (http.clone(), url.to_owned());
+        tasks.push(tokio::spawn(async move {
+            stream_once(&http, &url, &body).await
+        }));
+        let gap = -(1.0 - rng.random::<f64>()).ln() / rate;
+        due += Duration::from_secs_f64(gap);
+    }
+    let mut result = RunResult {
+        elapsed: Duration::ZERO,
+        ttft: Vec::new(),
+        latency: Vec::new(),
+    };
+    for task in tasks {
+        let (ttft, latency) = task.await??;
+        result.ttft.push(ttft);
+        result.latency.push(latency);
+    }
+    result.elapsed = started.elapsed();
+    Ok(result)
+}
+
 /// [`Engine::counters`] so far, per replica address.
 async fn cache_counters(
     engine: Engine,
@@ -418,6 +460,25 @@ static ONE_BENCHMARK_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::con
 
 /// A namespace with a node agent for `replicas` workers of [`service`], the operator and the
 /// router, once every worker serves.
+/// How a table's requests are sent.
+#[derive(Clone, Copy, Debug)]
+enum Load {
+    /// This many clients, each sending its next request when its last one is answered.
+    Closed(usize),
+    /// Arrivals at this rate (requests a second) whatever the answers ([`run_open`]).
+    Open(f64),
+}
+
+impl Load {
+    /// Told apart in the prompts, so one table's runs never find another's in the caches.
+    fn tag(self) -> String {
+        match self {
+            Load::Closed(clients) => format!("c{clients}-"),
+            Load::Open(rate) => format!("o{rate}-"),
+        }
+    }
+}
+
 struct Bench {
     services: Api<InferenceService>,
     pods: Api<Pod>,
@@ -457,17 +518,6 @@ impl Bench {
 
     /// Each of `engine`'s policies on each trace: one table row per run.
     async fn policy_table(&self, engine: Engine) -> Result<()> {
-        let Bench {
-            services,
-            router,
-            addresses,
-            ..
-        } = self;
-        let http = reqwest::Client::new();
-        println!(
-            "| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |"
-        );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         let traces = [
             Trace::SharedPrefix {
                 prompts: SYSTEM_PROMPTS,
@@ -479,18 +529,37 @@ impl Bench {
             Trace::SharedSystemChats,
             Trace::NoSharedPrefix,
         ];
-        for (t, trace) in traces.into_iter().enumerate() {
+        self.table(engine, &traces, Load::Closed(CLIENTS)).await
+    }
+
+    /// Each of `engine`'s policies on each of `traces` under `load`: a row per run.
+    async fn table(&self, engine: Engine, traces: &[Trace], load: Load) -> Result<()> {
+        let Bench {
+            services,
+            router,
+            addresses,
+            ..
+        } = self;
+        let http = reqwest::Client::new();
+        println!(
+            "| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        for (t, &trace) in traces.iter().enumerate() {
             for &policy in engine.policies() {
                 use_policy(services, router, policy).await?;
                 let before = cache_counters(engine, &http, addresses).await?;
                 let bodies: Vec<Value> = trace
-                    .bodies(&format!("{t}-{}", policy.as_str()))
+                    .bodies(&format!("{}{t}-{}", load.tag(), policy.as_str()))
                     .into_iter()
                     .map(|body| engine.body(body))
                     .collect();
                 let requests = bodies.len();
-                let mut run =
-                    run_trace(&router.url("/v1/chat/completions"), bodies, CLIENTS).await?;
+                let url = router.url("/v1/chat/completions");
+                let mut run = match load {
+                    Load::Closed(clients) => run_trace(&url, bodies, clients).await?,
+                    Load::Open(rate) => run_open(&url, bodies, rate).await?,
+                };
                 let after = cache_counters(engine, &http, addresses).await?;
                 let delta: Vec<[f64; 3]> = addresses
                     .iter()
@@ -544,6 +613,28 @@ async fn routing_benchmark() -> Result<()> {
         println!("\n### Routing policies: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), {CLIENTS} streaming clients, {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
         bench.policy_table(Engine::Worker).await?;
         wake_from_zero(&bench.services, &bench.pods, &bench.router).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// The traces whose requests share prefixes past what the caches hold, and the one sharing
+/// nothing, with requests arriving at fixed rates instead of from closed-loop clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn open_loop_routing_benchmark() -> Result<()> {
+    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let bench = Bench::start("router-bench-open", 85, REPLICAS, Engine::Worker).await?;
+        let traces = [
+            Trace::MultiTurn,
+            Trace::SharedSystemChats,
+            Trace::NoSharedPrefix,
+        ];
+        for rate in OPEN_LOOP_RATES {
+            println!("\n### Routing policies, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
+            bench.table(Engine::Worker, &traces, Load::Open(rate)).await?;
+        }
         Ok(())
     })
     .await
