@@ -203,6 +203,7 @@ pub fn group_samples(groups: &[GroupView]) -> Vec<GroupSample> {
             GroupSample {
                 group: view.group,
                 ready: load.state == GroupState::Ready,
+                warming: load.state == GroupState::Warming,
                 counters: report.and_then(objectives::Counters::of),
                 max_batch: report.map(|r| r.max_batch_size).filter(|&b| b > 0),
             }

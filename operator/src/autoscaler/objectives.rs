@@ -288,6 +288,8 @@ impl Counters {
 pub struct GroupSample {
     pub group: u32,
     pub ready: bool,
+    /// Started and not serving yet: loading weights beside the groups that serve.
+    pub warming: bool,
     /// The serving worker's counters, when it answered with them.
     pub counters: Option<Counters>,
     /// The batch the worker runs (its `max_batch_size`), when it said.
@@ -704,6 +706,8 @@ pub struct Tracker {
     mean_prompt: Option<(f64, f64)>,
     mean_output: Option<f64>,
     prefill_steps: Option<f64>,
+    /// Whether a group was warming at the last tick.
+    warming_at_previous: bool,
     /// Groups not ready yet, and when they were first seen.
     warming_since: HashMap<u32, Duration>,
     /// Groups seen at all: a group seen at the first tick started before this tracker did,
@@ -743,6 +747,7 @@ impl Tracker {
             mean_prompt: None,
             mean_output: None,
             prefill_steps: None,
+            warming_at_previous: false,
             warming_since: HashMap::new(),
             seen: HashMap::new(),
             ready_seconds: ready_seconds.filter(|s| s.is_finite() && *s > 0.0),
@@ -812,11 +817,21 @@ impl Tracker {
         }
         self.last
             .retain(|g, _| groups.iter().any(|s| s.group == *g && s.counters.is_some()));
+        // A group loading its weights shares its node's cores, memory bandwidth and bus
+        // with the groups serving beside it. Their steps meanwhile are slower than the
+        // fleet's will be once it is up, and a model that learned from them would ask for
+        // more groups, whose loading would slow the steps again: such an interval counts
+        // as demand, not as capacity.
+        let warming = groups.iter().any(|g| g.warming);
+        let contended = warming || self.warming_at_previous;
+        self.warming_at_previous = warming;
         if let Some(previous) = self.previous_tick
             && summed > 0.0
         {
-            self.capacity.prefill.add(&interval.prefill);
-            self.capacity.decode.add(&interval.decode);
+            if !contended {
+                self.capacity.prefill.add(&interval.prefill);
+                self.capacity.decode.add(&interval.decode);
+            }
             self.intervals.push_back(Interval {
                 start: previous,
                 end: now,
@@ -1131,6 +1146,7 @@ mod tests {
         GroupSample {
             group,
             ready,
+            warming: false,
             counters: report.as_ref().and_then(Counters::of),
             max_batch: report.map(|r| r.max_batch_size),
         }
@@ -1183,6 +1199,47 @@ mod tests {
             Err(Unknown::NoCounters(why)) => assert!(why.contains("no request counters")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn steps_timed_while_a_group_warms_count_as_demand_not_as_capacity() {
+        let mut tracker = Tracker::new(capacity(), Some(10.0));
+        let learned = tracker.capacity().decode.n;
+        let s = |t: f64| Duration::from_secs_f64(t);
+        let warming = GroupSample {
+            warming: true,
+            ..sample(1, false, None)
+        };
+        tracker.observe(s(0.0), &[sample(0, true, Some(report(0, 0, 0, 0, 0)))]);
+        tracker.observe(
+            s(5.0),
+            &[
+                sample(0, true, Some(report(10, 1000, 5, 200, 100))),
+                warming.clone(),
+            ],
+        );
+        assert_eq!(tracker.capacity().decode.n, learned);
+        assert!(
+            (tracker.demand(s(5.0), 0, 1, 1).unwrap().measured_rate - 2.0).abs() < 1e-9,
+            "the requests of the interval count"
+        );
+        // The interval that ends with the group ready began with it loading.
+        tracker.observe(
+            s(10.0),
+            &[
+                sample(0, true, Some(report(20, 2000, 10, 400, 200))),
+                sample(1, true, Some(report(0, 0, 0, 0, 0))),
+            ],
+        );
+        assert_eq!(tracker.capacity().decode.n, learned);
+        tracker.observe(
+            s(15.0),
+            &[
+                sample(0, true, Some(report(30, 3000, 15, 600, 300))),
+                sample(1, true, Some(report(0, 0, 0, 0, 0))),
+            ],
+        );
+        assert_eq!(tracker.capacity().decode.n, learned + 100.0);
     }
 
     #[test]

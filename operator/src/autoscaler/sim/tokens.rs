@@ -576,6 +576,7 @@ fn observe(groups: &[Group], fleet: &Fleet, spec: u32) -> (Observation, Vec<Grou
         .map(|g| GroupSample {
             group: g.id,
             ready: g.state == GroupState::Ready,
+            warming: g.state == GroupState::Warming,
             counters: (g.state != GroupState::Warming).then(|| g.counters.clone()),
             max_batch: Some(fleet.max_batch),
         })
