@@ -430,6 +430,7 @@ impl Fleet {
             NodeAgentConfig::new(NODE, binaries.worker, pod_logs.clone(), 60),
         )
         .await?;
+        agent.wait_schedulable(Duration::from_secs(60)).await?;
         let operator_log = cluster.scratch().join("npufleet-operator.log");
         let mut cmd = Command::new(&binaries.operator);
         cmd.args([

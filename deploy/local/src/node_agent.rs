@@ -224,6 +224,35 @@ impl NodeAgent {
         &self.shared.config.node_name
     }
 
+    /// Waits until the scheduler may place pods here. The apiserver taints every new node
+    /// `node.kubernetes.io/not-ready` until the node lifecycle controller sees it Ready (a
+    /// few seconds); a pod created meanwhile fails to schedule once, with a warning event.
+    pub async fn wait_schedulable(&self, timeout: Duration) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.shared.client.clone());
+        let name = self.node_name();
+        crate::wait::until(
+            &format!("node {name} without node.kubernetes.io taints"),
+            timeout,
+            || async {
+                let node = nodes.get(name).await?;
+                let taints = node
+                    .spec
+                    .and_then(|s| s.taints)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|t| t.key.starts_with("node.kubernetes.io/"))
+                    .map(|t| t.key)
+                    .collect::<Vec<_>>();
+                if taints.is_empty() {
+                    Ok(Some(()))
+                } else {
+                    bail!("tainted {}", taints.join(", "))
+                }
+            },
+        )
+        .await
+    }
+
     /// The process id of the running pod `namespace/name`, for tests that signal a worker
     /// directly (SIGKILL, SIGSTOP) the way a crash or a hang would.
     pub fn pid(&self, pod: &str) -> Option<u32> {
