@@ -501,17 +501,8 @@ fn controller_manager_command(
         kubeconfig,
         &d.join("kcm-certs"),
     )?;
-    // Pods the node agent runs listen on loopback addresses, which Endpoints and
-    // EndpointSlices refuse: their controllers would only warn on every Service. Nothing
-    // here reads them (the router and the inference extension watch pods), and a real
-    // node's pods have addresses kube-proxy needs them for.
-    let controllers = if opts.real_node {
-        "*"
-    } else {
-        "*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller"
-    };
     kcm.args([
-        format!("--controllers={controllers}"),
+        "--controllers=*".to_string(),
         format!(
             "--service-account-private-key-file={}",
             pki.sa_key_file.display()
