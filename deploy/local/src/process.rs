@@ -482,15 +482,17 @@ mod tests {
         let mut process = Process::start("short-lived", cmd, &log).expect("sh starts");
         let mut supervisor = Supervisor::new(2);
         let mut restarted = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let error = loop {
-            assert!(Instant::now() < deadline, "restarted only {restarted:?}");
-            match supervisor.restart_exited(&mut [&mut process]) {
-                Ok(lines) => restarted.extend(lines),
-                Err(error) => break error,
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
+        let error =
+            crate::wait::until_blocking("the restarts to run out", Duration::from_secs(30), || {
+                match supervisor.restart_exited(&mut [&mut process]) {
+                    Ok(lines) => {
+                        restarted.extend(lines);
+                        Ok(None)
+                    }
+                    Err(error) => Ok(Some(error)),
+                }
+            })
+            .unwrap_or_else(|timeout| panic!("{timeout:#}; restarted only {restarted:?}"));
         assert_eq!(restarted.len(), 2, "{restarted:?}");
         assert!(
             restarted[0]
