@@ -61,6 +61,8 @@ const OPEN_LOOP_SEED: u64 = 20_261_206;
 /// one between what byte-hash affinity (about 3) and cache-aware routing (5 to 6) served of
 /// them with six closed-loop clients.
 const OPEN_LOOP_RATES: [f64; 2] = [2.0, 4.0];
+/// Open-loop runs of each trace and policy at each rate, interleaved and pooled.
+const OPEN_LOOP_ROUNDS: usize = 3;
 const POLICIES: [RoutingPolicy; 4] = [
     RoutingPolicy::RoundRobin,
     RoutingPolicy::LeastLoad,
@@ -529,11 +531,20 @@ impl Bench {
             Trace::SharedSystemChats,
             Trace::NoSharedPrefix,
         ];
-        self.table(engine, &traces, Load::Closed(CLIENTS)).await
+        self.table(engine, &traces, Load::Closed(CLIENTS), 1).await
     }
 
-    /// Each of `engine`'s policies on each of `traces` under `load`: a row per run.
-    async fn table(&self, engine: Engine, traces: &[Trace], load: Load) -> Result<()> {
+    /// Each of `engine`'s policies on each of `traces` under `load`, `rounds` times: a row per
+    /// trace and policy, its figures pooled over the rounds. The policies take turns within a
+    /// round, in an order that rotates from round to round, so drift in the machine's speed
+    /// falls on all of them alike; a single run's p90 of 60 requests moves by half a second.
+    async fn table(
+        &self,
+        engine: Engine,
+        traces: &[Trace],
+        load: Load,
+        rounds: usize,
+    ) -> Result<()> {
         let Bench {
             services,
             router,
@@ -541,67 +552,98 @@ impl Bench {
             ..
         } = self;
         let http = reqwest::Client::new();
-        println!(
-            "| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |"
-        );
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
-        for (t, &trace) in traces.iter().enumerate() {
-            for &policy in engine.policies() {
-                use_policy(services, router, policy).await?;
-                let before = cache_counters(engine, &http, addresses).await?;
-                let bodies: Vec<Value> = trace
-                    .bodies(&format!("{}{t}-{}", load.tag(), policy.as_str()))
-                    .into_iter()
-                    .map(|body| engine.body(body))
-                    .collect();
-                let requests = bodies.len();
-                let url = router.url("/v1/chat/completions");
-                let mut run = match load {
-                    Load::Closed(clients) => run_trace(&url, bodies, clients).await?,
-                    Load::Open(rate) => run_open(&url, bodies, rate).await?,
-                };
-                let after = cache_counters(engine, &http, addresses).await?;
-                let delta: Vec<[f64; 3]> = addresses
-                    .iter()
-                    .map(|a| std::array::from_fn(|k| after[a][k] - before[a][k]))
-                    .collect();
-                let (hit, queried, prompt) = delta
-                    .iter()
-                    .fold((0.0, 0.0, 0.0), |t, d| (t.0 + d[0], t.1 + d[1], t.2 + d[2]));
-                let (hits, rates, rate) = if engine == Engine::Worker {
-                    let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
-                    let rates: Vec<String> = delta
-                        .iter()
-                        .map(|d| {
-                            format!("{:.0}%", if d[1] > 0.0 { 100.0 * d[0] / d[1] } else { 0.0 })
-                        })
+        let policies = engine.policies();
+        let mut pooled: BTreeMap<(usize, usize), Pooled> = BTreeMap::new();
+        for round in 0..rounds {
+            for (t, &trace) in traces.iter().enumerate() {
+                for turn in 0..policies.len() {
+                    let p = (turn + round) % policies.len();
+                    let policy = policies[p];
+                    use_policy(services, router, policy).await?;
+                    let before = cache_counters(engine, &http, addresses).await?;
+                    let bodies: Vec<Value> = trace
+                        .bodies(&format!("{}{t}-{}-r{round}", load.tag(), policy.as_str()))
+                        .into_iter()
+                        .map(|body| engine.body(body))
                         .collect();
-                    let rate = if queried > 0.0 {
-                        100.0 * hit / queried
-                    } else {
-                        0.0
+                    let url = router.url("/v1/chat/completions");
+                    let requests = bodies.len();
+                    let mut run = match load {
+                        Load::Closed(clients) => run_trace(&url, bodies, clients).await?,
+                        Load::Open(rate) => run_open(&url, bodies, rate).await?,
                     };
-                    (hits.join(" / "), rates.join(" / "), format!("{rate:.0}%"))
-                } else {
-                    ("–".to_owned(), "–".to_owned(), "–".to_owned())
-                };
-                // The busiest replica's prompt tokens against the mean: 1.00 is an even spread.
-                let busiest = delta.iter().map(|d| d[2]).fold(0.0, f64::max);
-                let imbalance = busiest / (prompt / delta.len() as f64).max(1.0);
-                println!(
-                    "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {hits} | {rates} | {rate} | {imbalance:.2} |",
-                    trace.name(),
-                    policy.as_str(),
-                    requests as f64 / run.elapsed.as_secs_f64(),
-                    ms(percentile(&mut run.ttft, 50.0)),
-                    ms(percentile(&mut run.ttft, 90.0)),
-                    ms(percentile(&mut run.ttft, 99.0)),
-                    prompt / requests as f64,
-                );
+                    let after = cache_counters(engine, &http, addresses).await?;
+                    let cell = pooled.entry((t, p)).or_default();
+                    cell.requests += requests;
+                    cell.elapsed += run.elapsed;
+                    cell.round_p90.push(ms(percentile(&mut run.ttft, 90.0)));
+                    cell.ttft.append(&mut run.ttft);
+                    cell.delta.resize(addresses.len(), [0.0; 3]);
+                    for (sum, a) in cell.delta.iter_mut().zip(addresses) {
+                        for k in 0..3 {
+                            sum[k] += after[a][k] - before[a][k];
+                        }
+                    }
+                }
             }
+        }
+        println!(
+            "| trace | policy | req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | p90 by round ms | prompt tokens/req | prefix-cache hit tokens per replica | hit rate per replica | hit rate | imbalance |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for ((t, p), mut cell) in pooled {
+            let delta = &cell.delta;
+            let (hit, queried, prompt) = delta
+                .iter()
+                .fold((0.0, 0.0, 0.0), |t, d| (t.0 + d[0], t.1 + d[1], t.2 + d[2]));
+            let (hits, rates, rate) = if engine == Engine::Worker {
+                let hits: Vec<String> = delta.iter().map(|d| format!("{:.0}", d[0])).collect();
+                let rates: Vec<String> = delta
+                    .iter()
+                    .map(|d| format!("{:.0}%", if d[1] > 0.0 { 100.0 * d[0] / d[1] } else { 0.0 }))
+                    .collect();
+                let rate = if queried > 0.0 {
+                    100.0 * hit / queried
+                } else {
+                    0.0
+                };
+                (hits.join(" / "), rates.join(" / "), format!("{rate:.0}%"))
+            } else {
+                ("–".to_owned(), "–".to_owned(), "–".to_owned())
+            };
+            // The busiest replica's prompt tokens against the mean: 1.00 is an even spread.
+            let busiest = delta.iter().map(|d| d[2]).fold(0.0, f64::max);
+            let imbalance = busiest / (prompt / delta.len() as f64).max(1.0);
+            let by_round: Vec<String> = cell
+                .round_p90
+                .iter()
+                .map(|p90| format!("{p90:.0}"))
+                .collect();
+            println!(
+                "| {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {hits} | {rates} | {rate} | {imbalance:.2} |",
+                traces[t].name(),
+                policies[p].as_str(),
+                cell.requests as f64 / cell.elapsed.as_secs_f64(),
+                ms(percentile(&mut cell.ttft, 50.0)),
+                ms(percentile(&mut cell.ttft, 90.0)),
+                ms(percentile(&mut cell.ttft, 99.0)),
+                by_round.join(", "),
+                prompt / cell.requests as f64,
+            );
         }
         Ok(())
     }
+}
+
+/// One trace and policy's runs, pooled over the rounds.
+#[derive(Default)]
+struct Pooled {
+    requests: usize,
+    elapsed: Duration,
+    ttft: Vec<Duration>,
+    round_p90: Vec<f64>,
+    /// Per replica: prefix-cache hit tokens, tokens looked up, prompt tokens.
+    delta: Vec<[f64; 3]>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -632,8 +674,8 @@ async fn open_loop_routing_benchmark() -> Result<()> {
             Trace::NoSharedPrefix,
         ];
         for rate in OPEN_LOOP_RATES {
-            println!("\n### Routing policies, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {REQUESTS_PER_RUN} requests per run, {MAX_TOKENS} tokens per answer\n");
-            bench.table(Engine::Worker, &traces, Load::Open(rate)).await?;
+            println!("\n### Routing policies, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {OPEN_LOOP_ROUNDS} interleaved runs of {REQUESTS_PER_RUN} requests per policy, pooled, {MAX_TOKENS} tokens per answer\n");
+            bench.table(Engine::Worker, &traces, Load::Open(rate), OPEN_LOOP_ROUNDS).await?;
         }
         Ok(())
     })
