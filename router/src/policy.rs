@@ -95,24 +95,33 @@ pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
         })
 }
 
-/// Cache-aware placement: among the replicas with at most `slack` requests outstanding beyond
-/// the least loaded one's, the one whose cache holds most of the prompt's leading blocks, so
-/// a prompt stays where its prefix is until that replica runs ahead of the others, then
-/// spills to the next best (which then holds it too, and the two share it by load); ties
-/// (no replica holds anything, or several hold as much) go by least load, in turn. The bound
-/// is a gap rather than a factor of the mean: a factor of the mean never excludes anything
-/// on two replicas, where one would keep a hot prompt however far ahead it ran.
+/// Cache-aware placement: the [`least_load`] pick, unless a replica with at most `slack`
+/// requests outstanding beyond the pick's holds more of the prompt's leading blocks; then the
+/// one holding most (ties by load). A prompt stays where its prefix is until that replica runs
+/// ahead of the others, then spills to the next best (which then holds it too, and the two
+/// share it by load). Where no replica holds more than the least loaded one, as with prompts
+/// that share nothing, it places exactly as least-load does. The bound is a gap rather than a
+/// factor of the mean: a factor of the mean never excludes anything on two replicas, where
+/// one would keep a hot prompt however far ahead it ran.
 pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Option<usize> {
-    let least = candidates.iter().map(Candidate::outstanding).min()?;
+    let least = least_load(candidates, rotation)?;
+    let bound = candidates[least].outstanding().saturating_add(slack);
     let n = candidates.len();
-    (0..n)
-        .map(|i| (rotation.wrapping_add(i)) % n)
-        .filter(|&i| candidates[i].outstanding() <= least.saturating_add(slack))
+    let within = || {
+        (0..n)
+            .map(|i| (rotation.wrapping_add(i)) % n)
+            .filter(|&i| candidates[i].outstanding() <= bound)
+    };
+    let most = within().map(|i| candidates[i].cached_blocks).max()?;
+    if most <= candidates[least].cached_blocks {
+        return Some(least);
+    }
+    within()
+        .filter(|&i| candidates[i].cached_blocks == most)
         .min_by(|&a, &b| {
-            let (a, b) = (&candidates[a], &candidates[b]);
-            b.cached_blocks
-                .cmp(&a.cached_blocks)
-                .then(a.load_score().total_cmp(&b.load_score()))
+            candidates[a]
+                .load_score()
+                .total_cmp(&candidates[b].load_score())
         })
 }
 
@@ -258,6 +267,31 @@ mod tests {
         // Nothing cached anywhere: least load.
         let cold = [holding("a", 2, 0), holding("b", 1, 0), holding("c", 2, 0)];
         assert_eq!(cache_aware(&cold, 2, 0), Some(1));
+    }
+
+    #[test]
+    fn with_nothing_cached_cache_aware_places_as_least_load() {
+        // "b" has the fewest outstanding, but its own prompt and another router's queued one
+        // are both still ahead of a new one; "a" only decodes. A gap of 2 from "b" would have
+        // left "a" out.
+        let mut b = Candidate {
+            in_flight: 1,
+            prefilling: 1,
+            ..idle("b")
+        };
+        b.reported = Some(ReportedLoad {
+            own_in_flight: 1,
+            ..ReportedLoad::new(1, 1, 0.0)
+        });
+        let a = Candidate {
+            in_flight: 5,
+            ..idle("a")
+        };
+        let candidates = [a, b, holding("c", 6, 0)];
+        for turn in 0..3 {
+            assert_eq!(least_load(&candidates, turn), Some(0));
+            assert_eq!(cache_aware(&candidates, 2, turn), Some(0));
+        }
     }
 
     #[test]
