@@ -85,14 +85,17 @@ const PREFILL_WEIGHT: f64 = 2.0;
 /// `rotation` (mod the count), so equal replicas take turns instead of the first one taking
 /// every request.
 pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
-    let n = candidates.len();
-    (0..n)
-        .map(|i| (rotation.wrapping_add(i)) % n)
-        .min_by(|&a, &b| {
-            candidates[a]
-                .load_score()
-                .total_cmp(&candidates[b].load_score())
-        })
+    in_turn(candidates.len(), rotation).min_by(|&a, &b| {
+        candidates[a]
+            .load_score()
+            .total_cmp(&candidates[b].load_score())
+    })
+}
+
+/// The indices `0..n`, starting at `rotation` (mod `n`): ties among them go to the first in
+/// turn, so equal replicas take turns.
+fn in_turn(n: usize, rotation: usize) -> impl Iterator<Item = usize> {
+    (0..n).map(move |i| rotation.wrapping_add(i) % n)
 }
 
 /// Cache-aware placement: the [`least_load`] pick, unless a replica with at most `slack`
@@ -106,12 +109,8 @@ pub fn least_load(candidates: &[Candidate], rotation: usize) -> Option<usize> {
 pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Option<usize> {
     let least = least_load(candidates, rotation)?;
     let bound = candidates[least].outstanding().saturating_add(slack);
-    let n = candidates.len();
-    let within = || {
-        (0..n)
-            .map(|i| (rotation.wrapping_add(i)) % n)
-            .filter(|&i| candidates[i].outstanding() <= bound)
-    };
+    let within =
+        || in_turn(candidates.len(), rotation).filter(|&i| candidates[i].outstanding() <= bound);
     let most = within().map(|i| candidates[i].cached_blocks).max()?;
     if most <= candidates[least].cached_blocks {
         return Some(least);
