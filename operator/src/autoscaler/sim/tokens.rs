@@ -734,6 +734,99 @@ pub const CPU_MAX_REPLICAS: u32 = 2;
 /// Seconds after the CPU benchmark's last arrival that its replica-seconds still count.
 pub const TAIL_SECONDS: f64 = 30.0;
 
+/// The decode and prefill lines the objectives mode fitted to one-thread SmolLM2 workers in
+/// the fifth real run (decode 4.1 ms + 1.55 ms a sequence, prefill 5.5 ms + 0.58 ms a
+/// position): faster than [`cpu_benchmark`]'s, fitted in an earlier run on the same machine
+/// type.
+pub fn fifth_run_lines(fleet: &Fleet) -> Fleet {
+    Fleet {
+        prefill: Line {
+            intercept: 0.005_5,
+            slope: 0.000_58,
+        },
+        decode: Line {
+            intercept: 0.004_1,
+            slope: 0.001_55,
+        },
+        ..fleet.clone()
+    }
+}
+
+/// One trace of [`cpu_search`]: the objectives against queue depth on it.
+#[derive(Clone, Debug)]
+pub struct SearchRow {
+    /// The chat phase's rate (req/s) and answer lengths (tokens), and the documents' rate.
+    pub chat_rate: f64,
+    pub chat_output: (u32, u32),
+    pub documents_rate: f64,
+    pub objectives: Outcome,
+    /// The cheapest queue-depth target meeting both objectives for at least 95 % of
+    /// requests with none failed, and its outcome; none when no target does.
+    pub cheapest_queue: Option<(f64, Outcome)>,
+}
+
+impl SearchRow {
+    /// The objectives' replica-seconds over the cheapest queue depth's, when both meet the
+    /// objectives for at least 95 % of requests.
+    pub fn ratio(&self) -> Option<f64> {
+        let (_, queue) = self.cheapest_queue.as_ref()?;
+        (self.objectives.attainment() >= 0.95 && self.objectives.failed == 0)
+            .then(|| self.objectives.replica_seconds / queue.replica_seconds)
+    }
+}
+
+/// [`CPU_PHASES`] with the chat's rate and answer lengths and the documents' rate varied
+/// over a grid (chat 1.5 to 5 req/s with answers of 48..=96, 96..=192 or 150..=300 tokens,
+/// documents 1.4 to 2.6 req/s), each trace run on `fleet` with 1 to `max_groups` groups
+/// under the objectives and under queue depth at each of [`QUEUE_TARGETS`]. It asks whether
+/// any such trace lets the objectives spend a quarter fewer replica-seconds than queue
+/// depth on workers whose decode step grows this steeply with its batch.
+pub fn cpu_search(fleet: &Fleet, max_groups: u32) -> Vec<SearchRow> {
+    let mut rows = Vec::new();
+    for chat_output in [(48, 96), (96, 192), (150, 300)] {
+        for chat_rate in [1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0] {
+            for documents_rate in [1.4, 1.8, 2.2, 2.6] {
+                let chat = Mix {
+                    output: chat_output,
+                    ..Mix::CHAT_CPU
+                };
+                let phases = [
+                    Phase {
+                        rate: 0.5,
+                        mix: chat,
+                        ..CPU_PHASES[0]
+                    },
+                    Phase {
+                        rate: chat_rate,
+                        mix: chat,
+                        ..CPU_PHASES[1]
+                    },
+                    Phase {
+                        rate: documents_rate,
+                        ..CPU_PHASES[2]
+                    },
+                ];
+                let mut outcomes =
+                    compare_on(fleet, &phased(&phases, SEED), max_groups).into_iter();
+                let (_, objectives) = outcomes.next().expect("the objectives run first");
+                let cheapest_queue = outcomes
+                    .zip(QUEUE_TARGETS)
+                    .filter(|((_, o), _)| o.attainment() >= 0.95 && o.failed == 0)
+                    .map(|((_, o), target)| (target, o))
+                    .min_by(|a, b| a.1.replica_seconds.total_cmp(&b.1.replica_seconds));
+                rows.push(SearchRow {
+                    chat_rate,
+                    chat_output,
+                    documents_rate,
+                    objectives,
+                    cheapest_queue,
+                });
+            }
+        }
+    }
+    rows
+}
+
 /// Objectives at the 90th percentile: TTFT and TPOT in seconds.
 fn p90(ttft: f64, tpot: f64) -> Targets {
     let at = |seconds| {
@@ -811,6 +904,34 @@ mod tests {
             assert!(within.iter().all(|r| (low..=high).contains(&r.prompt)));
             start = end;
         }
+    }
+
+    #[test]
+    fn a_search_row_compares_only_modes_that_meet_the_objectives() {
+        let outcome = |replica_seconds, met, failed| Outcome {
+            requests: 100,
+            ttft_met: met,
+            tpot_met: 1.0,
+            replica_seconds,
+            scale_up_reaction: None,
+            failed,
+            max_replicas: 2,
+        };
+        let row = |objectives, cheapest_queue| SearchRow {
+            chat_rate: 2.0,
+            chat_output: (48, 96),
+            documents_rate: 1.4,
+            objectives,
+            cheapest_queue,
+        };
+        let queue = Some((5.0, outcome(400.0, 0.96, 0)));
+        assert_eq!(
+            row(outcome(300.0, 0.97, 0), queue.clone()).ratio(),
+            Some(0.75)
+        );
+        assert_eq!(row(outcome(300.0, 0.94, 0), queue.clone()).ratio(), None);
+        assert_eq!(row(outcome(300.0, 0.97, 1), queue).ratio(), None);
+        assert_eq!(row(outcome(300.0, 0.97, 0), None).ratio(), None);
     }
 
     #[test]
