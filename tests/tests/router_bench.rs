@@ -682,6 +682,31 @@ async fn open_loop_routing_benchmark() -> Result<()> {
     .await
 }
 
+/// The trace sharing nothing alone, where cache-aware routing has nothing to gain and must lose
+/// nothing: [`SHARING_NOTHING_ROUNDS`] interleaved rounds at the lower open-loop rate, pooled.
+/// Three rounds in the open-loop table leave one slow round enough to move a pooled p99.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "minutes on a 2-core machine: run by make bench-router"]
+async fn sharing_nothing_routing_benchmark() -> Result<()> {
+    let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
+    npufleet_tests::on_shared_cluster(|_, _| async move {
+        let bench = Bench::start("router-bench-nothing", 87, REPLICAS, Engine::Worker).await?;
+        let rate = OPEN_LOOP_RATES[0];
+        println!("\n### Routing policies on prompts that share nothing, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {SHARING_NOTHING_ROUNDS} interleaved runs of {REQUESTS_PER_RUN} requests per policy, pooled, {MAX_TOKENS} tokens per answer\n");
+        bench
+            .table(
+                Engine::Worker,
+                &[Trace::NoSharedPrefix],
+                Load::Open(rate),
+                SHARING_NOTHING_ROUNDS,
+            )
+            .await
+    })
+    .await
+}
+
+const SHARING_NOTHING_ROUNDS: usize = 5;
+
 /// The same traces on an engine this project did not write: the policies that need no cache
 /// events, on llama.cpp's `llama-server`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
