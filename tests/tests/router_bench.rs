@@ -534,6 +534,21 @@ impl Bench {
         self.table(engine, &traces, Load::Closed(CLIENTS), 1).await
     }
 
+    /// Under `title`, [`Bench::table`] for this project's worker with arrivals at `rate`.
+    async fn open_loop_table(
+        &self,
+        title: &str,
+        traces: &[Trace],
+        rate: f64,
+        rounds: usize,
+    ) -> Result<()> {
+        println!(
+            "\n### {title}: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {rounds} interleaved runs of {REQUESTS_PER_RUN} requests per policy, pooled, {MAX_TOKENS} tokens per answer\n"
+        );
+        self.table(Engine::Worker, traces, Load::Open(rate), rounds)
+            .await
+    }
+
     /// Each of `engine`'s policies on each of `traces` under `load`, `rounds` times: a row per
     /// trace and policy, its figures pooled over the rounds. The policies take turns within a
     /// round, in an order that rotates from round to round, so drift in the machine's speed
@@ -674,8 +689,14 @@ async fn open_loop_routing_benchmark() -> Result<()> {
             Trace::NoSharedPrefix,
         ];
         for rate in OPEN_LOOP_RATES {
-            println!("\n### Routing policies, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {OPEN_LOOP_ROUNDS} interleaved runs of {REQUESTS_PER_RUN} requests per policy, pooled, {MAX_TOKENS} tokens per answer\n");
-            bench.table(Engine::Worker, &traces, Load::Open(rate), OPEN_LOOP_ROUNDS).await?;
+            bench
+                .open_loop_table(
+                    "Routing policies, open loop",
+                    &traces,
+                    rate,
+                    OPEN_LOOP_ROUNDS,
+                )
+                .await?;
         }
         Ok(())
     })
@@ -691,13 +712,11 @@ async fn sharing_nothing_routing_benchmark() -> Result<()> {
     let _alone = ONE_BENCHMARK_AT_A_TIME.lock().await;
     npufleet_tests::on_shared_cluster(|_, _| async move {
         let bench = Bench::start("router-bench-nothing", 87, REPLICAS, Engine::Worker).await?;
-        let rate = OPEN_LOOP_RATES[0];
-        println!("\n### Routing policies on prompts that share nothing, open loop: {REPLICAS} SmolLM2-135M replicas (1 thread, {KV_CACHE_BLOCKS} KV blocks each), Poisson arrivals at {rate} req/s (seed {OPEN_LOOP_SEED}), {SHARING_NOTHING_ROUNDS} interleaved runs of {REQUESTS_PER_RUN} requests per policy, pooled, {MAX_TOKENS} tokens per answer\n");
         bench
-            .table(
-                Engine::Worker,
+            .open_loop_table(
+                "Routing policies on prompts that share nothing, open loop",
                 &[Trace::NoSharedPrefix],
-                Load::Open(rate),
+                OPEN_LOOP_RATES[0],
                 SHARING_NOTHING_ROUNDS,
             )
             .await

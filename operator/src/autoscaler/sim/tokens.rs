@@ -207,7 +207,16 @@ impl Outcome {
     pub fn attainment(&self) -> f64 {
         self.ttft_met.min(self.tpot_met)
     }
+
+    /// Both objectives met for at least [`ATTAINMENT`] of requests, and none failed: the
+    /// bar a mode must clear before its replica-seconds are compared.
+    pub fn meets_objectives(&self) -> bool {
+        self.attainment() >= ATTAINMENT && self.failed == 0
+    }
 }
+
+/// The share of requests within the objectives the benchmarks ask of every mode.
+pub const ATTAINMENT: f64 = 0.95;
 
 /// A scaling policy shown the fleet every [`super::SAMPLE_INTERVAL`].
 pub trait Scaler {
@@ -734,15 +743,14 @@ pub const CPU_MAX_REPLICAS: u32 = 2;
 /// Seconds after the CPU benchmark's last arrival that its replica-seconds still count.
 pub const TAIL_SECONDS: f64 = 30.0;
 
-/// The decode and prefill lines the objectives mode fitted to one-thread SmolLM2 workers in
-/// the fifth real run (decode 4.1 ms + 1.55 ms a sequence, prefill 5.5 ms + 0.58 ms a
-/// position): faster than [`cpu_benchmark`]'s, fitted in an earlier run on the same machine
-/// type.
+/// `fleet` with the decode line and prefill slope the objectives mode fitted to one-thread
+/// SmolLM2 workers in the fifth real run: faster than [`cpu_benchmark`]'s, fitted in an
+/// earlier run on the same machine type.
 pub fn fifth_run_lines(fleet: &Fleet) -> Fleet {
     Fleet {
         prefill: Line {
-            intercept: 0.005_5,
             slope: 0.000_58,
+            ..fleet.prefill
         },
         decode: Line {
             intercept: 0.004_1,
@@ -760,17 +768,18 @@ pub struct SearchRow {
     pub chat_output: (u32, u32),
     pub documents_rate: f64,
     pub objectives: Outcome,
-    /// The cheapest queue-depth target meeting both objectives for at least 95 % of
-    /// requests with none failed, and its outcome; none when no target does.
+    /// The cheapest queue-depth target that [`Outcome::meets_objectives`], and its outcome;
+    /// none when no target does.
     pub cheapest_queue: Option<(f64, Outcome)>,
 }
 
 impl SearchRow {
-    /// The objectives' replica-seconds over the cheapest queue depth's, when both meet the
-    /// objectives for at least 95 % of requests.
+    /// The objectives' replica-seconds over the cheapest queue depth's, when both
+    /// [`Outcome::meets_objectives`].
     pub fn ratio(&self) -> Option<f64> {
         let (_, queue) = self.cheapest_queue.as_ref()?;
-        (self.objectives.attainment() >= 0.95 && self.objectives.failed == 0)
+        self.objectives
+            .meets_objectives()
             .then(|| self.objectives.replica_seconds / queue.replica_seconds)
     }
 }
@@ -811,7 +820,7 @@ pub fn cpu_search(fleet: &Fleet, max_groups: u32) -> Vec<SearchRow> {
                 let (_, objectives) = outcomes.next().expect("the objectives run first");
                 let cheapest_queue = outcomes
                     .zip(QUEUE_TARGETS)
-                    .filter(|((_, o), _)| o.attainment() >= 0.95 && o.failed == 0)
+                    .filter(|((_, o), _)| o.meets_objectives())
                     .map(|((_, o), target)| (target, o))
                     .min_by(|a, b| a.1.replica_seconds.total_cmp(&b.1.replica_seconds));
                 rows.push(SearchRow {
