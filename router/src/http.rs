@@ -396,7 +396,11 @@ impl Passthrough {
                     Some(Ok(bytes)) => {
                         if let Some(ttft) = s.ttft.take() {
                             ttft.observe(s.sent_at.elapsed().as_secs_f64());
-                            s.lease.first_token();
+                            if s.event_stream {
+                                s.lease.first_token();
+                            } else {
+                                s.lease.answer_began();
+                            }
                         }
                         if !s.event_stream {
                             return Some((Ok(bytes), s));

@@ -21,6 +21,7 @@ pub mod load;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod prefill;
 pub mod prompt;
 pub mod request;
 pub mod retry;

@@ -9,8 +9,9 @@ pub struct Candidate {
     pub id: String,
     /// Requests this router has sent to the replica and not yet seen finish.
     pub in_flight: u32,
-    /// Of those, the ones whose first token has not come back yet: still in the prefill.
-    pub prefilling: u32,
+    /// Of those, the ones whose first token has not come back yet, each counted by the share
+    /// of its prefill still to run ([`crate::prefill::Prefills::left`]).
+    pub prefill_left: f64,
     /// The replica's own report, when a fresh one is at hand.
     pub reported: Option<ReportedLoad>,
     /// How many of the request's leading prompt blocks the replica's prefix cache holds, as
@@ -66,11 +67,11 @@ impl Candidate {
     /// equally busy replicas.
     pub fn load_score(&self) -> f64 {
         let queued = self.reported.map_or(0, |r| r.waiting.min(r.others()));
-        let prefills = queued.saturating_add(self.prefilling.min(self.in_flight));
+        let prefills = f64::from(queued) + self.prefill_left.min(f64::from(self.in_flight));
         let kv = self
             .reported
             .map_or(0.0, |r| r.kv_cache_usage.clamp(0.0, 1.0));
-        f64::from(self.outstanding()) + PREFILL_WEIGHT * f64::from(prefills) + kv
+        f64::from(self.outstanding()) + PREFILL_WEIGHT * prefills + kv
     }
 }
 
@@ -217,7 +218,7 @@ mod tests {
         Candidate {
             id: id.to_owned(),
             in_flight: 0,
-            prefilling: 0,
+            prefill_left: 0.0,
             reported: None,
             cached_blocks: 0,
         }
@@ -227,7 +228,7 @@ mod tests {
         Candidate {
             id: id.to_owned(),
             in_flight,
-            prefilling: 0,
+            prefill_left: 0.0,
             reported: Some(ReportedLoad::new(waiting, running, kv)),
             cached_blocks: 0,
         }
@@ -243,9 +244,9 @@ mod tests {
 
     #[test]
     fn a_prompt_still_in_its_prefill_weighs_more_than_a_decoding_sequence() {
-        let prefilling = |id, in_flight, prefilling| Candidate {
+        let prefilling = |id, in_flight, prefilling: u32| Candidate {
             in_flight,
-            prefilling,
+            prefill_left: f64::from(prefilling),
             ..idle(id)
         };
         // One prompt ahead on "a"; two sequences decoding on "b".
@@ -257,6 +258,31 @@ mod tests {
         // Two prompts ahead on "b": "a" again.
         let candidates = [prefilling("a", 1, 1), prefilling("b", 2, 2)];
         assert_eq!(least_load(&candidates, 1), Some(0));
+    }
+
+    #[test]
+    fn a_prompt_nearly_through_its_prefill_weighs_less_than_one_just_started() {
+        // "a"'s lone prompt has just arrived; "b"'s is a few steps from its first token,
+        // beside a decoding sequence. Counted whole, "b"'s prompt made "a" the pick, and the
+        // next prompt waited behind all of "a"'s prefill.
+        let a = Candidate {
+            in_flight: 1,
+            prefill_left: 1.0,
+            ..idle("a")
+        };
+        let b = Candidate {
+            in_flight: 2,
+            prefill_left: 0.2,
+            ..idle("b")
+        };
+        for turn in 0..2 {
+            assert_eq!(least_load(&[a.clone(), b.clone()], turn), Some(1));
+        }
+        let b_whole = Candidate {
+            prefill_left: 1.0,
+            ..b
+        };
+        assert_eq!(least_load(&[a, b_whole], 1), Some(0));
     }
 
     #[test]
@@ -275,7 +301,7 @@ mod tests {
         // left "a" out.
         let mut b = Candidate {
             in_flight: 1,
-            prefilling: 1,
+            prefill_left: 1.0,
             ..idle("b")
         };
         b.reported = Some(ReportedLoad {

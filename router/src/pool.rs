@@ -14,6 +14,7 @@ use crate::cache_index::{CachedBlocks, Gap};
 use crate::discovery::{Endpoint, Model};
 use crate::flow::Flow;
 use crate::policy::{self, Candidate, ReportedLoad};
+use crate::prefill::Prefills;
 use crate::prompt::Affinity;
 use npufleet_contract::proto::npufleet::v1::KvEventBatch;
 
@@ -32,7 +33,7 @@ pub struct ReplicaState {
     /// The most of this router's requests in flight at once since the last report came.
     in_flight_peak: AtomicU32,
     /// This router's requests in flight whose first token has not come back yet.
-    prefilling: AtomicU32,
+    prefills: Mutex<Prefills>,
     report: Mutex<Option<Report>>,
     /// Tokens per prefix-cache block, as the worker publishes it; 0 until read.
     block_size: AtomicUsize,
@@ -71,6 +72,10 @@ impl ReplicaState {
         *self.report.lock().expect("report lock") = Some(report);
     }
 
+    fn prefills(&self) -> std::sync::MutexGuard<'_, Prefills> {
+        self.prefills.lock().expect("prefills lock")
+    }
+
     fn fresh_report(&self, max_age: Duration) -> Option<Report> {
         self.report
             .lock()
@@ -91,8 +96,9 @@ pub struct Lease {
     /// The flow-control priority the request was admitted at, passed on for the replica's
     /// scheduler to run higher priorities first; none without flow control.
     pub priority: Option<i32>,
-    /// Whether the request still counts as in its prefill at the replica.
-    prefilling: bool,
+    /// The request's place among the replica's prompts in their prefill, until its first
+    /// token.
+    prefill: Option<u64>,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
     /// The model's flow-control queue, told when this lease frees a place.
@@ -114,15 +120,23 @@ impl Lease {
     /// The replica's answer has begun: the request's prompt is no longer ahead of the next
     /// one's there.
     pub fn first_token(&mut self) {
-        if std::mem::take(&mut self.prefilling) {
-            self.state.prefilling.fetch_sub(1, Ordering::Relaxed);
+        if let Some(id) = self.prefill.take() {
+            self.state.prefills().first_token(id, Instant::now());
+        }
+    }
+
+    /// A whole answer has begun to come back (not streamed): the prompt is no longer ahead
+    /// of the next one, but when its prefill ended is unknown, so it teaches no timing.
+    pub fn answer_began(&mut self) {
+        if let Some(id) = self.prefill.take() {
+            self.state.prefills().abandon(id);
         }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.first_token();
+        self.answer_began();
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
         if let Some(gauge) = &self.shown {
             gauge.dec();
@@ -194,15 +208,18 @@ impl Pool {
     /// A replica of `model` for one request, by the model's policy, skipping the pods in
     /// `exclude` (already tried), any whose worker reports it is draining and any with
     /// `places` of this router's requests outstanding (flow control's bound; `u32::MAX`
-    /// without it). `None` when no replica is left.
+    /// without it). `prompt_tokens` (estimated) tells how long its prefill will be where
+    /// none of it is cached. `None` when no replica is left.
     pub fn pick(
         &self,
         model: &Model,
         affinity: &Affinity,
+        prompt_tokens: u32,
         exclude: &[String],
         settings: PickSettings,
         places: u32,
     ) -> Option<Lease> {
+        let now = Instant::now();
         let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate)> = Vec::new();
         for endpoint in &model.endpoints {
             if exclude.contains(&endpoint.pod) {
@@ -226,7 +243,7 @@ impl Pool {
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
                 in_flight,
-                prefilling: state.prefilling.load(Ordering::Relaxed),
+                prefill_left: state.prefills().left(now),
                 reported: report.map(|r| r.load),
                 cached_blocks,
             };
@@ -255,7 +272,10 @@ impl Pool {
         state
             .in_flight_peak
             .fetch_max(before + 1, Ordering::Relaxed);
-        state.prefilling.fetch_add(1, Ordering::Relaxed);
+        let cached_tokens = candidate.cached_blocks * state.block_size.load(Ordering::Relaxed);
+        let uncached =
+            prompt_tokens.saturating_sub(u32::try_from(cached_tokens).unwrap_or(u32::MAX));
+        let prefill = Some(state.prefills().start(uncached, now));
         Some(Lease {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
@@ -268,7 +288,7 @@ impl Pool {
                 _ => None,
             },
             priority: None,
-            prefilling: true,
+            prefill,
             state,
             shown: None,
             released: None,
@@ -314,15 +334,15 @@ mod tests {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
         let first = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         let second = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         assert_ne!(first.pod, second.pod, "least-load spreads two requests");
         drop(first);
         let third = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         assert_ne!(
             third.pod, second.pod,
@@ -336,16 +356,16 @@ mod tests {
         let model = model(RoutingPolicy::RoundRobin);
         let leases: Vec<_> = (0..2)
             .map(|_| {
-                pool.pick(&model, &Affinity::None, &[], SETTINGS, 1)
+                pool.pick(&model, &Affinity::None, 0, &[], SETTINGS, 1)
                     .unwrap()
             })
             .collect();
         assert_ne!(leases[0].pod, leases[1].pod);
         assert!(
-            pool.pick(&model, &Affinity::None, &[], SETTINGS, 1)
+            pool.pick(&model, &Affinity::None, 0, &[], SETTINGS, 1)
                 .is_none()
         );
-        let more = pool.pick(&model, &Affinity::None, &[], SETTINGS, 2);
+        let more = pool.pick(&model, &Affinity::None, 0, &[], SETTINGS, 2);
         assert!(more.is_some(), "a request with more places still finds one");
     }
 
@@ -357,6 +377,7 @@ mod tests {
             .pick(
                 &model,
                 &Affinity::None,
+                0,
                 &["chat-0-0".to_owned()],
                 SETTINGS,
                 u32::MAX,
@@ -372,6 +393,7 @@ mod tests {
             pool.pick(
                 &model,
                 &Affinity::None,
+                0,
                 &["chat-0-0".to_owned()],
                 SETTINGS,
                 u32::MAX
@@ -390,7 +412,7 @@ mod tests {
             received: Instant::now(),
         };
         let mine = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         let (own, other) = match model.endpoints.iter().position(|e| e.pod == mine.pod) {
             Some(0) => (&model.endpoints[0], &model.endpoints[1]),
@@ -402,7 +424,7 @@ mod tests {
         drop(mine);
         for _ in 0..2 {
             let next = pool
-                .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
                 .unwrap();
             assert_eq!(next.pod, own.pod, "its own request has finished there");
         }
@@ -419,7 +441,7 @@ mod tests {
         };
         let mut leases: Vec<Lease> = (0..4)
             .map(|_| {
-                pool.pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                pool.pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
                     .unwrap()
             })
             .collect();
@@ -431,14 +453,14 @@ mod tests {
         drop(leases.swap_remove(finished));
         pool.replica(a.ip).set_report(report(2, 0.5));
         let next = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         assert_eq!(next.pod, a.pod, "one in flight on a against two on b");
         // From the next report on, a request of another router's there counts.
         pool.replica(a.ip).set_report(report(2, 0.5));
         pool.replica(a.ip).set_report(report(4, 0.5));
         let last = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         assert_eq!(last.pod, model.endpoints[1].pod, "two others' on a");
     }
@@ -447,20 +469,16 @@ mod tests {
     fn a_lease_counts_as_prefilling_until_its_first_token_or_its_end() {
         let pool = Pool::default();
         let model = model(RoutingPolicy::LeastLoad);
-        let prefilling = |ip| {
-            pool.replica(ip)
-                .prefilling
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
+        let prefilling = |ip| pool.replica(ip).prefills().in_prefill();
         let mut first = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         assert_eq!(prefilling(first.ip), 1);
         first.first_token();
         first.first_token();
         assert_eq!(prefilling(first.ip), 0, "counted down once");
         let second = pool
-            .pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+            .pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
             .unwrap();
         let ip = second.ip;
         drop(second);
@@ -485,7 +503,7 @@ mod tests {
         });
         let leases: Vec<_> = (0..2)
             .map(|_| {
-                pool.pick(&model, &Affinity::None, &[], SETTINGS, u32::MAX)
+                pool.pick(&model, &Affinity::None, 0, &[], SETTINGS, u32::MAX)
                     .unwrap()
             })
             .collect();

@@ -39,6 +39,8 @@ pub struct RoutedRequest {
     /// What flow control charges it: its prompt (a token for each four bytes) and the
     /// output tokens it asks for.
     pub tokens: u32,
+    /// Its prompt alone, counted the same way: how long its prefill will be.
+    pub prompt_tokens: u32,
 }
 
 /// The caller of a request as flow control sees it: the SHA-256 of the API key it presents
@@ -112,6 +114,7 @@ impl RoutedRequest {
         let prompt_tokens = prompt.as_ref().map_or(0, |p| p.flat.len().div_ceil(4)) as u64;
         RoutedRequest {
             tokens: u32::try_from(prompt_tokens.saturating_add(output_tokens)).unwrap_or(u32::MAX),
+            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
             caller,
             affinity: prompt.map_or(Affinity::None, |prompt| affinity(&model, &prompt)),
             model,

@@ -233,7 +233,7 @@ impl Router {
         request: &RoutedRequest,
         tried: &[String],
     ) -> Result<Lease, RouteError> {
-        let (model_name, affinity) = (request.model.as_str(), &request.affinity);
+        let model_name = request.model.as_str();
         let model = self.model(model_name)?;
         let flow = match &model.flow {
             Some(config) => {
@@ -254,9 +254,7 @@ impl Router {
             .as_ref()
             .is_some_and(|(_, flow, _)| !flow.queue.lock().expect("flow lock").is_empty());
         let priority = flow.as_ref().map(|(_, _, admission)| admission.priority);
-        if !others_wait
-            && let Some(lease) = self.pick(model_name, &model, affinity, tried, priority)
-        {
+        if !others_wait && let Some(lease) = self.pick(request, &model, tried, priority) {
             return Ok(lease);
         }
         let untried = model.endpoints.iter().any(|e| !tried.contains(&e.pod));
@@ -273,7 +271,7 @@ impl Router {
                 last: "no replica left to try".to_owned(),
             });
         }
-        self.hold(model_name, model, affinity, priority).await
+        self.hold(request, model, priority).await
     }
 
     fn flow(&self, model_name: &str) -> Arc<Flow> {
@@ -355,13 +353,7 @@ impl Router {
             let model = self.model(model_name)?;
             let head = flow.queue.lock().expect("flow lock").head();
             if head == Some(ticket)
-                && let Some(lease) = self.pick(
-                    model_name,
-                    &model,
-                    &request.affinity,
-                    tried,
-                    Some(admission.priority),
-                )
+                && let Some(lease) = self.pick(request, &model, tried, Some(admission.priority))
             {
                 waiting.dispatched();
                 return Ok(lease);
@@ -393,17 +385,22 @@ impl Router {
     /// the replicas' places and decides whether the replica is told the priority.
     fn pick(
         &self,
-        model_name: &str,
+        request: &RoutedRequest,
         model: &Model,
-        affinity: &Affinity,
         tried: &[String],
         priority: Option<i32>,
     ) -> Option<Lease> {
+        let model_name = request.model.as_str();
         let admitted = model.flow.as_ref().zip(priority);
         let places = admitted.map_or(u32::MAX, |(config, priority)| config.places(priority));
-        let mut lease = self
-            .pool
-            .pick(model, affinity, tried, self.settings.pick, places)?;
+        let mut lease = self.pool.pick(
+            model,
+            &request.affinity,
+            request.prompt_tokens,
+            tried,
+            self.settings.pick,
+            places,
+        )?;
         lease.priority = admitted.map(|(_, priority)| priority);
         if model.flow.is_some() {
             lease.on_release(self.flow(model_name));
@@ -453,11 +450,11 @@ impl Router {
 
     async fn hold(
         &self,
-        model_name: &str,
+        request: &RoutedRequest,
         mut model: Model,
-        affinity: &Affinity,
         priority: Option<i32>,
     ) -> Result<Lease, RouteError> {
+        let model_name = request.model.as_str();
         let _slot = self.take_hold_slot(model_name)?;
         let started = Instant::now();
         let deadline = started + self.settings.hold_timeout;
@@ -473,7 +470,7 @@ impl Router {
                 break Err(("gone", RouteError::ModelNotFound(model_name.to_owned())));
             };
             model = current;
-            if let Some(lease) = self.pick(model_name, &model, affinity, &[], priority) {
+            if let Some(lease) = self.pick(request, &model, &[], priority) {
                 break Ok(lease);
             }
             if Instant::now() >= deadline {
