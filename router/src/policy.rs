@@ -17,6 +17,28 @@ pub struct Candidate {
     /// How many of the request's leading prompt blocks the replica's prefix cache holds, as
     /// its cache events tell (0 when unknown).
     pub cached_blocks: usize,
+    /// How long the request's prefill would take at the replica; unknown until the router
+    /// has timed enough of the model's prompts.
+    pub prefill: Option<PrefillEstimate>,
+}
+
+/// A request's prefill at one replica, as the router's timings estimate it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillEstimate {
+    /// Until the prompts ahead of it are through theirs.
+    pub wait_ms: f64,
+    /// Its own uncached tokens.
+    pub own_ms: f64,
+}
+
+impl PrefillEstimate {
+    /// What placing the prompt here costs: its wait, and its own compute twice, for the
+    /// compute also delays every prompt that comes after it. Counted once, a holder of the
+    /// prompt's prefix with one prompt ahead looked no better than an idle replica that would
+    /// compute it all, and chats left the replicas holding them.
+    fn cost_ms(self) -> f64 {
+        self.wait_ms + 2.0 * self.own_ms
+    }
 }
 
 /// A replica's load as its worker last reported it.
@@ -99,12 +121,15 @@ fn in_turn(n: usize, rotation: usize) -> impl Iterator<Item = usize> {
     (0..n).map(move |i| rotation.wrapping_add(i) % n)
 }
 
-/// Cache-aware placement: the [`least_load`] pick, unless a replica with at most `slack`
-/// requests outstanding beyond the pick's holds more of the prompt's leading blocks; then the
-/// one holding most (ties by load). A prompt stays where its prefix is until that replica runs
-/// ahead of the others, then spills to the next best (which then holds it too, and the two
-/// share it by load). Where no replica holds more than the least loaded one, as with prompts
-/// that share nothing, it places exactly as least-load does. The bound is a gap rather than a
+/// Cache-aware placement among the replicas with at most `slack` requests outstanding beyond
+/// the [`least_load`] pick's: where the prefill costs least ([`PrefillEstimate::cost_ms`]), a
+/// longer cached prefix weighed against the prompts ahead of it, with costs within
+/// [`COST_TOLERANCE`] of the least placed by load. Until every such replica's prefill can be
+/// estimated, the one holding most of the prompt's leading blocks (ties by load), where one
+/// holds more than the pick. A prompt stays where its prefix is until that
+/// replica runs ahead of the others, then spills to the next best (which then holds it too,
+/// and the two share it by load). With nothing cached anywhere it places as least-load does
+/// but for a replica whose prompts ahead finish sooner. The bound is a gap rather than a
 /// factor of the mean: a factor of the mean never excludes anything on two replicas, where
 /// one would keep a hot prompt however far ahead it ran.
 pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Option<usize> {
@@ -112,18 +137,39 @@ pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Opt
     let bound = candidates[least].outstanding().saturating_add(slack);
     let within =
         || in_turn(candidates.len(), rotation).filter(|&i| candidates[i].outstanding() <= bound);
+    let by_load = |&a: &usize, &b: &usize| {
+        candidates[a]
+            .load_score()
+            .total_cmp(&candidates[b].load_score())
+    };
+    let costs: Option<Vec<(usize, f64)>> = within()
+        .map(|i| candidates[i].prefill.map(|p| (i, p.cost_ms())))
+        .collect();
+    if let Some(costs) = costs {
+        let least_cost = costs
+            .iter()
+            .map(|&(_, ms)| ms)
+            .fold(f64::INFINITY, f64::min);
+        let near = least_cost * (1.0 + COST_TOLERANCE);
+        return costs
+            .iter()
+            .filter(|&&(_, ms)| ms <= near)
+            .map(|&(i, _)| i)
+            .min_by(by_load);
+    }
     let most = within().map(|i| candidates[i].cached_blocks).max()?;
     if most <= candidates[least].cached_blocks {
         return Some(least);
     }
     within()
         .filter(|&i| candidates[i].cached_blocks == most)
-        .min_by(|&a, &b| {
-            candidates[a]
-                .load_score()
-                .total_cmp(&candidates[b].load_score())
-        })
+        .min_by(by_load)
 }
+
+/// Prefill costs this close to the least (a fraction of it) count as equal, and load decides
+/// between them: estimates from timings are noisy, and the noise must not outweigh a real
+/// difference in load.
+const COST_TOLERANCE: f64 = 0.1;
 
 /// `ceil(load_factor × mean)` outstanding requests, the mean counting the one being placed:
 /// a replica below it may take one more. At least one replica is always below it.
@@ -221,6 +267,7 @@ mod tests {
             prefill_left: 0.0,
             reported: None,
             cached_blocks: 0,
+            prefill: None,
         }
     }
 
@@ -231,6 +278,7 @@ mod tests {
             prefill_left: 0.0,
             reported: Some(ReportedLoad::new(waiting, running, kv)),
             cached_blocks: 0,
+            prefill: None,
         }
     }
 
@@ -317,6 +365,28 @@ mod tests {
             assert_eq!(least_load(&candidates, turn), Some(0));
             assert_eq!(cache_aware(&candidates, 2, turn), Some(0));
         }
+    }
+
+    #[test]
+    fn with_timings_cache_aware_weighs_a_cached_prefix_against_the_prompts_ahead() {
+        let timed = |id, in_flight, cached_blocks, wait_ms, own_ms| Candidate {
+            prefill: Some(PrefillEstimate { wait_ms, own_ms }),
+            ..holding(id, in_flight, cached_blocks)
+        };
+        // "b" holds more, but the prompts ahead there cost more than its cache saves.
+        let candidates = [timed("a", 1, 2, 0.0, 200.0), timed("b", 1, 5, 450.0, 50.0)];
+        assert_eq!(cache_aware(&candidates, 2, 1), Some(0));
+        // With one prompt ahead, it saves more than it waits.
+        let candidates = [timed("a", 1, 2, 0.0, 200.0), timed("b", 2, 5, 250.0, 50.0)];
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(1));
+        // Near costs go by load; past the slack a replica is not considered.
+        let candidates = [timed("a", 2, 0, 0.0, 300.0), timed("b", 0, 0, 20.0, 300.0)];
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(1));
+        let candidates = [timed("a", 3, 9, 0.0, 40.0), timed("b", 0, 0, 0.0, 300.0)];
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(1));
+        // One replica not yet timed: by cached blocks.
+        let candidates = [timed("a", 1, 2, 0.0, 250.0), holding("b", 1, 5)];
+        assert_eq!(cache_aware(&candidates, 2, 0), Some(1));
     }
 
     #[test]

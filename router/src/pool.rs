@@ -13,8 +13,8 @@ use prometheus::IntGauge;
 use crate::cache_index::{CachedBlocks, Gap};
 use crate::discovery::{Endpoint, Model};
 use crate::flow::Flow;
-use crate::policy::{self, Candidate, ReportedLoad};
-use crate::prefill::Prefills;
+use crate::policy::{self, Candidate, PrefillEstimate, ReportedLoad};
+use crate::prefill::{PrefillTimes, Prefills};
 use crate::prompt::Affinity;
 use npufleet_contract::proto::npufleet::v1::KvEventBatch;
 
@@ -99,6 +99,8 @@ pub struct Lease {
     /// The request's place among the replica's prompts in their prefill, until its first
     /// token.
     prefill: Option<u64>,
+    /// The model's prefill timings, taught this request's when it ran alone.
+    times: SharedTimes,
     state: Arc<ReplicaState>,
     shown: Option<IntGauge>,
     /// The model's flow-control queue, told when this lease frees a place.
@@ -120,8 +122,14 @@ impl Lease {
     /// The replica's answer has begun: the request's prompt is no longer ahead of the next
     /// one's there.
     pub fn first_token(&mut self) {
-        if let Some(id) = self.prefill.take() {
-            self.state.prefills().first_token(id, Instant::now());
+        let Some(id) = self.prefill.take() else {
+            return;
+        };
+        // The replica's lock is let go before the model's is taken: a pick takes them the
+        // other way round.
+        let timed = self.state.prefills().first_token(id, Instant::now());
+        if let Some((tokens, ms)) = timed {
+            self.times.lock().expect("times lock").observe(tokens, ms);
         }
     }
 
@@ -168,10 +176,21 @@ pub struct CacheMatch {
     pub blocks: usize,
 }
 
+/// The prompt's tokens the replica would have to compute: all but its cached blocks.
+fn uncached_tokens(prompt_tokens: u32, cached_blocks: usize, state: &ReplicaState) -> u32 {
+    let cached = cached_blocks.saturating_mul(state.block_size.load(Ordering::Relaxed));
+    prompt_tokens.saturating_sub(u32::try_from(cached).unwrap_or(u32::MAX))
+}
+
+type SharedTimes = Arc<Mutex<PrefillTimes>>;
+
 /// Per-replica state by IP address (a pod's IP is its replica's identity while it lives).
 #[derive(Default)]
 pub struct Pool {
     replicas: Mutex<HashMap<IpAddr, Arc<ReplicaState>>>,
+    /// Each model's prefill timings, by namespace and Service name; kept while the router
+    /// runs, so a fleet scaled to zero and back starts timed.
+    times: Mutex<HashMap<(String, String), SharedTimes>>,
     turns: AtomicUsize,
 }
 
@@ -220,6 +239,14 @@ impl Pool {
         places: u32,
     ) -> Option<Lease> {
         let now = Instant::now();
+        let times = self
+            .times
+            .lock()
+            .expect("pool lock")
+            .entry((model.namespace.clone(), model.service.clone()))
+            .or_default()
+            .clone();
+        let timings = times.lock().expect("times lock");
         let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate)> = Vec::new();
         for endpoint in &model.endpoints {
             if exclude.contains(&endpoint.pod) {
@@ -240,15 +267,23 @@ impl Pool {
             if in_flight >= places {
                 continue;
             }
+            let uncached = uncached_tokens(prompt_tokens, cached_blocks, &state);
+            let ahead = state.prefills().ahead(now, &timings);
+            let own_ms = timings.expected_ms(uncached);
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
                 in_flight,
-                prefill_left: state.prefills().left(now),
+                prefill_left: ahead.prompts,
                 reported: report.map(|r| r.load),
                 cached_blocks,
+                prefill: ahead
+                    .drained_ms
+                    .zip(own_ms)
+                    .map(|(wait_ms, own_ms)| PrefillEstimate { wait_ms, own_ms }),
             };
             endpoints.push((endpoint, state, candidate));
         }
+        drop(timings);
         let candidates: Vec<Candidate> = endpoints.iter().map(|(_, _, c)| c.clone()).collect();
         let turn = self.turns.fetch_add(1, Ordering::Relaxed);
         let chosen = match (model.policy, affinity) {
@@ -261,6 +296,20 @@ impl Pool {
             }
             _ => policy::least_load(&candidates, turn),
         }?;
+        tracing::debug!(
+            replica = %candidates[chosen].id,
+            candidates = ?candidates
+                .iter()
+                .map(|c| (
+                    c.id.as_str(),
+                    c.load_score(),
+                    c.prefill_left,
+                    c.cached_blocks,
+                    c.prefill
+                ))
+                .collect::<Vec<_>>(),
+            "picked (replica, load score, prompts ahead, cached blocks, prefill estimate)"
+        );
         let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
         // Another request may have taken the last place since it was counted.
         let before = state
@@ -272,9 +321,7 @@ impl Pool {
         state
             .in_flight_peak
             .fetch_max(before + 1, Ordering::Relaxed);
-        let cached_tokens = candidate.cached_blocks * state.block_size.load(Ordering::Relaxed);
-        let uncached =
-            prompt_tokens.saturating_sub(u32::try_from(cached_tokens).unwrap_or(u32::MAX));
+        let uncached = uncached_tokens(prompt_tokens, candidate.cached_blocks, &state);
         let prefill = Some(state.prefills().start(uncached, now));
         Some(Lease {
             pod: endpoint.pod.clone(),
@@ -289,6 +336,7 @@ impl Pool {
             },
             priority: None,
             prefill,
+            times,
             state,
             shown: None,
             released: None,

@@ -1,13 +1,15 @@
-//! How far along one replica's prompts are: this router's requests there whose first token
-//! has not come back, and a fit of first-token time against uncached prompt tokens, learnt
-//! from the ones that started with no other prompt of this router's ahead of them.
+//! How far along a replica's prompts are: this router's requests there whose first token has
+//! not come back ([`Prefills`], one per replica), and a fit of first-token time against
+//! uncached prompt tokens ([`PrefillTimes`], one per model: its replicas run the same engine,
+//! and one fit learns from all of them), from the prompts that started with no other prompt
+//! of this router's ahead of them.
 //!
 //! A count of prompts in their prefill cannot tell a prompt that just arrived from one a few
 //! milliseconds from its first token; counted alike, a replica whose lone prompt has just
 //! started looked better than one whose prompt was nearly done plus a decoding sequence, and
 //! took the next request to wait behind the whole prefill.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// A prompt still in its prefill, as the router sees it.
@@ -27,9 +29,9 @@ const OVERDUE_SHARE: f64 = 0.2;
 
 #[derive(Debug, Default)]
 pub struct Prefills {
-    open: HashMap<u64, Open>,
+    /// By id, which is in the order they started.
+    open: BTreeMap<u64, Open>,
     next: u64,
-    fit: LineFit,
 }
 
 impl Prefills {
@@ -49,16 +51,12 @@ impl Prefills {
         id
     }
 
-    /// The prompt's first token came back at `now`: it is no longer ahead of the next one,
-    /// and when it ran alone its time teaches the fit.
-    pub fn first_token(&mut self, id: u64, now: Instant) {
-        if let Some(open) = self.open.remove(&id)
-            && open.alone
-        {
-            let took = now.saturating_duration_since(open.started);
-            self.fit
-                .observe(f64::from(open.tokens), took.as_secs_f64() * 1e3);
-        }
+    /// The prompt's first token came back at `now`: it is no longer ahead of the next one.
+    /// When it ran alone, its uncached tokens and first-token time in ms, to teach the fit.
+    pub fn first_token(&mut self, id: u64, now: Instant) -> Option<(u32, f64)> {
+        let open = self.open.remove(&id).filter(|open| open.alone)?;
+        let took = now.saturating_duration_since(open.started);
+        Some((open.tokens, took.as_secs_f64() * 1e3))
     }
 
     /// The prompt left without a timed first token (failed, cancelled, answered whole): it
@@ -72,21 +70,47 @@ impl Prefills {
         self.open.len()
     }
 
-    /// The prompts ahead of a new one at `now`, each counted by the share of its expected
-    /// prefill time still to run (at least [`OVERDUE_SHARE`]); each counts whole until the
-    /// fit has seen enough prompts.
-    pub fn left(&self, now: Instant) -> f64 {
-        self.open
-            .values()
-            .map(|open| match self.fit.predict(f64::from(open.tokens)) {
-                Some(expected_ms) if expected_ms > 0.0 => {
-                    let age_ms = now.saturating_duration_since(open.started).as_secs_f64() * 1e3;
-                    (1.0 - age_ms / expected_ms).clamp(OVERDUE_SHARE, 1.0)
-                }
-                _ => 1.0,
-            })
-            .sum()
+    /// The prompts ahead of a new one at `now`. The replica runs them first come, first
+    /// served: a prompt's own time starts when the one ahead of it is expected to finish, so
+    /// one waiting behind another still counts whole.
+    pub fn ahead(&self, now: Instant, times: &PrefillTimes) -> Ahead {
+        let from_now = |at: Instant| {
+            at.saturating_duration_since(now).as_secs_f64() * 1e3
+                - now.saturating_duration_since(at).as_secs_f64() * 1e3
+        };
+        let mut ahead = Ahead {
+            prompts: 0.0,
+            drained_ms: Some(0.0),
+        };
+        // When the prompt ahead is expected to finish, in ms from now.
+        let mut ahead_done = f64::NEG_INFINITY;
+        for open in self.open.values() {
+            let Some(expected) = times.expected_ms(open.tokens) else {
+                ahead.prompts += 1.0;
+                ahead.drained_ms = None;
+                continue;
+            };
+            let starts = from_now(open.started).max(ahead_done);
+            let done = (starts + expected).max(OVERDUE_SHARE * expected);
+            ahead.prompts += ((done - starts.max(0.0)) / expected).clamp(OVERDUE_SHARE, 1.0);
+            ahead_done = done;
+        }
+        if let Some(drained) = &mut ahead.drained_ms {
+            *drained = ahead_done.max(0.0);
+        }
+        ahead
     }
+}
+
+/// The prompts in their prefill ahead of a new one at a replica.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ahead {
+    /// Each counted by the share of its expected prefill still to run (at least
+    /// [`OVERDUE_SHARE`]), or whole until the fit has seen enough prompts.
+    pub prompts: f64,
+    /// When the last of them is expected to finish, in ms from now; unknown until the fit
+    /// has seen enough prompts.
+    pub drained_ms: Option<f64>,
 }
 
 /// Prompts a fit needs before its predictions are used.
@@ -96,6 +120,25 @@ const FIT_MIN_SAMPLES: u32 = 3;
 /// prompts count most, so the fit follows a replica whose speed changes (a busier batch, a
 /// different mix of lengths).
 const FIT_WINDOW: u32 = 32;
+
+/// A model's first-token time of a lone prompt against its uncached tokens.
+#[derive(Debug, Default)]
+pub struct PrefillTimes {
+    fit: LineFit,
+}
+
+impl PrefillTimes {
+    /// A prompt of `tokens` uncached tokens that ran alone answered after `ms`.
+    pub fn observe(&mut self, tokens: u32, ms: f64) {
+        self.fit.observe(f64::from(tokens), ms);
+    }
+
+    /// The expected first-token time, in ms, of a lone prompt of `tokens` uncached tokens,
+    /// once the fit has seen enough prompts.
+    pub fn expected_ms(&self, tokens: u32) -> Option<f64> {
+        self.fit.predict(f64::from(tokens)).filter(|&ms| ms > 0.0)
+    }
+}
 
 /// A least-squares line y = a + b·x over exponentially weighted moments; the intercept is
 /// the fixed cost of a request (the router's hop, tokenising, the first step), the slope the
@@ -146,69 +189,89 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// Teaches `prefills` lone prompts taking 20 ms plus 1 ms a token.
-    fn taught(prefills: &mut Prefills, t0: Instant) {
+    /// Lone prompts through `prefills`, taking 20 ms plus 1 ms a token, taught to `times`.
+    fn taught(prefills: &mut Prefills, times: &mut PrefillTimes, t0: Instant) {
         for (i, tokens) in [100u32, 300, 200, 50].into_iter().enumerate() {
             let start = t0 + ms(1000 * i as u64);
             let id = prefills.start(tokens, start);
-            prefills.first_token(id, start + ms(20 + u64::from(tokens)));
+            let (tokens, took) = prefills
+                .first_token(id, start + ms(20 + u64::from(tokens)))
+                .unwrap();
+            times.observe(tokens, took);
         }
     }
 
     #[test]
     fn the_fit_learns_a_fixed_cost_and_a_cost_a_token() {
-        let mut prefills = Prefills::default();
-        let t0 = Instant::now();
-        assert_eq!(prefills.fit.predict(100.0), None);
-        taught(&mut prefills, t0);
-        let expected = prefills.fit.predict(400.0).unwrap();
+        let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
+        assert_eq!(times.expected_ms(100), None);
+        taught(&mut prefills, &mut times, Instant::now());
+        let expected = times.expected_ms(400).unwrap();
         assert!((expected - 420.0).abs() < 1.0, "{expected}");
-        let through_origin = {
-            let mut fit = LineFit::default();
-            for _ in 0..3 {
-                fit.observe(100.0, 50.0);
-            }
-            fit.predict(200.0).unwrap()
-        };
+        let mut same_length = PrefillTimes::default();
+        for _ in 0..3 {
+            same_length.observe(100, 50.0);
+        }
+        let through_origin = same_length.expected_ms(200).unwrap();
         assert!((through_origin - 100.0).abs() < 1e-6, "{through_origin}");
     }
 
     #[test]
     fn a_prompt_counts_by_the_share_of_its_prefill_still_ahead() {
-        let mut prefills = Prefills::default();
+        let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
         let t0 = Instant::now();
         let id = prefills.start(180, t0);
-        assert_eq!(
-            prefills.left(t0 + ms(150)),
-            1.0,
-            "whole until the fit knows"
-        );
+        let unknown = prefills.ahead(t0 + ms(150), &times);
+        assert_eq!(unknown.prompts, 1.0, "whole until the fit knows");
+        assert_eq!(unknown.drained_ms, None);
         prefills.abandon(id);
-        taught(&mut prefills, t0);
+        taught(&mut prefills, &mut times, t0);
         let now = t0 + ms(10_000);
         // 200 ms expected: a quarter done, then three quarters, then overdue.
         prefills.start(180, now - ms(50));
-        assert!((prefills.left(now) - 0.75).abs() < 0.01);
-        assert!((prefills.left(now + ms(100)) - 0.25).abs() < 0.01);
-        assert_eq!(prefills.left(now + ms(500)), OVERDUE_SHARE);
+        let share = |at| prefills.ahead(at, &times).prompts;
+        assert!((share(now) - 0.75).abs() < 0.01);
+        assert!((share(now + ms(100)) - 0.25).abs() < 0.01);
+        assert_eq!(share(now + ms(500)), OVERDUE_SHARE);
     }
 
     #[test]
-    fn only_prompts_that_ran_alone_teach_the_fit() {
+    fn a_prompt_waiting_behind_another_counts_whole() {
+        let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
+        let t0 = Instant::now();
+        taught(&mut prefills, &mut times, t0);
+        let now = t0 + ms(10_000);
+        // Two 200 ms prompts sent 50 ms apart: the first has 100 ms left, the second has
+        // not begun.
+        prefills.start(180, now - ms(100));
+        prefills.start(180, now - ms(50));
+        let ahead = prefills.ahead(now, &times);
+        assert!((ahead.prompts - 1.5).abs() < 0.01, "{ahead:?}");
+        assert!((ahead.drained_ms.unwrap() - 300.0).abs() < 0.5, "{ahead:?}");
+        // The first overdue: it still counts its least, and the second has not begun.
+        let later = prefills.ahead(now + ms(300), &times);
+        assert!(
+            (later.prompts - (OVERDUE_SHARE + 1.0)).abs() < 0.01,
+            "{later:?}"
+        );
+        assert!((later.drained_ms.unwrap() - 240.0).abs() < 0.5, "{later:?}");
+    }
+
+    #[test]
+    fn only_prompts_that_ran_alone_are_timed() {
         let mut prefills = Prefills::default();
         let t0 = Instant::now();
-        for i in 0..4u64 {
-            let start = t0 + ms(1000 * i);
-            let first = prefills.start(100, start);
-            let queued = prefills.start(100, start);
-            // The second waited behind the first: twice as long, not taught.
-            prefills.first_token(first, start + ms(100));
-            prefills.first_token(queued, start + ms(200));
-        }
-        assert!((prefills.fit.predict(100.0).unwrap() - 100.0).abs() < 1e-6);
+        let first = prefills.start(100, t0);
+        let queued = prefills.start(120, t0);
+        // The second waited behind the first: not its own prefill's time.
+        assert_eq!(
+            prefills.first_token(first, t0 + ms(100)),
+            Some((100, 100.0))
+        );
+        assert_eq!(prefills.first_token(queued, t0 + ms(200)), None);
         let abandoned = prefills.start(100, t0);
         prefills.abandon(abandoned);
         assert_eq!(prefills.in_prefill(), 0);
-        assert!((prefills.fit.predict(100.0).unwrap() - 100.0).abs() < 1e-6);
+        assert_eq!(prefills.first_token(abandoned, t0 + ms(300)), None);
     }
 }
