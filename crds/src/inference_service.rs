@@ -659,11 +659,15 @@ fn default_target_queue_depth() -> i32 {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RoutingSpec {
-    /// `cache-aware` (default): the replica whose prefix cache holds the longest part of the
-    /// prompt, as the workers' own cache events tell, among those with at most the router's
-    /// `--cache-slack` requests outstanding beyond the least loaded replica's (then by least
-    /// load); for an engine that publishes no cache events, as `prefix-affinity`. `least-load`: the replica with the fewest requests outstanding (the
-    /// router's own count and the worker's reported queue) and the emptiest KV cache.
+    /// `cache-aware` (default): among the replicas with at most the router's `--cache-slack`
+    /// requests outstanding beyond the least loaded replica's, the one where the prompt's
+    /// prefill costs least: the part of it its prefix cache holds, as the workers' own cache
+    /// events tell, weighed against the prompts ahead of it there (before the router has
+    /// timed the model's prompts, the one holding the longest part; then by least load); for
+    /// an engine that publishes no cache events, as `prefix-affinity`. `least-load`: the
+    /// replica with the fewest requests outstanding (the router's own count and the worker's
+    /// reported queue, prompts still in their prefill weighing more) and the emptiest KV
+    /// cache.
     /// `prefix-affinity`: requests whose prompts start with the same bytes go to the same
     /// replica, as long as it is not loaded beyond that bound. `round-robin`: in turn.
     #[serde(default)]

@@ -83,10 +83,10 @@ impl Candidate {
     }
 
     /// Least-load score: outstanding requests, with the others' queued ones and this
-    /// router's still in their prefill counted [`PREFILL_WEIGHT`] more times (a new
-    /// request's first token waits behind the prompts ahead of it, while a decoding
-    /// sequence costs it a share of a step), and KV-cache use (0..1) breaking ties between
-    /// equally busy replicas.
+    /// router's still in their prefill (each by the share of it still to run) counted
+    /// [`PREFILL_WEIGHT`] more times (a new request's first token waits behind the prompts
+    /// ahead of it, while a decoding sequence costs it a share of a step), and KV-cache use
+    /// (0..1) breaking ties between equally busy replicas.
     pub fn load_score(&self) -> f64 {
         let queued = self.reported.map_or(0, |r| r.waiting.min(r.others()));
         let prefills = f64::from(queued) + self.prefill_left.min(f64::from(self.in_flight));

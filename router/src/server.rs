@@ -68,8 +68,9 @@ pub struct Args {
     /// within this factor of the mean.
     #[arg(long, default_value_t = 1.25)]
     pub prefix_load_factor: f64,
-    /// Cache-aware routing keeps a prompt on the replica holding most of it while that
-    /// replica has at most this many requests outstanding beyond the least loaded replica's.
+    /// Cache-aware routing considers a replica for a prompt while it has at most this many
+    /// requests outstanding beyond the least loaded replica's, and keeps the prompt on the
+    /// one holding it as long as its cached prefix saves more than the prompts ahead cost.
     /// Every move costs the next replica a prefill and evicts what it held, so the holder
     /// keeps a prompt through small imbalances.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=1024))]
