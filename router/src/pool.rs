@@ -119,8 +119,8 @@ impl Lease {
         self.released = Some(flow);
     }
 
-    /// The replica's answer has begun: the request's prompt is no longer ahead of the next
-    /// one's there.
+    /// The replica's streamed answer has begun: the request's prompt is no longer ahead of
+    /// the next one's there, and if it ran alone its time teaches the model's timings.
     pub fn first_token(&mut self) {
         let Some(id) = self.prefill.take() else {
             return;
@@ -242,12 +242,12 @@ impl Pool {
         let times = self
             .times
             .lock()
-            .expect("pool lock")
+            .expect("timings lock")
             .entry((model.namespace.clone(), model.service.clone()))
             .or_default()
             .clone();
         let timings = times.lock().expect("times lock");
-        let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate)> = Vec::new();
+        let mut endpoints: Vec<(&Endpoint, Arc<ReplicaState>, Candidate, u32)> = Vec::new();
         for endpoint in &model.endpoints {
             if exclude.contains(&endpoint.pod) {
                 continue;
@@ -281,10 +281,10 @@ impl Pool {
                     .zip(own_ms)
                     .map(|(wait_ms, own_ms)| PrefillEstimate { wait_ms, own_ms }),
             };
-            endpoints.push((endpoint, state, candidate));
+            endpoints.push((endpoint, state, candidate, uncached));
         }
         drop(timings);
-        let candidates: Vec<Candidate> = endpoints.iter().map(|(_, _, c)| c.clone()).collect();
+        let candidates: Vec<Candidate> = endpoints.iter().map(|(_, _, c, _)| c.clone()).collect();
         let turn = self.turns.fetch_add(1, Ordering::Relaxed);
         let chosen = match (model.policy, affinity) {
             (RoutingPolicy::RoundRobin, _) => policy::round_robin(&candidates, turn),
@@ -310,7 +310,7 @@ impl Pool {
                 .collect::<Vec<_>>(),
             "picked (replica, load score, prompts ahead, cached blocks, prefill estimate)"
         );
-        let (endpoint, state, candidate) = endpoints.swap_remove(chosen);
+        let (endpoint, state, candidate, uncached) = endpoints.swap_remove(chosen);
         // Another request may have taken the last place since it was counted.
         let before = state
             .in_flight
@@ -321,7 +321,6 @@ impl Pool {
         state
             .in_flight_peak
             .fetch_max(before + 1, Ordering::Relaxed);
-        let uncached = uncached_tokens(prompt_tokens, candidate.cached_blocks, &state);
         let prefill = Some(state.prefills().start(uncached, now));
         Some(Lease {
             pod: endpoint.pod.clone(),
@@ -535,6 +534,35 @@ mod tests {
             0,
             "a request that ends before its first token leaves the count too"
         );
+    }
+
+    #[test]
+    fn streamed_first_tokens_of_lone_prompts_time_the_model() {
+        let pool = Pool::default();
+        let model = model(RoutingPolicy::LeastLoad);
+        let timed = |pool: &Pool| {
+            let times = pool.times.lock().unwrap();
+            let times = times.get(&("ns".to_owned(), "chat".to_owned())).unwrap();
+            times.lock().unwrap().expected_ms(400)
+        };
+        for _ in 0..3 {
+            let mut whole = pool
+                .pick(&model, &Affinity::None, 400, &[], SETTINGS, u32::MAX)
+                .unwrap();
+            whole.answer_began();
+        }
+        assert_eq!(
+            timed(&pool),
+            None,
+            "a whole answer's time is not its prefill's"
+        );
+        for _ in 0..3 {
+            let mut streamed = pool
+                .pick(&model, &Affinity::None, 400, &[], SETTINGS, u32::MAX)
+                .unwrap();
+            streamed.first_token();
+        }
+        assert!(timed(&pool).is_some());
     }
 
     #[test]
