@@ -10,7 +10,7 @@ pub struct Candidate {
     /// Requests this router has sent to the replica and not yet seen finish.
     pub in_flight: u32,
     /// Of those, the ones whose first token has not come back yet, each counted by the share
-    /// of its prefill still to run ([`crate::prefill::Prefills::left`]).
+    /// of its prefill still to run ([`crate::prefill::Prefills::ahead`]).
     pub prefill_left: f64,
     /// The replica's own report, when a fresh one is at hand.
     pub reported: Option<ReportedLoad>,
@@ -36,7 +36,7 @@ impl PrefillEstimate {
     /// compute also delays every prompt that comes after it. Counted once, a holder of the
     /// prompt's prefix with one prompt ahead looked no better than an idle replica that would
     /// compute it all, and chats left the replicas holding them.
-    fn cost_ms(self) -> f64 {
+    pub fn cost_ms(self) -> f64 {
         self.wait_ms + 2.0 * self.own_ms
     }
 }

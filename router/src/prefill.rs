@@ -74,31 +74,26 @@ impl Prefills {
     /// served: a prompt's own time starts when the one ahead of it is expected to finish, so
     /// one waiting behind another still counts whole.
     pub fn ahead(&self, now: Instant, times: &PrefillTimes) -> Ahead {
-        let from_now = |at: Instant| {
-            at.saturating_duration_since(now).as_secs_f64() * 1e3
-                - now.saturating_duration_since(at).as_secs_f64() * 1e3
-        };
-        let mut ahead = Ahead {
-            prompts: 0.0,
-            drained_ms: Some(0.0),
-        };
+        let mut prompts = 0.0;
+        let mut timed = true;
         // When the prompt ahead is expected to finish, in ms from now.
         let mut ahead_done = f64::NEG_INFINITY;
         for open in self.open.values() {
             let Some(expected) = times.expected_ms(open.tokens) else {
-                ahead.prompts += 1.0;
-                ahead.drained_ms = None;
+                prompts += 1.0;
+                timed = false;
                 continue;
             };
-            let starts = from_now(open.started).max(ahead_done);
+            let age_ms = now.saturating_duration_since(open.started).as_secs_f64() * 1e3;
+            let starts = (-age_ms).max(ahead_done);
             let done = (starts + expected).max(OVERDUE_SHARE * expected);
-            ahead.prompts += ((done - starts.max(0.0)) / expected).clamp(OVERDUE_SHARE, 1.0);
+            prompts += ((done - starts.max(0.0)) / expected).clamp(OVERDUE_SHARE, 1.0);
             ahead_done = done;
         }
-        if let Some(drained) = &mut ahead.drained_ms {
-            *drained = ahead_done.max(0.0);
+        Ahead {
+            prompts,
+            drained_ms: timed.then(|| ahead_done.max(0.0)),
         }
-        ahead
     }
 }
 
@@ -142,7 +137,8 @@ impl PrefillTimes {
 
 /// A least-squares line y = a + b·x over exponentially weighted moments; the intercept is
 /// the fixed cost of a request (the router's hop, tokenising, the first step), the slope the
-/// cost of a token. With no spread in x yet, the line goes through the origin.
+/// cost of a token. With less than a token's spread in x, the line goes through the origin
+/// (flat, for prompts of no uncached tokens).
 #[derive(Debug, Default, Clone, Copy)]
 struct LineFit {
     samples: u32,
@@ -167,10 +163,13 @@ impl LineFit {
         if self.samples < FIT_MIN_SAMPLES {
             return None;
         }
+        // Below a token's spread (a variance of one token squared) the prompts say nothing of
+        // the cost of a token, and dividing by what is left of a spread that has decayed
+        // made slopes of millions of ms a token.
         let spread = self.xx - self.x * self.x;
-        let slope = if spread > 1e-6 * self.xx.max(1.0) {
+        let slope = if spread >= 1.0 {
             ((self.xy - self.x * self.y) / spread).max(0.0)
-        } else if self.x > 0.0 {
+        } else if self.x >= 1.0 {
             self.y / self.x
         } else {
             0.0
@@ -214,6 +213,21 @@ mod tests {
         }
         let through_origin = same_length.expected_ms(200).unwrap();
         assert!((through_origin - 100.0).abs() < 1e-6, "{through_origin}");
+    }
+
+    #[test]
+    fn a_spread_long_decayed_does_not_make_a_steep_line() {
+        // One prompt of a few tokens, then hundreds of fully cached ones: what is left of its
+        // spread is far below a token's, and the line stays near the times seen.
+        let mut times = PrefillTimes::default();
+        times.observe(2, 30.0);
+        for _ in 0..600 {
+            times.observe(0, 20.0);
+        }
+        for tokens in [0, 8, 500] {
+            let expected = times.expected_ms(tokens).unwrap();
+            assert!((expected - 20.0).abs() < 1.0, "{tokens}: {expected}");
+        }
     }
 
     #[test]
