@@ -4,6 +4,7 @@ The worker binary comes from NPUFLEET_WORKER_BIN, else target/release or target/
 repository; the model from NPUFLEET_TEST_MODEL, else tests/setup/model.sh.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -50,8 +51,10 @@ class Worker:
         self.grpc = grpc_addr
 
 
-@pytest.fixture(scope="session")
-def worker():
+@contextlib.contextmanager
+def running_worker(*extra_args, env=None):
+    """A worker serving SmolLM2 on loopback ports, ready; its log lines up to "serving" are
+    in `log`."""
     process = subprocess.Popen(
         [
             str(worker_binary()),
@@ -63,25 +66,28 @@ def worker():
             "--warmup-iterations=2",
             "--accelerator=cpu",
             "--log-format=json",
+            *extra_args,
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
-    addresses = queue.Queue()
+    lines = queue.Queue()
 
     def read_log():
         for line in process.stdout:
             try:
-                fields = json.loads(line)
+                lines.put(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            if fields.get("message") == "serving":
-                addresses.put((fields["http"], fields["grpc"]))
 
     threading.Thread(target=read_log, daemon=True).start()
     try:
-        http_addr, grpc_addr = addresses.get(timeout=120)
-        started = Worker(process, http_addr, grpc_addr)
+        log = []
+        while not log or log[-1].get("message") != "serving":
+            log.append(lines.get(timeout=120))
+        started = Worker(process, log[-1]["http"], log[-1]["grpc"])
+        started.log = log
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -100,3 +106,9 @@ def worker():
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def worker():
+    with running_worker() as started:
+        yield started

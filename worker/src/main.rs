@@ -11,7 +11,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve a model over the Open Inference Protocol (gRPC) and the OpenAI HTTP API.
-    Serve(npufleet_worker::startup::ServeArgs),
+    Serve(Box<npufleet_worker::startup::ServeArgs>),
     /// Measure the engine on a model: prefill, decode and batched decode throughput.
     Bench(npufleet_worker::tools::bench::BenchArgs),
     /// Measure ring all-reduce bus bandwidth for the in-process and TCP transports.
@@ -23,7 +23,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => npufleet_worker::startup::run(args),
+        Command::Serve(args) => npufleet_worker::startup::run(*args),
         Command::Bench(args) => npufleet_worker::tools::bench::run(args),
         Command::CollectiveBench(args) => npufleet_worker::tools::collective_bench::run(args),
         Command::HcclSelftest(args) => npufleet_worker::tools::ascend_selftest::run(args),

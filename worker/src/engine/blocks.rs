@@ -9,6 +9,7 @@
 //! space, and are then reused least recently released first.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use npufleet_contract::kv::block_hash;
 
@@ -22,7 +23,9 @@ pub type BlockId = u32;
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct BlockKey {
     parent: u64,
-    tokens: Box<[u32]>,
+    /// Shared with the block's [`CacheEvent::Stored`], which carries its tokens to
+    /// subscribers that name blocks by their own hashes.
+    tokens: Arc<[u32]>,
 }
 
 /// Chain ids below this stand for "no predecessor": the first block of a sequence chains
@@ -184,12 +187,13 @@ impl BlockManager {
                     let chain_id = self.next_chain_id;
                     self.next_chain_id += 1;
                     let block = seq.table[index];
-                    self.blocks[block as usize].cached = Some((key.clone(), hash));
-                    self.cache.insert(key, (block, chain_id));
                     self.events.push(CacheEvent::Stored {
                         hash,
                         parent: parent_hash,
+                        tokens: key.tokens.clone(),
                     });
+                    self.blocks[block as usize].cached = Some((key.clone(), hash));
+                    self.cache.insert(key, (block, chain_id));
                     chain_id
                 }
             };
@@ -322,11 +326,13 @@ mod tests {
             vec![
                 CacheEvent::Stored {
                     hash: names[0],
-                    parent: None
+                    parent: None,
+                    tokens: prompt[..2].into(),
                 },
                 CacheEvent::Stored {
                     hash: names[1],
-                    parent: Some(names[0])
+                    parent: Some(names[0]),
+                    tokens: prompt[2..4].into(),
                 },
             ]
         );

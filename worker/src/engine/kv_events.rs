@@ -3,17 +3,23 @@
 //! a subscriber takes a snapshot of every cached block and then the changes after it, with
 //! no gap between the two because both happen under one lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
 
 /// One change to the prefix cache. Blocks are named by
 /// [`npufleet_contract::kv::block_hashes`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheEvent {
     /// A full block entered the cache; `parent` names the block before it in its prompt.
-    Stored { hash: u64, parent: Option<u64> },
+    /// `tokens` are its token ids, for subscribers that hash blocks their own way (vLLM's
+    /// event consumers do).
+    Stored {
+        hash: u64,
+        parent: Option<u64>,
+        tokens: Arc<[u32]>,
+    },
     /// A block left the cache to make room.
     Removed { hash: u64 },
 }
@@ -36,13 +42,19 @@ pub struct KvEventLog {
     sender: broadcast::Sender<EventBatch>,
 }
 
+struct HeldBlock {
+    parent: Option<u64>,
+    tokens: Arc<[u32]>,
+    count: u32,
+}
+
 #[derive(Default)]
 struct Held {
     /// Sequence number of the last batch.
     seq: u64,
-    /// Each cached block's parent, with how many cached blocks carry the hash (the same
-    /// tokens computed at two weight precisions are two blocks).
-    blocks: HashMap<u64, (Option<u64>, u32)>,
+    /// Each cached block's parent and tokens, with how many cached blocks carry the hash
+    /// (the same tokens computed at two weight precisions are two blocks).
+    blocks: HashMap<u64, HeldBlock>,
 }
 
 /// What a new subscriber starts from: every cached block as of `seq`, then `changes`, of
@@ -70,15 +82,26 @@ impl KvEventLog {
         }
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         for event in &events {
-            match *event {
-                CacheEvent::Stored { hash, parent } => {
-                    held.blocks.entry(hash).or_insert((parent, 0)).1 += 1;
+            match event {
+                CacheEvent::Stored {
+                    hash,
+                    parent,
+                    tokens,
+                } => {
+                    held.blocks
+                        .entry(*hash)
+                        .or_insert_with(|| HeldBlock {
+                            parent: *parent,
+                            tokens: tokens.clone(),
+                            count: 0,
+                        })
+                        .count += 1;
                 }
                 CacheEvent::Removed { hash } => {
-                    if let Some((_, count)) = held.blocks.get_mut(&hash) {
-                        *count -= 1;
-                        if *count == 0 {
-                            held.blocks.remove(&hash);
+                    if let Some(block) = held.blocks.get_mut(hash) {
+                        block.count -= 1;
+                        if block.count == 0 {
+                            held.blocks.remove(hash);
                         }
                     }
                 }
@@ -92,15 +115,32 @@ impl KvEventLog {
         });
     }
 
+    /// The snapshot lists a block after its parent, as the engine stored them: consumers that
+    /// name a block by its whole prefix (vLLM's do) need the parent's name first.
     pub fn subscribe(&self) -> Subscription {
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let snapshot = held
-            .blocks
-            .iter()
-            .flat_map(|(&hash, &(parent, count))| {
-                std::iter::repeat_n(CacheEvent::Stored { hash, parent }, count as usize)
-            })
-            .collect();
+        let mut placed = HashSet::with_capacity(held.blocks.len());
+        let mut snapshot = Vec::with_capacity(held.blocks.len());
+        let mut chain = Vec::new();
+        for &leaf in held.blocks.keys() {
+            let mut at = Some(leaf);
+            while let Some(hash) = at.filter(|h| !placed.contains(h)) {
+                let Some(block) = held.blocks.get(&hash) else {
+                    break;
+                };
+                chain.push((hash, block));
+                at = block.parent;
+            }
+            for (hash, block) in chain.drain(..).rev() {
+                placed.insert(hash);
+                let stored = CacheEvent::Stored {
+                    hash,
+                    parent: block.parent,
+                    tokens: block.tokens.clone(),
+                };
+                snapshot.extend(std::iter::repeat_n(stored, block.count as usize));
+            }
+        }
         Subscription {
             seq: held.seq,
             snapshot,
@@ -114,7 +154,11 @@ mod tests {
     use super::*;
 
     fn stored(hash: u64) -> CacheEvent {
-        CacheEvent::Stored { hash, parent: None }
+        CacheEvent::Stored {
+            hash,
+            parent: None,
+            tokens: Arc::from([hash as u32]),
+        }
     }
 
     #[test]
@@ -131,6 +175,39 @@ mod tests {
         assert_eq!(&*next.events, &[stored(3)]);
         log.publish(Vec::new());
         assert!(sub.changes.try_recv().is_err(), "an empty step is no batch");
+    }
+
+    #[test]
+    fn the_snapshot_lists_parents_before_their_children() {
+        let log = KvEventLog::new(16);
+        let child = |hash: u64, parent: u64| CacheEvent::Stored {
+            hash,
+            parent: Some(parent),
+            tokens: Arc::from([hash as u32]),
+        };
+        // Stored root first, as the engine does; a hash map would list them in any order.
+        let mut events = vec![stored(1)];
+        events.extend((2..40).map(|h| child(h, h - 1)));
+        events.extend((100..110).map(|h| child(h, 5)));
+        log.publish(events);
+        let snapshot = log.subscribe().snapshot;
+        assert_eq!(snapshot.len(), 49);
+        let position = |wanted: u64| {
+            snapshot
+                .iter()
+                .position(|e| matches!(e, CacheEvent::Stored { hash, .. } if *hash == wanted))
+                .unwrap()
+        };
+        for event in &snapshot {
+            if let CacheEvent::Stored {
+                hash,
+                parent: Some(parent),
+                ..
+            } = event
+            {
+                assert!(position(*parent) < position(*hash), "{parent} after {hash}");
+            }
+        }
     }
 
     #[test]

@@ -504,7 +504,7 @@ async fn forward_kv_events(shared: &Shared, tx: &mpsc::Sender<Result<KvEventBatc
 
 fn to_kv_event(event: &CacheEvent) -> KvEvent {
     let event = match *event {
-        CacheEvent::Stored { hash, parent } => kv_event::Event::Stored(BlockStored {
+        CacheEvent::Stored { hash, parent, .. } => kv_event::Event::Stored(BlockStored {
             block_hashes: vec![hash],
             parent_block_hash: parent,
         }),

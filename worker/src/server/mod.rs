@@ -16,6 +16,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod inference;
+pub mod kv_events_zmq;
 pub mod metrics;
 pub mod oip;
 pub mod openai;
@@ -64,6 +65,8 @@ pub struct ServerConfig {
     /// What each listener bounds its connections by.
     pub connections: ConnectionLimits,
     pub reasoning_parser: reasoning::ReasoningParser,
+    /// Where the prefix cache's events also go in vLLM's wire format.
+    pub kv_events: Option<kv_events_zmq::ZmqEventsConfig>,
 }
 
 /// The gRPC and HTTP listeners, bound before serving so that port 0 can be asked for.
@@ -99,6 +102,9 @@ pub async fn serve(
         config.warmup_iterations,
         config.stalled_reader_timeout,
     ));
+    if let Some(kv_events) = config.kv_events.clone() {
+        start_kv_event_publisher(&shared, kv_events).await?;
+    }
     tracing::info!(
         grpc = %listeners.grpc.local_addr()?,
         http = %listeners.http.local_addr()?,
@@ -148,6 +154,25 @@ async fn start_background_tasks(
         tokio::spawn(sample_npus(shared.clone(), tool));
     }
     health_service
+}
+
+/// Sets up the vLLM-format event sockets (a wrong endpoint fails the start) and publishes
+/// on them until the worker closes.
+async fn start_kv_event_publisher(
+    shared: &Arc<Shared>,
+    config: kv_events_zmq::ZmqEventsConfig,
+) -> anyhow::Result<()> {
+    if shared.engine.kv_events().is_none() {
+        anyhow::bail!("--kv-events-endpoint: this engine publishes no prefix-cache events");
+    }
+    let publisher = kv_events_zmq::ZmqPublisher::start(config).await?;
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        if let Some(log) = shared.engine.kv_events() {
+            publisher.run(log, shared.closing()).await;
+        }
+    });
+    Ok(())
 }
 
 /// The gRPC services: health, reflection, the Open Inference Protocol and the load service.

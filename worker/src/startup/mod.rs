@@ -22,6 +22,7 @@ use crate::ascend::{AcceleratorKind, Selected};
 use crate::backend::KvDtype;
 use crate::engine::{EngineConfig, KvCacheSize};
 use crate::model::PrecisionPolicy;
+use crate::server::kv_events_zmq::{self, ZmqEventsConfig};
 use crate::server::reasoning::ReasoningParser;
 use crate::server::{self, Listeners, ServerConfig, termination_signal};
 
@@ -184,6 +185,53 @@ pub struct ServeArgs {
     /// `none` leaves it in `content`.
     #[arg(long, env = env::REASONING_PARSER, value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
+    #[command(flatten)]
+    pub kv_events: KvEventsArgs,
+}
+
+/// The prefix cache's events in vLLM's ZeroMQ wire format, for KV-aware routers built for
+/// vLLM. This project's router needs none of it: it reads them from the gRPC load service.
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvEventsArgs {
+    /// Publish on this ZeroMQ endpoint: one with a wildcard host (`tcp://*:5557`) is bound,
+    /// any other (`tcp://<consumer>:5557`) is connected to, as vLLM's `--kv-events-config`
+    /// endpoint is. Unset: no ZeroMQ events.
+    #[arg(long, env = "NPUFLEET_KV_EVENTS_ENDPOINT", value_parser = kv_events_zmq::parse_endpoint)]
+    pub kv_events_endpoint: Option<String>,
+    /// Bind a ROUTER socket here that replays batches from a sequence number on request.
+    #[arg(long, env = "NPUFLEET_KV_EVENTS_REPLAY_ENDPOINT", requires = "kv_events_endpoint", value_parser = kv_events_zmq::parse_endpoint)]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Every message's topic. Default: `kv@<pod IP, else host name>@<served model name>`,
+    /// the form llm-d reads the pod and the model from.
+    #[arg(
+        long,
+        env = "NPUFLEET_KV_EVENTS_TOPIC",
+        requires = "kv_events_endpoint"
+    )]
+    pub kv_events_topic: Option<String>,
+}
+
+impl KvEventsArgs {
+    fn config(&self, model_name: &str) -> Option<ZmqEventsConfig> {
+        let endpoint = self.kv_events_endpoint.clone()?;
+        let topic = self.kv_events_topic.clone().unwrap_or_else(|| {
+            let pod = std::env::var(env::POD_IP)
+                .ok()
+                .filter(|ip| !ip.is_empty())
+                .unwrap_or_else(|| {
+                    rustix::system::uname()
+                        .nodename()
+                        .to_string_lossy()
+                        .into_owned()
+                });
+            format!("kv@{pod}@{model_name}")
+        });
+        Some(ZmqEventsConfig {
+            endpoint,
+            replay_endpoint: self.kv_events_replay_endpoint.clone(),
+            topic,
+        })
+    }
 }
 
 fn parse_fraction(value: &str) -> Result<f64, String> {
@@ -237,7 +285,6 @@ impl ServeArgs {
     /// What the serving surfaces take from these arguments.
     pub fn server_config(&self, model_name: String) -> ServerConfig {
         ServerConfig {
-            model_name,
             warmup_iterations: self.engine.warmup_iterations,
             drain_timeout: Duration::from_secs_f64(self.drain_timeout),
             api_key: self.api_key.clone(),
@@ -247,6 +294,8 @@ impl ServeArgs {
             http_send_buffer_bytes: self.http_send_buffer_bytes,
             connections: self.connections,
             reasoning_parser: self.reasoning_parser,
+            kv_events: self.kv_events.config(&model_name),
+            model_name,
         }
     }
 

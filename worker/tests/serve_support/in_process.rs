@@ -175,6 +175,7 @@ pub fn default_config() -> ServerConfig {
         http_send_buffer_bytes: 64 << 10,
         connections: ConnectionLimits::default(),
         reasoning_parser: ReasoningParser::Auto,
+        kv_events: None,
     }
 }
 
