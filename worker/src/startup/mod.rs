@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 
 use crate::ascend::{AcceleratorKind, Selected};
 use crate::backend::KvDtype;
+use crate::collective::hccl_env::{InterfaceAddr, local_interfaces};
 use crate::engine::{EngineConfig, KvCacheSize};
 use crate::model::PrecisionPolicy;
 use crate::server::kv_events_zmq::{self, ZmqEventsConfig};
@@ -201,8 +202,9 @@ pub struct KvEventsArgs {
     /// Bind a ROUTER socket here that replays batches from a sequence number on request.
     #[arg(long, env = "NPUFLEET_KV_EVENTS_REPLAY_ENDPOINT", requires = "kv_events_endpoint", value_parser = kv_events_zmq::parse_endpoint)]
     pub kv_events_replay_endpoint: Option<String>,
-    /// Every message's topic. Default: `kv@<pod IP, else host name>@<served model name>`,
-    /// the form llm-d reads the pod and the model from.
+    /// Every message's topic. Default: `kv@<pod IP>@<served model name>`, the form llm-d
+    /// reads the pod and the model from (the pod IP: `POD_IP`, else the first address that
+    /// is not loopback, else the host name).
     #[arg(
         long,
         env = "NPUFLEET_KV_EVENTS_TOPIC",
@@ -211,19 +213,35 @@ pub struct KvEventsArgs {
     pub kv_events_topic: Option<String>,
 }
 
+/// The pod's address as consumers of KV events name the pod: `POD_IP` where the operator
+/// sets it, else the first address that is not loopback (in a pod, its own).
+fn pod_address(pod_ip: Option<String>, interfaces: &[InterfaceAddr]) -> Option<String> {
+    let outside = |v4: bool| {
+        interfaces
+            .iter()
+            .find(|i| !i.ip.is_loopback() && i.ip.is_ipv4() == v4)
+            .map(|i| i.ip.to_string())
+    };
+    pod_ip
+        .filter(|ip| !ip.is_empty())
+        .or_else(|| outside(true))
+        .or_else(|| outside(false))
+}
+
 impl KvEventsArgs {
     fn config(&self, model_name: &str) -> Option<ZmqEventsConfig> {
         let endpoint = self.kv_events_endpoint.clone()?;
         let topic = self.kv_events_topic.clone().unwrap_or_else(|| {
-            let pod = std::env::var(env::POD_IP)
-                .ok()
-                .filter(|ip| !ip.is_empty())
-                .unwrap_or_else(|| {
-                    rustix::system::uname()
-                        .nodename()
-                        .to_string_lossy()
-                        .into_owned()
-                });
+            let pod = pod_address(
+                std::env::var(env::POD_IP).ok(),
+                &local_interfaces().unwrap_or_default(),
+            )
+            .unwrap_or_else(|| {
+                rustix::system::uname()
+                    .nodename()
+                    .to_string_lossy()
+                    .into_owned()
+            });
             format!("kv@{pod}@{model_name}")
         });
         Some(ZmqEventsConfig {
@@ -443,4 +461,37 @@ async fn follow(
     tokio::task::spawn_blocking(move || followers.join())
         .await
         .context("joining the follower ranks")?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_events_name_the_pod_by_pod_ip_else_its_first_outside_address() {
+        let interfaces: Vec<InterfaceAddr> = [
+            ("lo", "127.0.0.1"),
+            ("eth0", "fd00::2"),
+            ("eth0", "198.18.0.9"),
+        ]
+        .into_iter()
+        .map(|(name, ip)| InterfaceAddr {
+            name: name.into(),
+            ip: ip.parse().unwrap(),
+        })
+        .collect();
+        assert_eq!(
+            pod_address(Some("198.18.0.7".into()), &interfaces).as_deref(),
+            Some("198.18.0.7")
+        );
+        assert_eq!(
+            pod_address(Some(String::new()), &interfaces).as_deref(),
+            Some("198.18.0.9")
+        );
+        assert_eq!(
+            pod_address(None, &interfaces[..2]).as_deref(),
+            Some("fd00::2")
+        );
+        assert_eq!(pod_address(None, &interfaces[..1]), None);
+    }
 }
