@@ -95,7 +95,7 @@ pub struct GenerateRequest {
 /// the template).
 pub use crate::model::ChatMessage;
 
-pub use crate::engine::kv_events::{CacheEvent, KvEventLog};
+pub use crate::engine::kv_events::{CacheEvent, CacheUpdate, KvEventLog};
 pub use npufleet_contract::prompt::PromptRecipe;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

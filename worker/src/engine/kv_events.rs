@@ -59,10 +59,57 @@ struct Held {
 
 /// What a new subscriber starts from: every cached block as of `seq`, then `changes`, of
 /// which batches numbered `seq` or lower are already in the snapshot.
-pub struct Subscription {
-    pub seq: u64,
-    pub snapshot: Vec<CacheEvent>,
-    pub changes: broadcast::Receiver<EventBatch>,
+struct Subscription {
+    seq: u64,
+    snapshot: Vec<CacheEvent>,
+    changes: broadcast::Receiver<EventBatch>,
+}
+
+/// What a follower of the log is given next.
+#[derive(Debug, PartialEq)]
+pub enum CacheUpdate {
+    /// Every block cached as of batch `seq`: first, and again after the follower fell so far
+    /// behind that batches were lost.
+    Snapshot { seq: u64, blocks: Vec<CacheEvent> },
+    /// The batch after the last one given.
+    Batch(EventBatch),
+}
+
+/// Follows a [`KvEventLog`]: a snapshot, then each later batch once, with no gap.
+pub struct Follower<'a> {
+    log: &'a KvEventLog,
+    /// The last batch given, and the batches after it; `None` before a snapshot.
+    changes: Option<(u64, broadcast::Receiver<EventBatch>)>,
+}
+
+impl Follower<'_> {
+    /// The next update; `None` once the log is gone. Cancel-safe: an update not returned is
+    /// not lost.
+    pub async fn next(&mut self) -> Option<CacheUpdate> {
+        loop {
+            let Some((last, changes)) = &mut self.changes else {
+                let Subscription {
+                    seq,
+                    snapshot,
+                    changes,
+                } = self.log.subscribe();
+                self.changes = Some((seq, changes));
+                return Some(CacheUpdate::Snapshot {
+                    seq,
+                    blocks: snapshot,
+                });
+            };
+            match changes.recv().await {
+                Ok(batch) if batch.seq <= *last => {}
+                Ok(batch) => {
+                    *last = batch.seq;
+                    return Some(CacheUpdate::Batch(batch));
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => self.changes = None,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
 }
 
 impl KvEventLog {
@@ -115,9 +162,23 @@ impl KvEventLog {
         });
     }
 
-    /// The snapshot lists a block after its parent, as the engine stored them: consumers that
-    /// name a block by its whole prefix (vLLM's do) need the parent's name first.
-    pub fn subscribe(&self) -> Subscription {
+    /// Follows the log from a snapshot of the cache.
+    pub fn follow(&self) -> Follower<'_> {
+        Follower {
+            log: self,
+            changes: None,
+        }
+    }
+
+    /// Every cached block as of the batch numbered by the first value, each listed after its
+    /// parent as the engine stored them: consumers that name a block by its whole prefix
+    /// (vLLM's do) need the parent's name first.
+    pub fn snapshot(&self) -> (u64, Vec<CacheEvent>) {
+        let Subscription { seq, snapshot, .. } = self.subscribe();
+        (seq, snapshot)
+    }
+
+    fn subscribe(&self) -> Subscription {
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let mut placed = HashSet::with_capacity(held.blocks.len());
         let mut snapshot = Vec::with_capacity(held.blocks.len());
@@ -207,6 +268,33 @@ mod tests {
             {
                 assert!(position(*parent) < position(*hash), "{parent} after {hash}");
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_follower_gets_a_snapshot_then_each_batch_and_a_new_snapshot_after_falling_behind() {
+        let log = KvEventLog::new(16);
+        log.publish(vec![stored(1)]);
+        let mut follower = log.follow();
+        assert_eq!(
+            follower.next().await,
+            Some(CacheUpdate::Snapshot {
+                seq: 1,
+                blocks: vec![stored(1)]
+            })
+        );
+        log.publish(vec![stored(2)]);
+        assert!(matches!(follower.next().await, Some(CacheUpdate::Batch(b)) if b.seq == 2));
+        let last = 3 + BACKLOG as u64;
+        for hash in 3..=last {
+            log.publish(vec![stored(hash)]);
+        }
+        match follower.next().await {
+            Some(CacheUpdate::Snapshot { seq, blocks }) => {
+                assert_eq!(seq, last);
+                assert_eq!(blocks.len(), last as usize);
+            }
+            other => panic!("a follower that lost batches gets a snapshot, not {other:?}"),
         }
     }
 

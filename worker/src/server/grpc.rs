@@ -11,7 +11,7 @@ use tokio_stream::wrappers::{IntervalStream, ReceiverStream};
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::api::{CacheEvent, EngineState, GenerationEvent};
+use crate::api::{CacheEvent, CacheUpdate, EngineState, GenerationEvent};
 use crate::server::auth;
 use crate::server::error::ServeError;
 use crate::server::inference::{self, SERVER_NAME};
@@ -461,43 +461,31 @@ async fn forward_kv_events(shared: &Shared, tx: &mpsc::Sender<Result<KvEventBatc
     let Some(log) = shared.engine.kv_events() else {
         return;
     };
-    let batch =
-        |seq: u64, snapshot: bool, events: &mut dyn Iterator<Item = KvEvent>| KvEventBatch {
+    let mut follower = log.follow();
+    while let Some(update) = follower.next().await {
+        let (seq, snapshot, events): (u64, bool, Vec<KvEvent>) = match update {
+            CacheUpdate::Snapshot { seq, blocks } => {
+                let cleared = KvEvent {
+                    event: Some(kv_event::Event::AllCleared(AllBlocksCleared {})),
+                };
+                let blocks = blocks.iter().map(to_kv_event);
+                (seq, true, std::iter::once(cleared).chain(blocks).collect())
+            }
+            CacheUpdate::Batch(batch) => (
+                batch.seq,
+                false,
+                batch.events.iter().map(to_kv_event).collect(),
+            ),
+        };
+        let batch = KvEventBatch {
             epoch: log.epoch,
             seq,
             block_size: u32::try_from(log.block_size).unwrap_or(u32::MAX),
             snapshot,
-            events: events.collect(),
+            events,
         };
-    loop {
-        let mut subscription = log.subscribe();
-        let cleared = KvEvent {
-            event: Some(kv_event::Event::AllCleared(AllBlocksCleared {})),
-        };
-        let snapshot = batch(
-            subscription.seq,
-            true,
-            &mut std::iter::once(cleared).chain(subscription.snapshot.iter().map(to_kv_event)),
-        );
-        if tx.send(Ok(snapshot)).await.is_err() {
+        if tx.send(Ok(batch)).await.is_err() {
             return;
-        }
-        loop {
-            match subscription.changes.recv().await {
-                Ok(changes) if changes.seq <= subscription.seq => {}
-                Ok(changes) => {
-                    let sent = batch(
-                        changes.seq,
-                        false,
-                        &mut changes.events.iter().map(to_kv_event),
-                    );
-                    if tx.send(Ok(sent)).await.is_err() {
-                        return;
-                    }
-                }
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break,
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-            }
         }
     }
 }

@@ -13,10 +13,9 @@ use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use tokio::sync::broadcast::{self, error::RecvError};
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::engine::kv_events::{CacheEvent, EventBatch, KvEventLog};
+use crate::engine::kv_events::{CacheEvent, CacheUpdate, KvEventLog};
 
 /// Where and under which topic the events go.
 #[derive(Clone, Debug)]
@@ -81,22 +80,22 @@ pub fn encode_batch(ts: f64, cleared: bool, events: &[CacheEvent], block_size: u
     }
     for group in groups {
         match group {
-            Group::Stored(stored) => {
+            Group::Stored { parent, blocks } => {
                 let _ = rmp::encode::write_array_len(w, 8);
                 let _ = rmp::encode::write_str(w, "BlockStored");
-                let _ = rmp::encode::write_array_len(w, stored.len() as u32);
-                for (hash, _, _) in &stored {
+                let _ = rmp::encode::write_array_len(w, blocks.len() as u32);
+                for (hash, _) in &blocks {
                     write_hash(w, *hash);
                 }
-                match stored[0].1 {
+                match parent {
                     Some(parent) => write_hash(w, parent),
                     None => {
                         let _ = rmp::encode::write_nil(w);
                     }
                 }
-                let tokens: usize = stored.iter().map(|(_, _, t)| t.len()).sum();
+                let tokens: usize = blocks.iter().map(|(_, t)| t.len()).sum();
                 let _ = rmp::encode::write_array_len(w, tokens as u32);
-                for token in stored.iter().flat_map(|(_, _, t)| t.iter()) {
+                for token in blocks.iter().flat_map(|(_, t)| t.iter()) {
                     let _ = rmp::encode::write_uint(w, u64::from(*token));
                 }
                 let _ = rmp::encode::write_uint(w, block_size as u64);
@@ -126,7 +125,11 @@ fn write_hash(w: &mut Vec<u8>, hash: u64) {
 }
 
 enum Group<'a> {
-    Stored(Vec<(u64, Option<u64>, &'a [u32])>),
+    /// Blocks stored one after another, each the parent of the next: `parent` is the first's.
+    Stored {
+        parent: Option<u64>,
+        blocks: Vec<(u64, &'a [u32])>,
+    },
     Removed(Vec<u64>),
 }
 
@@ -140,9 +143,9 @@ fn group(events: &[CacheEvent]) -> Vec<Group<'_>> {
                     parent,
                     tokens,
                 },
-                Some(Group::Stored(chain)),
-            ) if *parent == chain.last().map(|(h, _, _)| *h) => {
-                chain.push((*hash, *parent, tokens));
+                Some(Group::Stored { blocks, .. }),
+            ) if *parent == blocks.last().map(|(h, _)| *h) => {
+                blocks.push((*hash, tokens));
             }
             (
                 CacheEvent::Stored {
@@ -151,7 +154,10 @@ fn group(events: &[CacheEvent]) -> Vec<Group<'_>> {
                     tokens,
                 },
                 _,
-            ) => groups.push(Group::Stored(vec![(*hash, *parent, tokens)])),
+            ) => groups.push(Group::Stored {
+                parent: *parent,
+                blocks: vec![(*hash, tokens)],
+            }),
             (CacheEvent::Removed { hash }, Some(Group::Removed(hashes))) => hashes.push(*hash),
             (CacheEvent::Removed { hash }, _) => groups.push(Group::Removed(vec![*hash])),
         }
@@ -170,8 +176,6 @@ fn now() -> f64 {
 struct Sent {
     batches: VecDeque<(u64, Bytes)>,
     bytes: usize,
-    /// The sequence number the next batch will carry, once one was sent.
-    next: Option<u64>,
 }
 
 impl Sent {
@@ -183,15 +187,11 @@ impl Sent {
                 self.bytes -= dropped.len();
             }
         }
-        self.next = Some(seq + 1);
     }
 
     /// The kept batches from `start` on, or `None` when some of those are no longer kept.
     fn from(&self, start: u64) -> Option<Vec<(u64, Bytes)>> {
-        let first_kept = self
-            .batches
-            .front()
-            .map_or(self.next.unwrap_or(0), |(seq, _)| *seq);
+        let first_kept = self.batches.front().map_or(0, |(seq, _)| *seq);
         (start >= first_kept).then(|| {
             self.batches
                 .iter()
@@ -202,13 +202,20 @@ impl Sent {
     }
 }
 
-/// A batch of every block the cache holds, after `AllBlocksCleared`: what a consumer that
-/// missed batches starts again from. The first batch after start is one (of an empty cache),
-/// which tells consumers that a restarted worker holds nothing it held before.
-fn snapshot(log: &KvEventLog) -> (u64, Bytes, broadcast::Receiver<EventBatch>) {
-    let subscription = log.subscribe();
-    let payload = encode_batch(now(), true, &subscription.snapshot, log.block_size);
-    (subscription.seq, payload.into(), subscription.changes)
+/// An update's sequence number and payload. A snapshot is every block the cache holds,
+/// after `AllBlocksCleared`: what a consumer that missed batches starts again from. The first
+/// batch after start is one (of an empty cache), which tells consumers that a restarted
+/// worker holds nothing it held before.
+fn encode_update(update: CacheUpdate, block_size: usize) -> (u64, Bytes) {
+    match update {
+        CacheUpdate::Snapshot { seq, blocks } => {
+            (seq, encode_batch(now(), true, &blocks, block_size).into())
+        }
+        CacheUpdate::Batch(batch) => (
+            batch.seq,
+            encode_batch(now(), false, &batch.events, block_size).into(),
+        ),
+    }
 }
 
 /// The sockets, set up: a wrong endpoint fails the worker's start, not its first batch.
@@ -263,8 +270,13 @@ impl ZmqPublisher {
         let topic = Bytes::from(self.config.topic.clone().into_bytes());
         let mut connected = self.monitor.is_none();
         let mut sent = Sent::default();
-        let (seq, payload, mut changes) = snapshot(log);
-        send(&mut self.publisher, &topic, seq, payload, &mut sent).await;
+        let mut follower = log.follow();
+        // The first update is the snapshot, at hand at once: kept for replay before any
+        // request for it can come.
+        if let Some(update) = follower.next().await {
+            let (seq, payload) = encode_update(update, log.block_size);
+            send(&mut self.publisher, &topic, seq, payload, &mut sent).await;
+        }
         loop {
             if !connected {
                 tokio::select! {
@@ -290,18 +302,10 @@ impl ZmqPublisher {
                         answer_replay(socket, request, &sent, log).await;
                     }
                 }
-                batch = changes.recv() => match batch {
-                    Ok(batch) if sent.next.is_some_and(|next| batch.seq < next) => {}
-                    Ok(batch) => {
-                        let payload = encode_batch(now(), false, &batch.events, log.block_size);
-                        send(&mut self.publisher, &topic, batch.seq, payload.into(), &mut sent).await;
-                    }
-                    Err(RecvError::Lagged(_)) => {
-                        let (seq, payload, receiver) = snapshot(log);
-                        changes = receiver;
-                        send(&mut self.publisher, &topic, seq, payload, &mut sent).await;
-                    }
-                    Err(RecvError::Closed) => return,
+                update = follower.next() => {
+                    let Some(update) = update else { return };
+                    let (seq, payload) = encode_update(update, log.block_size);
+                    send(&mut self.publisher, &topic, seq, payload, &mut sent).await;
                 }
             }
         }
@@ -370,8 +374,11 @@ async fn answer_replay(
     };
     let start = u64::from_be_bytes(start);
     let batches = sent.from(start).unwrap_or_else(|| {
-        let (seq, payload, _) = snapshot(log);
-        vec![(seq, payload)]
+        let (seq, blocks) = log.snapshot();
+        vec![encode_update(
+            CacheUpdate::Snapshot { seq, blocks },
+            log.block_size,
+        )]
     });
     let end = (END_OF_REPLAY.to_be_bytes().to_vec().into(), Bytes::new());
     for (seq, payload) in batches
