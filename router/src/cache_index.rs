@@ -19,8 +19,28 @@ pub struct Gap {
 pub struct CachedBlocks {
     /// The worker's epoch and the last batch applied, once a snapshot arrived.
     position: Option<(u64, u64)>,
-    /// Cached blocks by name, with how many cached blocks carry it.
-    held: HashMap<u64, u32>,
+    /// Cached blocks by name.
+    held: HashMap<u64, Held>,
+}
+
+#[derive(Debug)]
+struct Held {
+    /// How many cached blocks carry the name.
+    copies: u32,
+    parent: Option<u64>,
+    /// Held blocks that continue this one: more than one, and prompts fork here.
+    children: u32,
+}
+
+/// How much of a prompt a replica's cache holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// The prompt's leading blocks held as an unbroken run.
+    pub blocks: usize,
+    /// Held continuations of the run's last block: other prompts that share the run and go
+    /// on differently (the prompt's own continuation is not held, or the run would be
+    /// longer). A prompt's own earlier answer is at most one of them.
+    pub forks: u32,
 }
 
 impl CachedBlocks {
@@ -43,18 +63,15 @@ impl CachedBlocks {
         for event in batch.events.iter().filter_map(|e| e.event.as_ref()) {
             match event {
                 kv_event::Event::Stored(stored) => {
+                    let mut parent = stored.parent_block_hash;
                     for &hash in &stored.block_hashes {
-                        *self.held.entry(hash).or_default() += 1;
+                        self.store(hash, parent);
+                        parent = Some(hash);
                     }
                 }
                 kv_event::Event::Removed(removed) => {
-                    for hash in &removed.block_hashes {
-                        if let Some(count) = self.held.get_mut(hash) {
-                            *count -= 1;
-                            if *count == 0 {
-                                self.held.remove(hash);
-                            }
-                        }
+                    for &hash in &removed.block_hashes {
+                        self.remove(hash);
                     }
                 }
                 kv_event::Event::AllCleared(_) => self.held.clear(),
@@ -62,6 +79,39 @@ impl CachedBlocks {
         }
         self.position = Some((batch.epoch, batch.seq));
         Ok(())
+    }
+
+    fn store(&mut self, hash: u64, parent: Option<u64>) {
+        if let Some(held) = self.held.get_mut(&hash) {
+            held.copies += 1;
+            return;
+        }
+        self.held.insert(
+            hash,
+            Held {
+                copies: 1,
+                parent,
+                children: 0,
+            },
+        );
+        if let Some(parent) = parent.and_then(|p| self.held.get_mut(&p)) {
+            parent.children += 1;
+        }
+    }
+
+    fn remove(&mut self, hash: u64) {
+        let Some(held) = self.held.get_mut(&hash) else {
+            return;
+        };
+        held.copies -= 1;
+        if held.copies > 0 {
+            return;
+        }
+        let parent = held.parent;
+        self.held.remove(&hash);
+        if let Some(parent) = parent.and_then(|p| self.held.get_mut(&p)) {
+            parent.children = parent.children.saturating_sub(1);
+        }
     }
 
     /// Forgets everything: the events can no longer be followed.
@@ -72,11 +122,16 @@ impl CachedBlocks {
 
     /// How many of `blocks` (a prompt's block names, first first) the cache holds as an
     /// unbroken run from the first: the worker reuses no block after a missing one.
-    pub fn leading(&self, blocks: &[u64]) -> usize {
-        blocks
+    pub fn leading(&self, blocks: &[u64]) -> Lookup {
+        let run = blocks
             .iter()
             .take_while(|hash| self.held.contains_key(hash))
-            .count()
+            .count();
+        let forks = run
+            .checked_sub(1)
+            .and_then(|last| self.held.get(&blocks[last]))
+            .map_or(0, |held| held.children);
+        Lookup { blocks: run, forks }
     }
 }
 
@@ -88,10 +143,14 @@ mod tests {
     };
 
     fn stored(hashes: &[u64]) -> KvEvent {
+        stored_after(None, hashes)
+    }
+
+    fn stored_after(parent: Option<u64>, hashes: &[u64]) -> KvEvent {
         KvEvent {
             event: Some(kv_event::Event::Stored(BlockStored {
                 block_hashes: hashes.to_vec(),
-                parent_block_hash: None,
+                parent_block_hash: parent,
             })),
         }
     }
@@ -123,12 +182,12 @@ mod tests {
         cache
             .apply(&batch(7, 4, true, vec![cleared, stored(&[1, 2, 3])]))
             .unwrap();
-        assert_eq!(cache.leading(&[1, 2, 3, 4]), 3);
+        assert_eq!(cache.leading(&[1, 2, 3, 4]).blocks, 3);
         cache
             .apply(&batch(7, 5, false, vec![removed(&[2])]))
             .unwrap();
-        assert_eq!(cache.leading(&[1, 2, 3]), 1, "a hole ends the run");
-        assert_eq!(cache.leading(&[9, 1]), 0);
+        assert_eq!(cache.leading(&[1, 2, 3]).blocks, 1, "a hole ends the run");
+        assert_eq!(cache.leading(&[9, 1]).blocks, 0);
         cache
             .apply(&batch(7, 6, false, vec![stored(&[2, 2])]))
             .unwrap();
@@ -136,7 +195,7 @@ mod tests {
             .apply(&batch(7, 7, false, vec![removed(&[2])]))
             .unwrap();
         assert_eq!(
-            cache.leading(&[1, 2, 3]),
+            cache.leading(&[1, 2, 3]).blocks,
             3,
             "a name held twice stays until both go"
         );
@@ -161,7 +220,7 @@ mod tests {
                 got: 3
             })
         );
-        assert_eq!(cache.leading(&[1]), 0);
+        assert_eq!(cache.leading(&[1]).blocks, 0);
         cache.apply(&batch(7, 3, true, vec![stored(&[1])])).unwrap();
         assert!(
             cache
@@ -169,8 +228,41 @@ mod tests {
                 .is_err()
         );
         assert!(
-            cache.leading(&[1]) == 0,
+            cache.leading(&[1]).blocks == 0,
             "a restarted worker's cache is not the old one"
         );
+    }
+
+    #[test]
+    fn the_run_tells_how_many_held_prompts_fork_where_it_ends() {
+        let mut cache = CachedBlocks::default();
+        // A shared prefix 1, 2 and two prompts going on from it: 3, 4 and 5.
+        cache
+            .apply(&batch(1, 0, true, vec![stored(&[1, 2, 3, 4])]))
+            .unwrap();
+        cache
+            .apply(&batch(1, 1, false, vec![stored_after(Some(2), &[5])]))
+            .unwrap();
+        let lookup = |cache: &CachedBlocks, blocks: &[u64]| {
+            let found = cache.leading(blocks);
+            (found.blocks, found.forks)
+        };
+        assert_eq!(lookup(&cache, &[1, 2, 9]), (2, 2), "a third prompt forks");
+        assert_eq!(
+            lookup(&cache, &[1, 2, 3, 9]),
+            (3, 1),
+            "one held continuation"
+        );
+        assert_eq!(lookup(&cache, &[1, 2, 3, 4, 9]), (4, 0));
+        assert_eq!(lookup(&cache, &[9]), (0, 0));
+        // An evicted continuation no longer counts, nor does one evicted parent first.
+        cache
+            .apply(&batch(1, 2, false, vec![removed(&[4, 3])]))
+            .unwrap();
+        assert_eq!(lookup(&cache, &[1, 2, 9]), (2, 1));
+        cache
+            .apply(&batch(1, 3, false, vec![removed(&[2]), removed(&[5])]))
+            .unwrap();
+        assert_eq!(lookup(&cache, &[1, 9]), (1, 0));
     }
 }

@@ -34,6 +34,8 @@ pub struct Metrics {
     /// Full token blocks of cache-aware routed prompts, by whether the chosen replica's
     /// cache held them (`cached`: `true` or `false`).
     pub prompt_blocks: IntCounterVec,
+    /// Shared prefixes the router had idle replicas compute, by outcome (`done`, `failed`).
+    pub prefix_copies: IntCounterVec,
     /// Requests waiting in a model's flow-control queue, by priority.
     pub flow_queued: IntGaugeVec,
     /// How long requests waited in the flow-control queue, by outcome (`replica`, `timeout`,
@@ -130,6 +132,13 @@ impl Metrics {
             ),
             &["model", "cached"],
         )?;
+        let prefix_copies = IntCounterVec::new(
+            Opts::new(
+                "npufleet_router_prefix_copies_total",
+                "Shared prompt prefixes the router had idle replicas compute, by outcome",
+            ),
+            &["model", "outcome"],
+        )?;
         let flow_queued = IntGaugeVec::new(
             Opts::new(
                 "npufleet_router_flow_queued_requests",
@@ -159,6 +168,7 @@ impl Metrics {
         registry.register(Box::new(flow_rejected.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_blocks.clone()))?;
+        registry.register(Box::new(prefix_copies.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(retries_exhausted.clone()))?;
         registry.register(Box::new(held.clone()))?;
@@ -181,6 +191,7 @@ impl Metrics {
             in_flight,
             upstream_ttft_seconds,
             prompt_blocks,
+            prefix_copies,
             flow_queued,
             flow_wait_seconds,
             flow_rejected,

@@ -17,6 +17,9 @@ pub struct Candidate {
     /// How many of the request's leading prompt blocks the replica's prefix cache holds, as
     /// its cache events tell (0 when unknown).
     pub cached_blocks: usize,
+    /// Other prompts the replica holds that share those blocks and go on differently
+    /// ([`crate::cache_index::Lookup::forks`]).
+    pub forks: u32,
     /// How long the request's prefill would take at the replica; unknown until the router
     /// has timed enough of the model's prompts.
     pub prefill: Option<PrefillEstimate>,
@@ -166,6 +169,40 @@ pub fn cache_aware(candidates: &[Candidate], slack: u32, rotation: usize) -> Opt
         .min_by(by_load)
 }
 
+/// Idle replicas to copy a shared prefix to, and how many of the prompt's leading blocks make
+/// it: the longest cached run, at any replica, that at least [`SHARED_FORKS`] held prompts go
+/// on from differently. Placement alone keeps such a prefix where it was first computed: with
+/// every replica idle, the holder is always the cheapest place for each prompt that shares it,
+/// so every conversation that starts from it piles onto that replica and they evict each
+/// other, while the others' caches hold nothing of use. A copy computed while a replica is
+/// idle delays no prompt, and from then on the prompts that share the prefix split by load.
+/// Only idle replicas take one, so under load, where spilling spreads the prefix anyway,
+/// nothing is copied. A conversation's own history is never copied: only its earlier answer
+/// goes on from it differently.
+pub fn prefix_copies(candidates: &[Candidate], chosen: usize) -> Option<(usize, Vec<usize>)> {
+    let shared = candidates
+        .iter()
+        .filter(|c| c.forks >= SHARED_FORKS)
+        .map(|c| c.cached_blocks)
+        .max()
+        .filter(|&blocks| blocks >= MIN_COPY_BLOCKS)?;
+    let to: Vec<usize> = (0..candidates.len())
+        .filter(|&i| i != chosen)
+        .filter(|&i| {
+            let c = &candidates[i];
+            c.cached_blocks < shared && c.outstanding() == 0 && c.prefill_left == 0.0
+        })
+        .collect();
+    (!to.is_empty()).then_some((shared, to))
+}
+
+/// Held continuations that make a prefix shared: two, for one of them may be the prompt's own
+/// earlier answer (the blocks an answer fills are cached too).
+const SHARED_FORKS: u32 = 2;
+
+/// The shortest prefix worth a copy: shorter ones cost little to compute with the prompt.
+const MIN_COPY_BLOCKS: usize = 4;
+
 /// Prefill costs this close to the least (a fraction of it) count as equal, and load decides
 /// between them: estimates from timings are noisy, and the noise must not outweigh a real
 /// difference in load.
@@ -267,6 +304,7 @@ mod tests {
             prefill_left: 0.0,
             reported: None,
             cached_blocks: 0,
+            forks: 0,
             prefill: None,
         }
     }
@@ -278,6 +316,7 @@ mod tests {
             prefill_left: 0.0,
             reported: Some(ReportedLoad::new(waiting, running, kv)),
             cached_blocks: 0,
+            forks: 0,
             prefill: None,
         }
     }
@@ -403,6 +442,35 @@ mod tests {
         let picks: Vec<_> = (0..2).map(|turn| cache_aware(&even, 2, turn)).collect();
         assert_eq!(picks, vec![Some(0), Some(1)]);
         assert_eq!(cache_aware(&[], 2, 0), None);
+    }
+
+    #[test]
+    fn a_prefix_other_prompts_fork_from_is_copied_to_idle_replicas_without_it() {
+        let shared = |id, in_flight, cached_blocks, forks| Candidate {
+            forks,
+            ..holding(id, in_flight, cached_blocks)
+        };
+        // "a" holds 20 blocks three held prompts go on from; "b" is idle with none of them,
+        // "c" is busy, "d" holds them already.
+        let fleet = [
+            shared("a", 0, 20, 3),
+            holding("b", 0, 0),
+            holding("c", 1, 0),
+            holding("d", 0, 20),
+        ];
+        assert_eq!(prefix_copies(&fleet, 0), Some((20, vec![1])));
+        // The chosen replica computes the prefix with the prompt itself.
+        assert_eq!(prefix_copies(&fleet, 1), None);
+        // A run only the prompt's own earlier answer goes on from is its conversation's.
+        let own = [shared("a", 0, 20, 1), holding("b", 0, 0)];
+        assert_eq!(prefix_copies(&own, 0), None);
+        // A short prefix costs little to compute with the prompt.
+        let short = [shared("a", 0, 3, 5), holding("b", 0, 0)];
+        assert_eq!(prefix_copies(&short, 0), None);
+        // A replica still computing a prompt of its own is not idle.
+        let mut computing = holding("b", 0, 0);
+        computing.prefill_left = 0.5;
+        assert_eq!(prefix_copies(&[shared("a", 0, 20, 2), computing], 0), None);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use npufleet_crds::RoutingPolicy;
 use prometheus::IntGauge;
 
-use crate::cache_index::{CachedBlocks, Gap};
+use crate::cache_index::{CachedBlocks, Gap, Lookup};
 use crate::discovery::{Endpoint, Model};
 use crate::flow::Flow;
 use crate::policy::{self, Candidate, PrefillEstimate, ReportedLoad};
@@ -96,6 +96,8 @@ pub struct Lease {
     /// The flow-control priority the request was admitted at, passed on for the replica's
     /// scheduler to run higher priorities first; none without flow control.
     pub priority: Option<i32>,
+    /// Idle replicas to compute the prompt's shared prefix now ([`policy::prefix_copies`]).
+    pub prefix_copy: Option<PrefixCopy>,
     /// The request's place among the replica's prompts in their prefill, until its first
     /// token.
     prefill: Option<u64>,
@@ -155,6 +157,23 @@ impl Drop for Lease {
     }
 }
 
+/// A shared prefix to compute at idle replicas, each with its place taken.
+pub struct PrefixCopy {
+    /// The prefix's tokens, whole blocks of them.
+    pub prompt: Vec<u32>,
+    pub to: Vec<Lease>,
+}
+
+/// Where to, and how long: a prompt's tokens have no place in a log line.
+impl std::fmt::Debug for PrefixCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixCopy")
+            .field("tokens", &self.prompt.len())
+            .field("to", &self.to.iter().map(|l| &l.pod).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
 /// How prefix-affinity bounds a replica's share.
 #[derive(Clone, Copy, Debug)]
 pub struct PickSettings {
@@ -166,6 +185,9 @@ pub struct PickSettings {
     pub cache_slack: u32,
     /// Reports older than this are ignored (the worker or its stream is gone).
     pub report_max_age: Duration,
+    /// Cache-aware routing has idle replicas compute the prefixes that prompts share
+    /// ([`policy::prefix_copies`]).
+    pub copy_shared_prefixes: bool,
 }
 
 /// The pick's share of the prompt: how many of its leading blocks the chosen replica holds,
@@ -257,17 +279,19 @@ impl Pool {
             if report.is_some_and(|r| r.draining) {
                 continue;
             }
-            let cached_blocks = match affinity {
-                Affinity::Blocks(blocks) => {
-                    state.cached.lock().expect("cache lock").leading(blocks)
-                }
-                _ => 0,
+            let found = match affinity {
+                Affinity::Blocks(blocks) => state
+                    .cached
+                    .lock()
+                    .expect("cache lock")
+                    .leading(&blocks.names),
+                _ => Lookup::default(),
             };
             let in_flight = state.in_flight.load(Ordering::Relaxed);
             if in_flight >= places {
                 continue;
             }
-            let uncached = uncached_tokens(prompt_tokens, cached_blocks, &state);
+            let uncached = uncached_tokens(prompt_tokens, found.blocks, &state);
             let ahead = state.prefills().ahead(now, &timings);
             let own_ms = timings.expected_ms(uncached);
             let candidate = Candidate {
@@ -275,7 +299,8 @@ impl Pool {
                 in_flight,
                 prefill_left: ahead.prompts,
                 reported: report.map(|r| r.load),
-                cached_blocks,
+                cached_blocks: found.blocks,
+                forks: found.forks,
                 prefill: ahead
                     .drained_ms
                     .zip(own_ms)
@@ -310,7 +335,58 @@ impl Pool {
                 .collect::<Vec<_>>(),
             "picked (replica, load score, prompts ahead, cached blocks, prefill estimate)"
         );
-        let (endpoint, state, candidate, uncached) = endpoints.swap_remove(chosen);
+        let copies = match (model.policy, affinity) {
+            (RoutingPolicy::CacheAware, Affinity::Blocks(blocks))
+                if settings.copy_shared_prefixes =>
+            {
+                policy::prefix_copies(&candidates, chosen).map(|copy| (copy, blocks))
+            }
+            _ => None,
+        };
+        let mut endpoints: Vec<_> = endpoints.into_iter().map(Some).collect();
+        let (endpoint, state, candidate, uncached) = endpoints[chosen].take()?;
+        let mut lease = self.lease(model, endpoint, state, uncached, places, now, &times)?;
+        if let Affinity::Blocks(blocks) = affinity {
+            lease.cache_match = Some(CacheMatch {
+                cached: candidate.cached_blocks,
+                blocks: blocks.names.len(),
+            });
+        }
+        if let Some(((shared, to), blocks)) = copies {
+            let prompt = blocks.leading_tokens(shared);
+            let to: Vec<Lease> = to
+                .into_iter()
+                .filter_map(|i| {
+                    let (endpoint, state, candidate, _) = endpoints[i].take()?;
+                    let cached = candidate.cached_blocks * blocks.block_size;
+                    let uncached = u32::try_from(prompt.len() - cached.min(prompt.len())).ok()?;
+                    // Only while it is still idle.
+                    self.lease(model, endpoint, state, uncached, 1, now, &times)
+                })
+                .collect();
+            if !to.is_empty() {
+                lease.prefix_copy = Some(PrefixCopy {
+                    prompt: prompt.to_vec(),
+                    to,
+                });
+            }
+        }
+        Some(lease)
+    }
+
+    /// Takes a place at the replica for a prompt of `uncached` tokens to compute, unless it
+    /// has `places` of this router's requests outstanding by now.
+    #[allow(clippy::too_many_arguments)]
+    fn lease(
+        &self,
+        model: &Model,
+        endpoint: &Endpoint,
+        state: Arc<ReplicaState>,
+        uncached: u32,
+        places: u32,
+        now: Instant,
+        times: &SharedTimes,
+    ) -> Option<Lease> {
         // Another request may have taken the last place since it was counted.
         let before = state
             .in_flight
@@ -326,16 +402,11 @@ impl Pool {
             pod: endpoint.pod.clone(),
             ip: endpoint.ip,
             http_port: model.http_port,
-            cache_match: match affinity {
-                Affinity::Blocks(blocks) => Some(CacheMatch {
-                    cached: candidate.cached_blocks,
-                    blocks: blocks.len(),
-                }),
-                _ => None,
-            },
+            cache_match: None,
             priority: None,
+            prefix_copy: None,
             prefill,
-            times,
+            times: times.clone(),
             state,
             shown: None,
             released: None,
@@ -374,6 +445,7 @@ mod tests {
         load_factor: 1.25,
         cache_slack: 2,
         report_max_age: Duration::from_secs(2),
+        copy_shared_prefixes: true,
     };
 
     #[test]

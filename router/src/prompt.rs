@@ -125,8 +125,42 @@ pub enum Affinity {
     None,
     /// The approximate key of the prompt's leading bytes ([`PrefixBlocks::key`]).
     Key(u64),
-    /// The names of the prompt's full token blocks, first first.
-    Blocks(Vec<u64>),
+    /// The prompt's token blocks as the worker names them.
+    Blocks(TokenBlocks),
+}
+
+/// A prompt's tokens as the worker will see them, and the names of its full blocks.
+#[derive(Clone, PartialEq)]
+pub struct TokenBlocks {
+    /// First first.
+    pub names: Vec<u64>,
+    pub tokens: Arc<[u32]>,
+    pub block_size: usize,
+}
+
+impl TokenBlocks {
+    pub fn new(tokens: Vec<u32>, block_size: usize) -> Self {
+        TokenBlocks {
+            names: npufleet_contract::kv::block_hashes(&tokens, block_size),
+            tokens: tokens.into(),
+            block_size,
+        }
+    }
+
+    /// The tokens of the first `blocks` blocks.
+    pub fn leading_tokens(&self, blocks: usize) -> &[u32] {
+        &self.tokens[..(blocks * self.block_size).min(self.tokens.len())]
+    }
+}
+
+/// The names only: a prompt's tokens have no place in a log line.
+impl std::fmt::Debug for TokenBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenBlocks")
+            .field("names", &self.names)
+            .field("block_size", &self.block_size)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How long a failed recipe fetch is left before the next request tries again.

@@ -49,6 +49,19 @@ pub struct RoutedRequest {
 pub struct Caller {
     pub key_sha256: Option<[u8; 32]>,
     pub priority: Option<i32>,
+    /// What it presented, for work the router does on its behalf (a prefix copy), which a
+    /// worker with an API key checks like any request.
+    pub credentials: Option<Credentials>,
+}
+
+/// An `authorization` value as the client sent it; never shown.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Credentials(pub Vec<u8>);
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Credentials(..)")
+    }
 }
 
 impl Caller {
@@ -69,6 +82,7 @@ impl Caller {
         Ok(Caller {
             key_sha256: authorization.and_then(crate::flow::key_sha256),
             priority: flow_priority(priority)?,
+            credentials: authorization.map(|value| Credentials(value.to_vec())),
         })
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use npufleet_contract::annotations::WAKE_REQUESTED_AT;
+use npufleet_contract::auth::AUTHORIZATION;
 use npufleet_crds::{InferenceService, RoutingPolicy};
 use serde_json::json;
 
@@ -17,10 +18,13 @@ use crate::discovery::{Discovery, Model};
 use crate::error::RouteError;
 use crate::flow::{Admission, Flow, FlowConfig, Limit, QueueFull};
 use crate::metrics::Metrics;
-use crate::pool::{Lease, PickSettings, Pool};
-use crate::prompt::{Affinity, ExactPrompt, PrefixBlocks, Prompt, Recipes};
+use crate::pool::{Lease, PickSettings, Pool, PrefixCopy};
+use crate::prompt::{Affinity, ExactPrompt, PrefixBlocks, Prompt, Recipes, TokenBlocks};
 use crate::request::RoutedRequest;
 use crate::retry::RetryPolicy;
+
+/// How long a prefix copy may take before the router lets the replica's place go.
+const PREFIX_COPY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The field manager of the router's writes (only the wake-up annotation).
 pub const FIELD_MANAGER: &str = "npufleet-router";
@@ -50,6 +54,8 @@ pub struct Router {
     pub metrics: Metrics,
     pub recipes: Arc<Recipes>,
     client: Client,
+    /// For the requests the router makes of replicas itself (prefix copies).
+    upstream: reqwest::Client,
     held: Mutex<HashMap<String, usize>>,
     last_wake: Mutex<HashMap<(String, String), Instant>>,
     /// Each flow-controlled model's queue and its keys' counters and limits.
@@ -151,6 +157,7 @@ impl Router {
         metrics: Metrics,
         recipes: Arc<Recipes>,
         client: Client,
+        upstream: reqwest::Client,
     ) -> Self {
         Router {
             settings,
@@ -159,6 +166,7 @@ impl Router {
             metrics,
             recipes,
             client,
+            upstream,
             held: Mutex::default(),
             last_wake: Mutex::default(),
             flows: Mutex::default(),
@@ -204,7 +212,12 @@ impl Router {
 
     /// The prompt's block names as the model's workers name them, when its tokenisation is
     /// known (the first request of a model starts fetching it and goes without).
-    fn token_blocks(&self, model_name: &str, model: &Model, prompt: &Prompt) -> Option<Vec<u64>> {
+    fn token_blocks(
+        &self,
+        model_name: &str,
+        model: &Model,
+        prompt: &Prompt,
+    ) -> Option<TokenBlocks> {
         let exact = prompt.exact.as_ref()?;
         let tokenizer = self.recipes.get(model_name, model.first_http_address())?;
         let tokens = match exact {
@@ -212,10 +225,7 @@ impl Router {
             ExactPrompt::Chat(messages) => tokenizer.chat_tokens(messages),
         };
         match tokens {
-            Ok(tokens) => Some(npufleet_contract::kv::block_hashes(
-                &tokens,
-                tokenizer.block_size(),
-            )),
+            Ok(tokens) => Some(TokenBlocks::new(tokens, tokenizer.block_size())),
             Err(error) => {
                 tracing::debug!(model = model_name, %error, "prompt not tokenised; placing it by its bytes");
                 None
@@ -401,6 +411,9 @@ impl Router {
             self.settings.pick,
             places,
         )?;
+        if let Some(copy) = lease.prefix_copy.take() {
+            self.copy_prefix(request, copy);
+        }
         lease.priority = admitted.map(|(_, priority)| priority);
         if model.flow.is_some() {
             lease.on_release(self.flow(model_name));
@@ -424,6 +437,46 @@ impl Router {
                 .with_label_values(&[model_name, &lease.pod]),
         );
         Some(lease)
+    }
+
+    /// Has each idle replica of `copy` compute the shared prefix, as a one-token completion
+    /// of its token ids (what the replica will name its blocks by), holding its place there
+    /// meanwhile so no request is placed as if it were idle.
+    fn copy_prefix(&self, request: &RoutedRequest, copy: PrefixCopy) {
+        let body = json!({"model": request.model, "prompt": copy.prompt, "max_tokens": 1});
+        for mut lease in copy.to {
+            let mut send = self
+                .upstream
+                .post(format!(
+                    "http://{}/v1/completions",
+                    std::net::SocketAddr::new(lease.ip, lease.http_port)
+                ))
+                .timeout(PREFIX_COPY_TIMEOUT)
+                .json(&body);
+            if let Some(credentials) = &request.caller.credentials {
+                send = send.header(AUTHORIZATION, credentials.0.as_slice());
+            }
+            let copies = self.metrics.prefix_copies.clone();
+            let model = request.model.clone();
+            tokio::spawn(async move {
+                let answer = match send.send().await.and_then(|r| r.error_for_status()) {
+                    Ok(response) => response.bytes().await,
+                    Err(error) => Err(error),
+                };
+                let outcome = match answer {
+                    Ok(_) => {
+                        // One token: the answer came when the prefill ended.
+                        lease.first_token();
+                        "done"
+                    }
+                    Err(error) => {
+                        tracing::debug!(replica = %lease.pod, %error, "prefix copy failed");
+                        "failed"
+                    }
+                };
+                copies.with_label_values(&[&model, outcome]).inc();
+            });
+        }
     }
 
     fn take_hold_slot(&self, model_name: &str) -> Result<HoldSlot<'_>, RouteError> {

@@ -75,6 +75,11 @@ pub struct Args {
     /// keeps a prompt through small imbalances.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub cache_slack: u32,
+    /// Cache-aware routing has an idle replica compute a prefix that several prompts share
+    /// (a system prompt), so that the prompts that start from it split between the replicas
+    /// rather than pile onto the one that computed it first.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub copy_shared_prefixes: bool,
     /// Largest accepted request body (HTTP) or message (gRPC), in bytes; larger get 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -122,6 +127,7 @@ impl Args {
                 cache_slack: self.cache_slack,
                 // Three missed reports: the stream is gone.
                 report_max_age: load_interval * 3,
+                copy_shared_prefixes: self.copy_shared_prefixes,
             },
             prefix: PrefixBlocks {
                 max_blocks: self.prefix_blocks as usize,
@@ -157,7 +163,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     let metrics = Metrics::new()?;
     let router = Arc::new(Router::new(
-        settings, discovery, pool, metrics, recipes, client,
+        settings,
+        discovery,
+        pool,
+        metrics,
+        recipes,
+        client,
+        upstream.clone(),
     ));
 
     let http_listener = tokio::net::TcpListener::bind(args.http_addr)

@@ -1,7 +1,8 @@
 //! Cache-aware routing end to end: the router rebuilds the workers' tokenisation from the
 //! recipe they publish, follows each replica's prefix-cache events, and sends a prompt to the
 //! replica that holds its blocks; a replaced worker and a restarted router start from the
-//! workers' snapshots, never from a stale view.
+//! workers' snapshots, never from a stale view. A prefix that several prompts share is
+//! copied to an idle replica, and the prompts that start from it then split between the two.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -103,7 +104,9 @@ async fn prompts_go_where_their_blocks_are_cached_across_worker_and_router_resta
         )
         .await?;
         wait_serving(&bed.pods(), 2, Duration::from_secs(120)).await?;
-        let mut router = RunningRouter::start(c, "router-cache", &bed.namespace, &[]).await?;
+        // Without prefix copies, desk A's prompts stay with the replica that computed it.
+        let no_copies = ["--copy-shared-prefixes", "false"];
+        let mut router = RunningRouter::start(c, "router-cache", &bed.namespace, &no_copies).await?;
 
         // Once the router has the workers' recipe, a new system prompt finds nothing cached;
         // every later request with it goes to the replica that computed it, and finds it
@@ -155,7 +158,7 @@ async fn prompts_go_where_their_blocks_are_cached_across_worker_and_router_resta
         // A router that starts now learns both caches from the workers' snapshots: its first
         // placement by blocks already finds desk A cached, though no new block is stored.
         drop(router);
-        router = RunningRouter::start(c, "router-cache-2", &bed.namespace, &[]).await?;
+        router = RunningRouter::start(c, "router-cache-2", &bed.namespace, &no_copies).await?;
         send_until_placed_by_blocks(&router, &probe).await?;
         let (replica, cached, missed) = send(&router, &chat_with(&desk_a, "From the new router?")).await?;
         ensure!(
@@ -163,6 +166,97 @@ async fn prompts_go_where_their_blocks_are_cached_across_worker_and_router_resta
             "the restarted router placed desk A on {replica} with {cached} of {} blocks cached",
             cached + missed
         );
+        Ok(())
+    })
+    .await
+}
+
+/// The router's `npufleet_router_prefix_copies_total` with `outcome`.
+fn prefix_copies(metrics: &str, outcome: &str) -> f64 {
+    let label = format!("outcome=\"{outcome}\"");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("npufleet_router_prefix_copies_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A question long enough to fill a block of its own past the system prompt, so the holder's
+/// cache shows the prompts going on from it differently.
+fn long_question(i: usize) -> String {
+    format!(
+        "Question {i}: which of the rivers of the valley should the team of this desk visit next, for how many days, and why?"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_system_prompt_is_copied_to_an_idle_replica_and_its_chats_split() -> Result<()> {
+    npufleet_tests::on_shared_cluster(|c, client| async move {
+        let bed = Testbed::start(c, &client, "router-copy", 88, MANAGER).await?;
+        let _operator = bed.start_operator()?;
+        bed.apply_smollm2(
+            "chat",
+            json!({
+                "replicas": 2,
+                "routing": {"policy": "cache-aware"},
+                "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
+            }),
+        )
+        .await?;
+        wait_serving(&bed.pods(), 2, Duration::from_secs(120)).await?;
+        let router = RunningRouter::start(c, "router-copy", &bed.namespace, &[]).await?;
+        send_until_placed_by_blocks(&router, &chat_with(&system_prompt("Z"), "Probe?")).await?;
+
+        // One at a time, every replica idle: the first prompts under the system prompt go to
+        // the replica that computed it, the cheapest place for each of them alone.
+        let desk = system_prompt("S");
+        let (holder, _, _) = send(&router, &chat_with(&desk, &long_question(0))).await?;
+        let (second, cached, _) = send(&router, &chat_with(&desk, &long_question(1))).await?;
+        ensure!(
+            second == holder && cached >= 10.0,
+            "the second prompt went to {second} with {cached} blocks cached, not to {holder}"
+        );
+        let ended =
+            |metrics: &str| prefix_copies(metrics, "done") + prefix_copies(metrics, "failed");
+        let before = ended(&router.metrics().await?);
+
+        // The third finds two prompts going on from the system prompt at the holder: the
+        // idle replica computes it meanwhile.
+        send(&router, &chat_with(&desk, &long_question(2))).await?;
+        let metrics = wait::until(
+            "the idle replica to compute the shared prefix",
+            Duration::from_secs(60),
+            || async {
+                let metrics = router.metrics().await?;
+                Ok((ended(&metrics) > before).then_some(metrics))
+            },
+        )
+        .await?;
+        ensure!(
+            prefix_copies(&metrics, "failed") == 0.0,
+            "a prefix copy failed: {metrics}"
+        );
+
+        // From then on the prompts under it split between the replicas, each finding the
+        // system prompt cached (once the copy's cache events have arrived).
+        let other = wait::until(
+            "a prompt under the system prompt to go to the other replica, cached",
+            Duration::from_secs(60),
+            {
+                let (router, desk, holder) = (&router, &desk, &holder);
+                let mut i = 3;
+                move || {
+                    i += 1;
+                    let body = chat_with(desk, &long_question(i));
+                    async move {
+                        let (replica, cached, _) = send(router, &body).await?;
+                        Ok((replica != *holder && cached >= 10.0).then_some(replica))
+                    }
+                }
+            },
+        )
+        .await?;
+        eprintln!("prompts under one system prompt split between {holder} and {other}");
         Ok(())
     })
     .await
