@@ -116,6 +116,10 @@ const FIT_MIN_SAMPLES: u32 = 3;
 /// different mix of lengths).
 const FIT_WINDOW: u32 = 32;
 
+/// The spread of uncached prompt lengths (standard deviation, in tokens) below which the fit
+/// does not tell a fixed cost from a cost a token.
+const MIN_SPREAD_TOKENS: f64 = 16.0;
+
 /// A model's first-token time of a lone prompt against its uncached tokens.
 #[derive(Debug, Default)]
 pub struct PrefillTimes {
@@ -137,8 +141,9 @@ impl PrefillTimes {
 
 /// A least-squares line y = a + b·x over exponentially weighted moments; the intercept is
 /// the fixed cost of a request (the router's hop, tokenising, the first step), the slope the
-/// cost of a token. With less than a token's spread in x, the line goes through the origin
-/// (flat, for prompts of no uncached tokens).
+/// cost of a token. With prompts of too alike a length to tell the cost of a token
+/// ([`MIN_SPREAD_TOKENS`]), the line goes through the origin; with prompts of almost no
+/// uncached tokens there is no line: the prompts seen say nothing of what a long one costs.
 #[derive(Debug, Default, Clone, Copy)]
 struct LineFit {
     samples: u32,
@@ -163,16 +168,18 @@ impl LineFit {
         if self.samples < FIT_MIN_SAMPLES {
             return None;
         }
-        // Below a token's spread (a variance of one token squared) the prompts say nothing of
-        // the cost of a token, and dividing by what is left of a spread that has decayed
-        // made slopes of millions of ms a token.
+        // Over a spread of a few tokens, the timing noise decides the slope: a fleet's first
+        // prompts, all of one length, fitted a slope of 0, and every replica then looked as
+        // fast for a prompt it held as for one it would compute whole. Dividing by what is
+        // left of a spread that has decayed made slopes of millions of ms a token.
         let spread = self.xx - self.x * self.x;
-        let slope = if spread >= 1.0 {
-            ((self.xy - self.x * self.y) / spread).max(0.0)
-        } else if self.x >= 1.0 {
-            self.y / self.x
-        } else {
-            0.0
+        let fitted = (spread >= MIN_SPREAD_TOKENS * MIN_SPREAD_TOKENS)
+            .then(|| (self.xy - self.x * self.y) / spread)
+            .filter(|&slope| slope > 0.0);
+        let slope = match fitted {
+            Some(slope) => slope,
+            None if self.x >= MIN_SPREAD_TOKENS => self.y / self.x,
+            None => return None,
         };
         let intercept = (self.y - slope * self.x).max(0.0);
         Some(intercept + slope * x)
@@ -218,16 +225,31 @@ mod tests {
     #[test]
     fn a_spread_long_decayed_does_not_make_a_steep_line() {
         // One prompt of a few tokens, then hundreds of fully cached ones: what is left of its
-        // spread is far below a token's, and the line stays near the times seen.
+        // spread is far below a token's, and they tell nothing of a long prompt's cost.
         let mut times = PrefillTimes::default();
         times.observe(2, 30.0);
         for _ in 0..600 {
             times.observe(0, 20.0);
         }
         for tokens in [0, 8, 500] {
-            let expected = times.expected_ms(tokens).unwrap();
-            assert!((expected - 20.0).abs() < 1.0, "{tokens}: {expected}");
+            assert_eq!(times.expected_ms(tokens), None);
         }
+    }
+
+    #[test]
+    fn prompts_of_nearly_one_length_make_no_flat_line() {
+        // Short prompts a few tokens apart, whose times the noise decides: fitted, the slope
+        // came out at or below 0, and a prompt of 300 uncached tokens looked as quick as one
+        // of 20. Through the origin it costs more, as it must.
+        let mut times = PrefillTimes::default();
+        for (tokens, ms) in [(20, 27.0), (24, 25.0), (22, 26.0), (26, 24.0), (21, 26.5)] {
+            times.observe(tokens, ms);
+        }
+        let (short, long) = (
+            times.expected_ms(20).unwrap(),
+            times.expected_ms(300).unwrap(),
+        );
+        assert!(long > 10.0 * short, "{short} ms and {long} ms");
     }
 
     #[test]
