@@ -444,6 +444,98 @@ fn replica_and_autoscaling_changes_do_not_roll_pods() {
     );
 }
 
+/// Every change of the spec that changes a worker pod changes the template hash, and no
+/// other: a pod that would be built differently is rolled, and a change that shapes no pod
+/// rolls none.
+#[test]
+fn the_template_hash_changes_exactly_when_the_pods_would() {
+    let base = service(AcceleratorType::Ascend910, Platform::Mindcluster, 2, 4, 2);
+    let changes: Vec<(&str, serde_json::Value)> = vec![
+        ("replicas", serde_json::json!({"replicas": 5})),
+        (
+            "autoscaling",
+            serde_json::json!({"autoscaling": {"maxReplicas": 9}}),
+        ),
+        (
+            "routing",
+            serde_json::json!({"routing": {"policy": "least-load"}}),
+        ),
+        (
+            "rollout",
+            serde_json::json!({"rollout": {"maxSurge": 0, "maxUnavailable": 1}}),
+        ),
+        (
+            "disruptionBudget",
+            serde_json::json!({"disruptionBudget": {"maxUnavailable": 2}}),
+        ),
+        (
+            "progressDeadlineSeconds",
+            serde_json::json!({"progressDeadlineSeconds": 900}),
+        ),
+        (
+            "model",
+            serde_json::json!({"model": {"name": "m", "source": {"imagePath": "/models/n.gguf"}}}),
+        ),
+        ("engine", serde_json::json!({"engine": {"maxBatchSize": 7}})),
+        (
+            "scheduling",
+            serde_json::json!({"scheduling": {"priorityClassName": "high"}}),
+        ),
+        (
+            "template",
+            serde_json::json!({"template": {"env": [{"name": "X", "value": "1"}]}}),
+        ),
+        (
+            "apiKeySecret",
+            serde_json::json!({"apiKeySecret": {"name": "keys", "key": "k"}}),
+        ),
+        (
+            "runtime",
+            serde_json::json!({"runtime": {"engine": "vllm-ascend"}}),
+        ),
+        (
+            "progressDeadlineSeconds under MindIE",
+            serde_json::json!({"runtime": {"engine": "mindie"}, "progressDeadlineSeconds": 900}),
+        ),
+    ];
+    let settings = Settings::default();
+    let pod = |isvc: &InferenceService| {
+        let mut pod = resources::pod::build(isvc, &settings, 0, 1, "");
+        pod.metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .remove(crate::labels::TEMPLATE_HASH);
+        pod
+    };
+    let mindie = {
+        let mut isvc = base.clone();
+        isvc.spec.runtime =
+            serde_json::from_value(serde_json::json!({"engine": "mindie"})).unwrap();
+        isvc
+    };
+    for (field, change) in changes {
+        let before = if field.ends_with("under MindIE") {
+            &mindie
+        } else {
+            &base
+        };
+        let mut spec = serde_json::to_value(&base.spec).unwrap();
+        for (key, value) in change.as_object().unwrap() {
+            spec[key] = value.clone();
+        }
+        let mut changed = base.clone();
+        changed.spec = serde_json::from_value(spec).unwrap();
+        let pods_differ = pod(before) != pod(&changed);
+        let hashes_differ = resources::template_hash(before, &settings)
+            != resources::template_hash(&changed, &settings);
+        assert_eq!(
+            hashes_differ, pods_differ,
+            "{field}: pods differ {pods_differ}, hashes differ {hashes_differ}"
+        );
+    }
+}
+
 #[test]
 fn worker_pods_carry_the_ascend_contract() {
     let mut isvc = service(AcceleratorType::Ascend910, Platform::Mindcluster, 4, 4, 1);

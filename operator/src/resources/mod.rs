@@ -43,11 +43,14 @@ pub fn rank_table_config_map(
     }
 }
 
-/// A digest of everything in the spec that shapes a worker pod (not `replicas` nor
-/// `autoscaling`), so pods built from an older spec can be found and replaced.
+/// A digest of everything in the spec that shapes a worker pod (not `replicas`,
+/// `autoscaling`, `routing`, `rollout` nor `disruptionBudget`), so pods built from an older
+/// spec can be found and replaced. The fields added since the first release count only when
+/// set, so that a fleet that does not use them keeps its hash across operator upgrades; left
+/// out, adding an API key to a running fleet never reached its pods.
 pub fn template_hash(isvc: &InferenceService, settings: &Settings) -> String {
     let spec = &isvc.spec;
-    digest(&serde_json::json!({
+    let mut shape = serde_json::json!({
         "model": spec.model,
         "accelerator": spec.accelerator,
         "parallelism": spec.parallelism,
@@ -55,7 +58,18 @@ pub fn template_hash(isvc: &InferenceService, settings: &Settings) -> String {
         "scheduling": spec.scheduling,
         "template": spec.template,
         "workerImage": settings.worker_image,
-    }))
+    });
+    if spec.runtime != npufleet_crds::RuntimeSpec::default() {
+        shape["runtime"] = serde_json::json!(spec.runtime);
+    }
+    if spec.runtime.engine == npufleet_crds::Engine::Mindie {
+        // MindIE's launch script waits this long for its rank table.
+        shape["progressDeadlineSeconds"] = serde_json::json!(spec.progress_deadline_seconds);
+    }
+    if let Some(secret) = &spec.api_key_secret {
+        shape["apiKeySecret"] = serde_json::json!(secret);
+    }
+    digest(&shape)
 }
 
 /// A short digest of `value`'s JSON. FNV-1a: stable across Rust releases, unlike the
