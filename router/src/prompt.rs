@@ -134,7 +134,7 @@ pub enum Affinity {
 pub struct TokenBlocks {
     /// First first.
     pub names: Vec<u64>,
-    pub tokens: Arc<[u32]>,
+    pub tokens: Vec<u32>,
     pub block_size: usize,
 }
 
@@ -142,7 +142,7 @@ impl TokenBlocks {
     pub fn new(tokens: Vec<u32>, block_size: usize) -> Self {
         TokenBlocks {
             names: npufleet_contract::kv::block_hashes(&tokens, block_size),
-            tokens: tokens.into(),
+            tokens,
             block_size,
         }
     }

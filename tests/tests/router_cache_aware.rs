@@ -12,7 +12,9 @@ use kube::ResourceExt;
 use kube::api::ListParams;
 use npufleet_contract::env as worker_env;
 use npufleet_contract::headers;
+use npufleet_tests::cluster::Cluster;
 use npufleet_tests::fleet::{RunningRouter, Testbed, wait_serving};
+use npufleet_tests::operator::RunningOperator;
 use npufleet_tests::{service, wait};
 use serde_json::{Value, json};
 
@@ -87,23 +89,35 @@ async fn send_until_placed_by_blocks(
     .await
 }
 
+/// A test bed on loopback subnet `subnet` with the operator and two serving replicas of a
+/// cache-aware InferenceService `chat`.
+async fn two_serving_replicas(
+    c: &'static Cluster,
+    client: &kube::Client,
+    test: &str,
+    subnet: u8,
+) -> Result<(Testbed, RunningOperator)> {
+    let bed = Testbed::start(c, client, test, subnet, MANAGER).await?;
+    let operator = bed.start_operator()?;
+    bed.apply_smollm2(
+        "chat",
+        json!({
+            "replicas": 2,
+            "engine": {"drainSeconds": 5},
+            "routing": {"policy": "cache-aware"},
+            "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
+        }),
+    )
+    .await?;
+    wait_serving(&bed.pods(), 2, Duration::from_secs(120)).await?;
+    Ok((bed, operator))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_go_where_their_blocks_are_cached_across_worker_and_router_restarts() -> Result<()>
 {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let bed = Testbed::start(c, &client, "router-cache", 86, MANAGER).await?;
-        let _operator = bed.start_operator()?;
-        bed.apply_smollm2(
-            "chat",
-            json!({
-                "replicas": 2,
-                "engine": {"drainSeconds": 5},
-                "routing": {"policy": "cache-aware"},
-                "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
-            }),
-        )
-        .await?;
-        wait_serving(&bed.pods(), 2, Duration::from_secs(120)).await?;
+        let (bed, _operator) = two_serving_replicas(c, &client, "router-cache", 86).await?;
         // Without prefix copies, desk A's prompts stay with the replica that computed it.
         let no_copies = ["--copy-shared-prefixes", "false"];
         let mut router = RunningRouter::start(c, "router-cache", &bed.namespace, &no_copies).await?;
@@ -192,18 +206,7 @@ fn long_question(i: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_system_prompt_is_copied_to_an_idle_replica_and_its_chats_split() -> Result<()> {
     npufleet_tests::on_shared_cluster(|c, client| async move {
-        let bed = Testbed::start(c, &client, "router-copy", 88, MANAGER).await?;
-        let _operator = bed.start_operator()?;
-        bed.apply_smollm2(
-            "chat",
-            json!({
-                "replicas": 2,
-                "routing": {"policy": "cache-aware"},
-                "template": {"env": service::worker_env(&[(worker_env::IGNORE_EOS, "true")])},
-            }),
-        )
-        .await?;
-        wait_serving(&bed.pods(), 2, Duration::from_secs(120)).await?;
+        let (bed, _operator) = two_serving_replicas(c, &client, "router-copy", 88).await?;
         let router = RunningRouter::start(c, "router-copy", &bed.namespace, &[]).await?;
         send_until_placed_by_blocks(&router, &chat_with(&system_prompt("Z"), "Probe?")).await?;
 
