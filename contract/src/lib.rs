@@ -3,7 +3,7 @@
 //! environment variables the operator sets on worker pods, labels and annotations, the
 //! router's response headers, the trace context the router passes to the workers, the names
 //! of precisions and accelerators, the engines a fleet can run and where each publishes its load, how a prefix-cache block is
-//! named, the worker's and the router's listeners take
+//! named, the order in which a worker takes prompts, the worker's and the router's listeners take
 //! connections, and how every process logs.
 //!
 //! A fact that two processes must share lives here, so a drift between them is a compile error
@@ -30,4 +30,5 @@ pub mod prompt;
 pub mod proto;
 pub mod rank_table;
 pub mod runtime;
+pub mod scheduling;
 pub mod trace;

@@ -292,7 +292,7 @@ impl Pool {
                 continue;
             }
             let uncached = uncached_tokens(prompt_tokens, found.blocks, &state);
-            let ahead = state.prefills().ahead(now, &timings);
+            let ahead = state.prefills().ahead(now, &timings, uncached);
             let own_ms = timings.expected_ms(uncached);
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
@@ -302,7 +302,7 @@ impl Pool {
                 cached_blocks: found.blocks,
                 forks: found.forks,
                 prefill: ahead
-                    .drained_ms
+                    .wait_ms
                     .zip(own_ms)
                     .map(|(wait_ms, own_ms)| PrefillEstimate { wait_ms, own_ms }),
             };

@@ -12,6 +12,8 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use npufleet_contract::scheduling::{LONG_PREFILL_TOKEN_THRESHOLD, LONGER_PROMPT_RATIO};
+
 /// A prompt still in its prefill, as the router sees it.
 #[derive(Clone, Copy, Debug)]
 struct Open {
@@ -70,30 +72,45 @@ impl Prefills {
         self.open.len()
     }
 
-    /// The prompts ahead of a new one at `now`. The replica runs them first come, first
-    /// served: a prompt's own time starts when the one ahead of it is expected to finish, so
-    /// one waiting behind another still counts whole.
-    pub fn ahead(&self, now: Instant, times: &PrefillTimes) -> Ahead {
+    /// The prompts ahead of a new one of `tokens` uncached tokens at `now`. In `prompts`
+    /// the replica runs them first come, first served: a prompt's own time starts when the
+    /// one ahead of it is expected to finish, so one waiting behind another still counts
+    /// whole. The new prompt's wait follows the worker's order, the shortest first
+    /// ([`LONGER_PROMPT_RATIO`]): it waits for the prompts not much longer than itself, and
+    /// for a chunk of a longer one begun ([`LONG_PREFILL_TOKEN_THRESHOLD`], the workers'
+    /// default), not the rest of it.
+    pub fn ahead(&self, now: Instant, times: &PrefillTimes, tokens: u32) -> Ahead {
         let mut prompts = 0.0;
-        let mut timed = true;
+        let mut wait_ms = Some(0.0);
         // When the prompt ahead is expected to finish, in ms from now.
         let mut ahead_done = f64::NEG_INFINITY;
+        let chunk_ms = u32::try_from(LONG_PREFILL_TOKEN_THRESHOLD)
+            .ok()
+            .and_then(|chunk| times.expected_ms(chunk));
+        let passed =
+            |open: &Open| u64::from(open.tokens) > LONGER_PROMPT_RATIO as u64 * u64::from(tokens);
         for open in self.open.values() {
             let Some(expected) = times.expected_ms(open.tokens) else {
                 prompts += 1.0;
-                timed = false;
+                wait_ms = None;
                 continue;
             };
             let age_ms = now.saturating_duration_since(open.started).as_secs_f64() * 1e3;
             let starts = (-age_ms).max(ahead_done);
             let done = (starts + expected).max(OVERDUE_SHARE * expected);
             prompts += ((done - starts.max(0.0)) / expected).clamp(OVERDUE_SHARE, 1.0);
+            let left_ms = done - starts.max(0.0);
+            let waited_ms = if !passed(open) {
+                left_ms
+            } else if starts <= 0.0 {
+                left_ms.min(chunk_ms.unwrap_or(left_ms))
+            } else {
+                0.0
+            };
+            wait_ms = wait_ms.map(|wait| wait + waited_ms);
             ahead_done = done;
         }
-        Ahead {
-            prompts,
-            drained_ms: timed.then(|| ahead_done.max(0.0)),
-        }
+        Ahead { prompts, wait_ms }
     }
 }
 
@@ -103,9 +120,9 @@ pub struct Ahead {
     /// Each counted by the share of its expected prefill still to run (at least
     /// [`OVERDUE_SHARE`]), or whole until the fit has seen enough prompts.
     pub prompts: f64,
-    /// When the last of them is expected to finish, in ms from now; unknown until the fit
-    /// has seen enough prompts.
-    pub drained_ms: Option<f64>,
+    /// How long the new prompt waits for those it does not pass, in ms from now; unknown
+    /// until the fit has seen enough prompts.
+    pub wait_ms: Option<f64>,
 }
 
 /// Prompts a fit needs before its predictions are used.
@@ -257,22 +274,22 @@ mod tests {
         let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
         let t0 = Instant::now();
         let id = prefills.start(180, t0);
-        let unknown = prefills.ahead(t0 + ms(150), &times);
+        let unknown = prefills.ahead(t0 + ms(150), &times, 180);
         assert_eq!(unknown.prompts, 1.0, "whole until the fit knows");
-        assert_eq!(unknown.drained_ms, None);
+        assert_eq!(unknown.wait_ms, None);
         prefills.abandon(id);
         taught(&mut prefills, &mut times, t0);
         let now = t0 + ms(10_000);
         // 200 ms expected: a quarter done, then three quarters, then overdue.
         prefills.start(180, now - ms(50));
-        let share = |at| prefills.ahead(at, &times).prompts;
+        let share = |at| prefills.ahead(at, &times, 180).prompts;
         assert!((share(now) - 0.75).abs() < 0.01);
         assert!((share(now + ms(100)) - 0.25).abs() < 0.01);
         assert_eq!(share(now + ms(500)), OVERDUE_SHARE);
     }
 
     #[test]
-    fn a_prompt_waiting_behind_another_counts_whole() {
+    fn a_prompt_waiting_behind_another_counts_whole_unless_the_new_one_is_much_shorter() {
         let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
         let t0 = Instant::now();
         taught(&mut prefills, &mut times, t0);
@@ -281,16 +298,36 @@ mod tests {
         // not begun.
         prefills.start(180, now - ms(100));
         prefills.start(180, now - ms(50));
-        let ahead = prefills.ahead(now, &times);
+        let ahead = prefills.ahead(now, &times, 180);
         assert!((ahead.prompts - 1.5).abs() < 0.01, "{ahead:?}");
-        assert!((ahead.drained_ms.unwrap() - 300.0).abs() < 0.5, "{ahead:?}");
+        assert!((ahead.wait_ms.unwrap() - 300.0).abs() < 0.5, "{ahead:?}");
+        // A prompt less than half as long waits for the first only: the worker takes it
+        // before the second. The load counts both alike.
+        let short = prefills.ahead(now, &times, 20);
+        assert!((short.wait_ms.unwrap() - 100.0).abs() < 0.5, "{short:?}");
+        assert_eq!(short.prompts, ahead.prompts);
         // The first overdue: it still counts its least, and the second has not begun.
-        let later = prefills.ahead(now + ms(300), &times);
+        let later = prefills.ahead(now + ms(300), &times, 180);
         assert!(
             (later.prompts - (OVERDUE_SHARE + 1.0)).abs() < 0.01,
             "{later:?}"
         );
-        assert!((later.drained_ms.unwrap() - 240.0).abs() < 0.5, "{later:?}");
+        assert!((later.wait_ms.unwrap() - 240.0).abs() < 0.5, "{later:?}");
+    }
+
+    #[test]
+    fn a_short_prompt_waits_for_a_chunk_of_a_long_prompt_begun() {
+        let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
+        let t0 = Instant::now();
+        taught(&mut prefills, &mut times, t0);
+        let now = t0 + ms(10_000);
+        // 420 ms expected, 370 ms left; a chunk of the workers' default takes 148 ms.
+        prefills.start(400, now - ms(50));
+        let short = prefills.ahead(now, &times, 20);
+        let chunk = 20.0 + LONG_PREFILL_TOKEN_THRESHOLD as f64;
+        assert!((short.wait_ms.unwrap() - chunk).abs() < 0.5, "{short:?}");
+        let alike = prefills.ahead(now, &times, 300);
+        assert!((alike.wait_ms.unwrap() - 370.0).abs() < 0.5, "{alike:?}");
     }
 
     #[test]

@@ -492,6 +492,7 @@ fn a_higher_priority_stops_a_lower_step_that_later_runs_again_unchanged() {
     // arrives.
     let cfg = EngineConfig {
         max_num_batched_tokens: 2048,
+        long_prefill_token_threshold: 0,
         ..config()
     };
     let numbers: String = (0..300).map(|i| format!("{i}, ")).collect();
@@ -531,6 +532,7 @@ fn a_higher_priority_stops_a_lower_step_that_later_runs_again_unchanged() {
 fn beside_a_higher_prioritys_decodes_a_lower_prompt_advances_in_small_chunks() {
     let engine = start(EngineConfig {
         max_num_batched_tokens: 2048,
+        long_prefill_token_threshold: 0,
         ignore_eos: true,
         ..config()
     });
@@ -555,6 +557,100 @@ fn beside_a_higher_prioritys_decodes_a_lower_prompt_advances_in_small_chunks() {
     );
     let low = collect(low);
     assert!(low.usage.prompt_tokens > 12 * 32, "{:?}", low.usage);
+}
+
+/// A prompt of about 300 tokens.
+fn long_prompt() -> String {
+    let numbers: String = (0..120).map(|i| format!("{i}, ")).collect();
+    format!("Continue: {numbers}")
+}
+
+#[test]
+fn a_long_prompt_runs_in_chunks_of_the_threshold_and_whole_without_one() {
+    for (threshold, chunk) in [(128, 128), (0, usize::MAX)] {
+        let engine = start(EngineConfig {
+            long_prefill_token_threshold: threshold,
+            ..config()
+        });
+        let before = engine.load().prefill_steps;
+        let long = run(&engine, request("long", &long_prompt(), greedy(1)));
+        let after = engine.load().prefill_steps;
+        let computed = u64::from(long.usage.prompt_tokens - long.usage.cached_prompt_tokens);
+        assert!(computed > 128 && computed <= 512, "{:?}", long.usage);
+        assert_eq!(
+            (after.steps - before.steps, after.size - before.size),
+            (computed.div_ceil(chunk.min(512) as u64), computed),
+            "threshold {threshold}"
+        );
+    }
+}
+
+#[test]
+fn a_short_prompt_queued_behind_a_long_one_is_admitted_first() {
+    let engine = start(EngineConfig {
+        max_batch_size: 1,
+        ignore_eos: true,
+        ..config()
+    });
+    let mut holder = engine
+        .submit(request("holder", "Count to one thousand:", greedy(2000)))
+        .expect("a request holding the only place in the batch");
+    holder.blocking_recv().expect("its first token");
+    let long_at = Instant::now();
+    let long = engine
+        .submit(request("long", &long_prompt(), greedy(2)))
+        .expect("a long prompt");
+    let short_at = Instant::now();
+    let short = engine
+        .submit(request("short", &chat("Name a colour."), greedy(2)))
+        .expect("a short prompt");
+    drop(holder);
+    let (long, short) = (collect(long), collect(short));
+    let admitted = |at: Instant, outcome: &Outcome| at + outcome.timings.queued;
+    assert!(
+        admitted(short_at, &short) < admitted(long_at, &long),
+        "the short prompt took the freed place first: short {:?}, long {:?}",
+        short.timings,
+        long.timings
+    );
+}
+
+#[test]
+fn beside_a_short_prompt_a_long_one_advances_in_small_chunks() {
+    let engine = start(EngineConfig {
+        max_num_batched_tokens: 64,
+        ignore_eos: true,
+        ..config()
+    });
+    let long_at = Instant::now();
+    let long = engine
+        .submit(request("long", &long_prompt(), greedy(2)))
+        .expect("a long prompt");
+    // Admitted with its first 64 positions; four more steps to go at that budget.
+    wait_load(
+        &engine,
+        |load| load.waiting == 0,
+        "the long prompt's first step",
+    );
+    let short_at = Instant::now();
+    let short = engine
+        .submit(request("short", &chat("Name a colour."), greedy(2)))
+        .expect("a short prompt");
+    let (long, short) = (collect(long), collect(short));
+    assert!(
+        long.usage.prompt_tokens > 4 * 64 && short.usage.prompt_tokens < 64,
+        "a prompt of five steps or more and one that fits a step: {:?}, {:?}",
+        long.usage,
+        short.usage
+    );
+    // First come, the long prompt's chunks would take each step's budget, and the short
+    // prompt would get its first token in the long one's last step.
+    assert!(
+        short_at + short.timings.total < long_at + long.timings.first_token,
+        "the short answer was done before the long prompt's first token: short {:?}, long {:?}",
+        short.timings,
+        long.timings
+    );
 }
 
 #[test]

@@ -126,24 +126,39 @@ impl BlockManager {
     /// logits). `seq` must be empty. Returns the number of tokens now covered.
     pub fn match_prefix(&mut self, tokens: &[u32], seq: &mut SequenceBlocks) -> usize {
         debug_assert!(seq.is_empty());
-        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        let mut parent = seq.namespace;
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let key = BlockKey {
-                parent,
-                tokens: chunk.into(),
-            };
-            let Some(&(block, chain_id)) = self.cache.get(&key) else {
-                break;
-            };
+        let run: Vec<_> = self.cached_run(tokens, seq.namespace).collect();
+        for (chunk, (block, chain_id)) in tokens.chunks_exact(self.block_size).zip(run) {
             self.retain(block);
             seq.table.push(block);
             seq.chain.push(chain_id);
             seq.hashes
                 .push(block_hash(seq.hashes.last().copied(), chunk));
-            parent = chain_id;
         }
         seq.table.len() * self.block_size
+    }
+
+    /// The number of tokens [`BlockManager::match_prefix`] would cover for a sequence in
+    /// `seq`'s namespace now, taking nothing.
+    pub fn cached_prefix_len(&self, tokens: &[u32], seq: &SequenceBlocks) -> usize {
+        self.cached_run(tokens, seq.namespace).count() * self.block_size
+    }
+
+    /// The cached blocks holding `tokens`' leading full blocks, each with its chain id,
+    /// short of the last token.
+    fn cached_run(&self, tokens: &[u32], namespace: u64) -> impl Iterator<Item = (BlockId, u64)> {
+        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        tokens
+            .chunks_exact(self.block_size)
+            .take(max_blocks)
+            .scan(namespace, |parent, chunk| {
+                let key = BlockKey {
+                    parent: *parent,
+                    tokens: chunk.into(),
+                };
+                let &(block, chain_id) = self.cache.get(&key)?;
+                *parent = chain_id;
+                Some((block, chain_id))
+            })
     }
 
     /// Extends `seq` so its table covers `num_tokens` positions. All or nothing: returns

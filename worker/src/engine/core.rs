@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
+use npufleet_contract::scheduling::LONGER_PROMPT_RATIO;
+
 use super::blocks::{BlockManager, SequenceBlocks};
 use super::stream::SequenceOutput;
 use super::warm_up::WarmUpPlan;
@@ -35,18 +37,34 @@ pub(super) fn precision_namespace(precision: WeightPrecision) -> u16 {
     }
 }
 
-/// Prompt positions a step computes for a sequence while a higher priority runs beside it:
-/// the chunk shares the step with the higher priority's decodes, and a long one would stretch
-/// their time per token many times over (a 512-position chunk of a small model on CPU takes
-/// about as long as a hundred decode steps); 32 positions about double a decode step there,
-/// and the prompt still advances every step.
+/// Prompt positions a step computes for a sequence while a higher priority runs beside it,
+/// or a much shorter prompt's first token ([`LONGER_PROMPT_RATIO`]): the chunk shares the
+/// step with the others, and a long one would stretch their wait many times over (a
+/// 512-position chunk of a small model on CPU takes about as long as a hundred decode
+/// steps); 32 positions about double a decode step there, and the prompt still advances
+/// every step.
 const OUTRANKED_PROMPT_CHUNK: usize = 32;
+
+/// Waiting requests the scheduler orders by length, from the front of the queue: enough to
+/// find the short prompts among a burst, bounded because each is looked up in the prefix
+/// cache every step.
+const SHORTEST_FIRST_WINDOW: usize = 16;
 
 /// How a step's forward pass ended.
 enum Step {
     Completed,
     /// Stopped for a more urgent request before its end: the step counts for nothing.
     Interrupted,
+}
+
+/// A prompt the step may advance ([`EngineCore::prompts_by_length`]).
+struct Prompt {
+    order: u64,
+    priority: i32,
+    /// Positions left to compute.
+    left: usize,
+    /// Not admitted yet.
+    waiting: bool,
 }
 
 /// One sequence's share of an engine step: positions `start..start + len`.
@@ -435,8 +453,13 @@ impl EngineCore {
             .retain(|sequence| !sequence.outputs.is_closed());
     }
 
-    /// Picks this step's work: decodes first so they keep flowing, then prompt chunks of
-    /// running sequences, then newly admitted sequences, all within the token budget. A
+    /// Picks this step's work: decodes first so they keep flowing, then prompts, running
+    /// ones' chunks and newly admitted ones alike, the shortest first
+    /// ([`EngineCore::prompts_by_length`]), all within the token budget, each by at most
+    /// `long_prefill_token_threshold` positions. Beside a prompt this step finishes, one more than [`LONGER_PROMPT_RATIO`]
+    /// times longer advances [`OUTRANKED_PROMPT_CHUNK`] positions: a chat's next turn that
+    /// arrives during a new document's prefill gets its first token after a chunk of the
+    /// document and a step of its own size, not after the whole document. A
     /// prompt of a higher priority than some running sequence runs without those: a step
     /// takes longer with every sequence in it, and the prompt's first token should not wait
     /// on lower priorities' decodes. Beside a higher priority's decodes, a lower priority's
@@ -489,55 +512,150 @@ impl EngineCore {
             .collect();
         orders.sort_by_key(|&(priority, order)| (std::cmp::Reverse(priority), order));
         let top = orders.first().map_or(i32::MIN, |&(priority, _)| priority);
-        let chunk_limit = |priority: i32| {
-            if priority < top {
+        for &(_, order) in &orders {
+            if budget == 0 {
+                break;
+            }
+            let decoding = self
+                .running
+                .get(&order)
+                .is_some_and(|sequence| sequence.tokens.len() - sequence.num_computed == 1);
+            if decoding && self.reserve(order, 1, &mut plan, &mut budget, state) {
+                let start = self.running[&order].num_computed;
+                plan.push(Scheduled {
+                    order,
+                    start,
+                    len: 1,
+                });
+                budget -= 1;
+            }
+        }
+        // Freshly preempted sequences are at the queue's front; admitting now would only
+        // thrash.
+        let mut admitting = self.counters.preemptions_total == preemptions;
+        // The shortest prompt whose last positions this step computes.
+        let mut finishing: Option<usize> = None;
+        let chunk = match self.cfg.long_prefill_token_threshold {
+            0 => usize::MAX,
+            threshold => threshold,
+        };
+        for prompt in self.prompts_by_length(floor, budget, state) {
+            if budget == 0 {
+                break;
+            }
+            let outranked = prompt.priority < top
+                || finishing.is_some_and(|shortest| prompt.left > LONGER_PROMPT_RATIO * shortest);
+            let limit = if outranked {
                 OUTRANKED_PROMPT_CHUNK
             } else {
                 usize::MAX
-            }
-        };
-        for decodes in [true, false] {
-            for &(_, order) in &orders {
-                if budget == 0 {
-                    break;
+            };
+            let len = prompt.left.min(budget).min(limit).min(chunk);
+            let scheduled = if prompt.waiting {
+                admitting && {
+                    admitting = self.admit(prompt.order, len, &mut plan, &mut budget, state);
+                    admitting
                 }
-                let Some(sequence) = self.running.get(&order) else {
-                    continue;
-                };
-                let remaining = sequence.tokens.len() - sequence.num_computed;
-                if (remaining == 1) != decodes {
-                    continue;
-                }
-                let len = remaining.min(budget).min(chunk_limit(sequence.priority));
-                if self.reserve(order, len, &mut plan, &mut budget, state) {
-                    let start = self.running[&order].num_computed;
-                    plan.push(Scheduled { order, start, len });
+            } else if self.running.contains_key(&prompt.order) {
+                let before = self.counters.preemptions_total;
+                let reserved = self.reserve(prompt.order, len, &mut plan, &mut budget, state);
+                if reserved {
+                    let start = self.running[&prompt.order].num_computed;
+                    plan.push(Scheduled {
+                        order: prompt.order,
+                        start,
+                        len,
+                    });
                     budget -= len;
                 }
-            }
-        }
-        if self.counters.preemptions_total > preemptions {
-            // Freshly preempted sequences are at the queue's front; admitting now would
-            // only thrash.
-            return plan;
-        }
-        while budget > 0 {
-            let Some(sequence) = state.waiting.front_mut() else {
-                break;
+                admitting &= self.counters.preemptions_total == before;
+                reserved
+            } else {
+                false
             };
-            let priority = sequence.priority;
-            if priority < floor {
-                break;
+            if scheduled && len == prompt.left && finishing.is_none() {
+                finishing = Some(len);
             }
+        }
+        plan
+    }
+
+    /// The prompts a step of priority `floor` and above may advance, the highest priority
+    /// first and within a priority the fewest positions left to compute first (ties by
+    /// age): a short prompt's first token should not wait on a long prompt that came first,
+    /// for the long one is delayed by only the short one's compute. Waiting requests count
+    /// by what the prefix cache does not hold of them, and only the first
+    /// [`SHORTEST_FIRST_WINDOW`] of the queue are looked at; only the oldest, while it
+    /// finds no room.
+    fn prompts_by_length(&self, floor: i32, budget: usize, state: &SharedState) -> Vec<Prompt> {
+        let running = self
+            .running
+            .values()
+            .filter(|s| s.priority >= floor && s.tokens.len() - s.num_computed > 1)
+            .map(|s| Prompt {
+                order: s.order,
+                priority: s.priority,
+                left: s.tokens.len() - s.num_computed,
+                waiting: false,
+            });
+        // Under a full batch or cache, shorter requests would take the room the oldest one
+        // waits for, step after step.
+        let window = match state.waiting.front() {
+            Some(front) if !self.has_room_for(front, budget) => 1,
+            _ => SHORTEST_FIRST_WINDOW,
+        };
+        let waiting = state
+            .waiting
+            .iter()
+            .take_while(|s| s.priority >= floor)
+            .take(window)
+            .map(|s| Prompt {
+                order: s.order,
+                priority: s.priority,
+                left: s.tokens.len() - self.blocks.cached_prefix_len(&s.tokens, &s.blocks),
+                waiting: true,
+            });
+        let mut prompts: Vec<Prompt> = running.chain(waiting).collect();
+        prompts.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.left, p.order));
+        prompts
+    }
+
+    /// Whether the waiting `sequence` could be admitted with up to `budget` positions now,
+    /// preempting nothing.
+    fn has_room_for(&self, sequence: &Sequence, budget: usize) -> bool {
+        let cached = self
+            .blocks
+            .cached_prefix_len(&sequence.tokens, &sequence.blocks);
+        let len = (sequence.tokens.len() - cached).min(budget);
+        let needed = self.blocks.blocks_for(cached + len) - self.blocks.blocks_for(cached);
+        self.running.len() < self.cfg.max_batch_size && needed <= self.blocks.num_available()
+    }
+
+    /// Admits the waiting request `order` with its first `len` uncached positions in this
+    /// step. A full batch or cache makes room for it by preempting a lower priority;
+    /// otherwise it waits, and returns false: the requests after it in this step's order
+    /// wait too.
+    fn admit(
+        &mut self,
+        order: u64,
+        len: usize,
+        plan: &mut Vec<Scheduled>,
+        budget: &mut usize,
+        state: &mut SharedState,
+    ) -> bool {
+        loop {
+            let Some(at) = state.waiting.iter().position(|s| s.order == order) else {
+                return false;
+            };
+            let sequence = &mut state.waiting[at];
+            let priority = sequence.priority;
             let room = if self.running.len() >= self.cfg.max_batch_size {
                 None
             } else {
                 let cached = self
                     .blocks
                     .match_prefix(&sequence.tokens, &mut sequence.blocks);
-                let len = (sequence.tokens.len() - cached)
-                    .min(budget)
-                    .min(chunk_limit(priority));
+                let len = len.min(sequence.tokens.len() - cached);
                 if self.blocks.grow(&mut sequence.blocks, cached + len) {
                     Some((cached, len))
                 } else {
@@ -546,19 +664,18 @@ impl EngineCore {
                 }
             };
             let Some((cached, len)) = room else {
-                // A full batch or cache makes room for a higher priority by preempting the
-                // lowest; otherwise the request waits for room.
                 match self.victim() {
-                    Some((lowest, order)) if lowest < priority => {
-                        self.preempt(order, &mut plan, &mut budget, state);
+                    Some((lowest, victim)) if lowest < priority => {
+                        self.preempt(victim, plan, budget, state);
                         continue;
                     }
-                    _ => break,
+                    _ => return false,
                 }
             };
-            let Some(mut sequence) = state.waiting.pop_front() else {
-                break;
-            };
+            let mut sequence = state
+                .waiting
+                .remove(at)
+                .expect("the position was just found");
             sequence.num_computed = cached;
             if sequence.cached_prompt_tokens.is_none() {
                 let cached_prompt = cached.min(sequence.prompt_len);
@@ -572,14 +689,14 @@ impl EngineCore {
                 self.counters.prefix_cache_hits_total += cached_prompt as u64;
             }
             plan.push(Scheduled {
-                order: sequence.order,
+                order,
                 start: cached,
                 len,
             });
-            budget -= len;
-            self.running.insert(sequence.order, sequence);
+            *budget -= len;
+            self.running.insert(order, sequence);
+            return true;
         }
-        plan
     }
 
     /// Makes sure the running sequence `order` has blocks for `len` more positions,

@@ -85,6 +85,9 @@ pub struct EngineConfig {
     pub queue_limit: usize,
     /// Tokens (prompt chunks plus decodes) in one engine step.
     pub max_num_batched_tokens: usize,
+    /// Most positions of one prompt in one step; 0 leaves a prompt the whole budget
+    /// ([`npufleet_contract::scheduling::LONG_PREFILL_TOKEN_THRESHOLD`]).
+    pub long_prefill_token_threshold: usize,
     /// Positions per KV-cache block.
     pub block_size: usize,
     pub kv_cache: KvCacheSize,
@@ -107,6 +110,8 @@ impl Default for EngineConfig {
             max_batch_size: 128,
             queue_limit: 256,
             max_num_batched_tokens: 512,
+            long_prefill_token_threshold:
+                npufleet_contract::scheduling::LONG_PREFILL_TOKEN_THRESHOLD,
             block_size: 16,
             kv_cache: KvCacheSize::Bytes(1 << 30),
             kv_dtype: KvDtype::F16,

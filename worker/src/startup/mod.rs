@@ -108,6 +108,11 @@ pub struct EngineArgs {
     /// Most tokens (prompt chunks plus decodes) in one engine step.
     #[arg(long, env = "NPUFLEET_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
     pub max_num_batched_tokens: usize,
+    /// Most positions of one prompt in one engine step, so that a request arriving during a
+    /// long prompt's prefill waits for a chunk of it rather than all of it; 0 gives one
+    /// prompt the whole step.
+    #[arg(long, env = "NPUFLEET_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = npufleet_contract::scheduling::LONG_PREFILL_TOKEN_THRESHOLD)]
+    pub long_prefill_token_threshold: usize,
     /// Positions per KV-cache block.
     #[arg(long, env = "NPUFLEET_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
@@ -392,6 +397,7 @@ fn start_ranks(args: &ServeArgs, model_name: &str) -> anyhow::Result<(ranks::Rol
         max_batch_size: engine_args.max_batch_size,
         queue_limit: engine_args.queue_limit,
         max_num_batched_tokens: engine_args.max_num_batched_tokens,
+        long_prefill_token_threshold: engine_args.long_prefill_token_threshold,
         block_size: engine_args.block_size,
         kv_cache: engine_args.kv_cache_size(),
         kv_dtype: engine_args.kv_cache_dtype.dtype(),
