@@ -28,7 +28,8 @@ pub struct Candidate {
 /// A request's prefill at one replica, as the router's timings estimate it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillEstimate {
-    /// Until the prompts ahead of it are through theirs.
+    /// Until the prompts it waits for are through theirs, in the order the worker takes
+    /// them (the shortest first).
     pub wait_ms: f64,
     /// Its own uncached tokens.
     pub own_ms: f64,
