@@ -63,6 +63,8 @@ struct Prompt {
     priority: i32,
     /// Positions left to compute.
     left: usize,
+    /// Positions computed, or held by the prefix cache.
+    done: usize,
     /// Not admitted yet.
     waiting: bool,
 }
@@ -456,13 +458,13 @@ impl EngineCore {
     /// Picks this step's work: decodes first so they keep flowing, then prompts, running
     /// ones' chunks and newly admitted ones alike, the shortest first
     /// ([`EngineCore::prompts_by_length`]), all within the token budget, each by at most
-    /// `long_prefill_token_threshold` positions. Beside a prompt this step finishes, one more than [`LONGER_PROMPT_RATIO`]
-    /// times longer advances [`OUTRANKED_PROMPT_CHUNK`] positions: a chat's next turn that
-    /// arrives during a new document's prefill gets its first token after a chunk of the
-    /// document and a step of its own size, not after the whole document. A
-    /// prompt of a higher priority than some running sequence runs without those: a step
-    /// takes longer with every sequence in it, and the prompt's first token should not wait
-    /// on lower priorities' decodes. Beside a higher priority's decodes, a lower priority's
+    /// `long_prefill_token_threshold` positions. Beside a prompt this step finishes, one
+    /// more than [`LONGER_PROMPT_RATIO`] times longer advances [`OUTRANKED_PROMPT_CHUNK`]
+    /// positions: a chat's next turn that arrives during a new document's prefill gets its
+    /// first token after a chunk of the document and a step of its own size, not after the
+    /// whole document. A prompt of a higher priority than some running sequence runs
+    /// without those: a step takes longer with every sequence in it, and the prompt's first
+    /// token should not wait on lower priorities' decodes. Beside a higher priority's decodes, a lower priority's
     /// prompt advances [`OUTRANKED_PROMPT_CHUNK`] positions a step.
     fn schedule(&mut self, state: &mut SharedState) -> Vec<Scheduled> {
         let Some(urgent) = self.urgent_priority(state) else {
@@ -596,38 +598,43 @@ impl EngineCore {
                 order: s.order,
                 priority: s.priority,
                 left: s.tokens.len() - s.num_computed,
+                done: s.num_computed,
                 waiting: false,
             });
-        // Under a full batch or cache, shorter requests would take the room the oldest one
-        // waits for, step after step.
-        let window = match state.waiting.front() {
-            Some(front) if !self.has_room_for(front, budget) => 1,
-            _ => SHORTEST_FIRST_WINDOW,
-        };
-        let waiting = state
+        let mut waiting: Vec<Prompt> = state
             .waiting
             .iter()
             .take_while(|s| s.priority >= floor)
-            .take(window)
-            .map(|s| Prompt {
-                order: s.order,
-                priority: s.priority,
-                left: s.tokens.len() - self.blocks.cached_prefix_len(&s.tokens, &s.blocks),
-                waiting: true,
-            });
+            .take(SHORTEST_FIRST_WINDOW)
+            .map(|s| {
+                let cached = self.blocks.cached_prefix_len(&s.tokens, &s.blocks);
+                Prompt {
+                    order: s.order,
+                    priority: s.priority,
+                    left: s.tokens.len() - cached,
+                    done: cached,
+                    waiting: true,
+                }
+            })
+            .collect();
+        // Under a full batch or cache, shorter requests would take the room the oldest one
+        // waits for, step after step.
+        if waiting
+            .first()
+            .is_some_and(|oldest| !self.has_room_for(oldest, budget))
+        {
+            waiting.truncate(1);
+        }
         let mut prompts: Vec<Prompt> = running.chain(waiting).collect();
         prompts.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.left, p.order));
         prompts
     }
 
-    /// Whether the waiting `sequence` could be admitted with up to `budget` positions now,
+    /// Whether the waiting `prompt` could be admitted with up to `budget` positions now,
     /// preempting nothing.
-    fn has_room_for(&self, sequence: &Sequence, budget: usize) -> bool {
-        let cached = self
-            .blocks
-            .cached_prefix_len(&sequence.tokens, &sequence.blocks);
-        let len = (sequence.tokens.len() - cached).min(budget);
-        let needed = self.blocks.blocks_for(cached + len) - self.blocks.blocks_for(cached);
+    fn has_room_for(&self, prompt: &Prompt, budget: usize) -> bool {
+        let end = prompt.done + prompt.left.min(budget);
+        let needed = self.blocks.blocks_for(end) - self.blocks.blocks_for(prompt.done);
         self.running.len() < self.cfg.max_batch_size && needed <= self.blocks.num_available()
     }
 
