@@ -98,8 +98,8 @@ impl Prefills {
             let age_ms = now.saturating_duration_since(open.started).as_secs_f64() * 1e3;
             let starts = (-age_ms).max(ahead_done);
             let done = (starts + expected).max(OVERDUE_SHARE * expected);
-            prompts += ((done - starts.max(0.0)) / expected).clamp(OVERDUE_SHARE, 1.0);
             let left_ms = done - starts.max(0.0);
+            prompts += (left_ms / expected).clamp(OVERDUE_SHARE, 1.0);
             let waited_ms = if !passed(open) {
                 left_ms
             } else if starts <= 0.0 {
