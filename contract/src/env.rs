@@ -9,6 +9,8 @@ pub const HTTP_ADDR: &str = "NPUFLEET_HTTP_ADDR";
 /// `$(NPUFLEET_HTTP_PORT)`.
 pub const HTTP_PORT: &str = "NPUFLEET_HTTP_PORT";
 pub const MAX_BATCH_SIZE: &str = "NPUFLEET_MAX_BATCH_SIZE";
+/// Prompt positions one request computes per engine step at most (0: the step's budget).
+pub const LONG_PREFILL_TOKEN_THRESHOLD: &str = "NPUFLEET_LONG_PREFILL_TOKEN_THRESHOLD";
 pub const QUEUE_LIMIT: &str = "NPUFLEET_QUEUE_LIMIT";
 pub const WARMUP_ITERATIONS: &str = "NPUFLEET_WARMUP_ITERATIONS";
 /// Compute threads (0: every core).

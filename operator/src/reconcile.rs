@@ -134,6 +134,15 @@ fn waiting_reason(pod: &Pod) -> Option<String> {
             text.push_str(": ");
             text.push_str(message);
         }
+        // A container in CrashLoopBackOff: the back-off says when, its last exit says why.
+        let last = container
+            .last_state
+            .as_ref()
+            .and_then(|s| s.terminated.as_ref());
+        if let Some(exit) = last {
+            text.push_str("; last exit ");
+            text.push_str(&pods::exit_summary(exit));
+        }
         return Some(text);
     }
     None
@@ -159,17 +168,7 @@ fn waiting_since(pods: &[&Pod]) -> Option<k8s_openapi::jiff::Timestamp> {
 }
 
 fn failure_of(pod: &Pod) -> String {
-    let status = pod.status.as_ref();
-    let reason = status
-        .and_then(|s| s.reason.clone())
-        .unwrap_or_else(|| "Failed".to_string());
-    let message = status.and_then(|s| s.message.clone()).unwrap_or_default();
-    let mut text = format!("pod {} failed ({reason})", pod.name_any());
-    if !message.is_empty() {
-        text.push_str(": ");
-        text.push_str(&message);
-    }
-    text
+    format!("pod {} {}", pod.name_any(), pods::failure(pod))
 }
 
 /// The event reason of a replica group being made.

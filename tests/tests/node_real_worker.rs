@@ -499,5 +499,42 @@ async fn the_chart_serves_the_sample_and_scales_it_under_load_on_the_real_node()
         .find(|l| l.starts_with("vllm:cache_config_info"))
         .context("the worker exports no vllm:cache_config_info")?;
     println!("worker KV cache, sized from its limit: {cache}");
+
+    // A bad value in the template's environment: the worker exits on it, kubelet backs off
+    // restarting it, and the InferenceService's Ready condition says why in the worker's words.
+    let mut bad = sample.clone();
+    bad.metadata.name = Some(format!("{name}-bad-value"));
+    bad.metadata.resource_version = None;
+    bad.spec
+        .template
+        .env
+        .push(k8s_openapi::api::core::v1::EnvVar {
+            name: npufleet_contract::env::LONG_PREFILL_TOKEN_THRESHOLD.into(),
+            value: Some("abc".into()),
+            ..Default::default()
+        });
+    operator::apply(&services, MANAGER, &bad).await?;
+    let bad_name = bad.metadata.name.clone().unwrap_or_default();
+    let message = c.diagnose(
+        wait::until(
+            "the Ready condition naming the worker's error",
+            TIMEOUT,
+            || async {
+                let status = services.get(&bad_name).await?.status.unwrap_or_default();
+                Ok(status
+                    .conditions
+                    .into_iter()
+                    .find(|c| c.type_ == "Ready" && c.message.contains("CrashLoopBackOff"))
+                    .map(|c| c.message))
+            },
+        )
+        .await,
+    )?;
+    println!("a bad environment value: {message}");
+    ensure!(
+        message.contains("invalid value 'abc' for '--long-prefill-token-threshold"),
+        "the Ready condition does not name the bad value: {message}"
+    );
+    services.delete(&bad_name, &Default::default()).await?;
     Ok(())
 }

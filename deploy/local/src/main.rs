@@ -264,7 +264,7 @@ impl PodFailure {
         (status.phase.as_deref() == Some("Failed")).then(|| PodFailure {
             uid: pod.uid().unwrap_or_default(),
             pod: pod.name_any(),
-            message: status.message.clone().unwrap_or_default(),
+            message: npufleet_contract::pods::failure(pod),
         })
     }
 }
@@ -732,10 +732,13 @@ async fn main() -> Result<()> {
 mod tests {
     use super::*;
 
-    fn pod(name: &str, phase: &str, message: &str) -> Pod {
+    fn pod(name: &str, phase: &str, log: &str) -> Pod {
         serde_json::from_value(json!({
             "metadata": {"name": name, "uid": format!("uid-{name}")},
-            "status": {"phase": phase, "message": message},
+            "status": {"phase": phase, "containerStatuses": [{
+                "name": "worker", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": log}},
+            }]},
         }))
         .expect("pod")
     }
@@ -744,10 +747,11 @@ mod tests {
     /// named in the summary with the reason the node agent read from its log.
     #[test]
     fn the_summary_names_a_pod_that_failed_to_start() {
-        let why = "worker process exited (exit status: 2): error: cannot listen for gRPC on 127.77.60.2:8001: Address already in use (os error 98)";
+        let log = "error: cannot listen for gRPC on 127.77.60.2:8001: Address already in use (os error 98)";
+        let why = format!("failed (Failed); container worker exited with code 2 (Error): {log}");
         let failures: Vec<PodFailure> = [
             pod("smollm2-0-0", "Running", ""),
-            pod("smollm2-1-0", "Failed", why),
+            pod("smollm2-1-0", "Failed", log),
         ]
         .iter()
         .filter_map(PodFailure::of)

@@ -732,23 +732,19 @@ async fn probe_pods(shared: Arc<Shared>) {
             if let Some(status) = exited {
                 let gone = shared.pods.lock().expect("pods").remove(&key);
                 shared.free.lock().expect("free addresses").push(address);
-                let (phase, message) = if status.success() {
-                    ("Succeeded", format!("worker process exited: {status}"))
-                } else {
-                    // As a kubelet does under FallbackToLogsOnError: the log's end says why.
-                    let last_line = gone.map(|p| p.process.log_tail(1)).unwrap_or_default();
-                    (
-                        "Failed",
-                        format!("worker process exited ({status}): {last_line}"),
-                    )
-                };
+                let tail = gone.map(|p| p.process.log_tail(80)).unwrap_or_default();
+                let container = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.containers.first().cloned())
+                    .unwrap_or_default();
                 let result = shared
                     .patch_pod_status(
                         &pod,
                         json!({
-                            "phase": phase,
-                            "message": message,
+                            "phase": if status.success() { "Succeeded" } else { "Failed" },
                             "conditions": conditions(false, Timestamp::now()),
+                            "containerStatuses": [exited_status(&container, status, &tail, Timestamp::now())],
                         }),
                     )
                     .await;
@@ -979,9 +975,96 @@ fn container_status(container: &Container, ready: bool, now: Timestamp) -> serde
     })
 }
 
+/// The status of a container whose process exited, as a kubelet reports it under
+/// `FallbackToLogsOnError`: a failed container's termination message is its log's last 80
+/// lines, at most 2048 bytes of them.
+fn exited_status(
+    container: &Container,
+    status: std::process::ExitStatus,
+    log_tail: &str,
+    now: Timestamp,
+) -> serde_json::Value {
+    const MAX_MESSAGE_BYTES: usize = 2048;
+    // Killed by a signal: the shell's convention, as a kubelet reports it.
+    let code = status.code().unwrap_or_else(|| {
+        128 + std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0)
+    });
+    let mut start = log_tail.len().saturating_sub(MAX_MESSAGE_BYTES);
+    while !log_tail.is_char_boundary(start) {
+        start += 1;
+    }
+    let (reason, message) = if code == 0 {
+        ("Completed", "")
+    } else {
+        ("Error", &log_tail[start..])
+    };
+    json!({
+        "name": container.name,
+        "image": container.image.clone().unwrap_or_default(),
+        "imageID": "",
+        "ready": false,
+        "started": false,
+        "restartCount": 0,
+        "state": {"terminated": {
+            "exitCode": code,
+            "reason": reason,
+            "message": message,
+            "finishedAt": now,
+        }},
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exited_container_keeps_the_logs_end_as_a_kubelet_does() {
+        use std::os::unix::process::ExitStatusExt;
+        let container = Container {
+            name: "worker".into(),
+            ..Default::default()
+        };
+        let log: String = (0..200)
+            .map(|i| format!("line {i:03} ........\n"))
+            .collect();
+        let failed = exited_status(
+            &container,
+            ExitStatusExt::from_raw(2 << 8),
+            &log,
+            Timestamp::now(),
+        );
+        let terminated = &failed["state"]["terminated"];
+        assert_eq!(
+            (
+                terminated["exitCode"].as_i64(),
+                terminated["reason"].as_str()
+            ),
+            (Some(2), Some("Error"))
+        );
+        let message = terminated["message"].as_str().unwrap();
+        assert!(
+            message.len() <= 2048 && message.ends_with("line 199 ........\n"),
+            "{message}"
+        );
+        let killed = exited_status(
+            &container,
+            ExitStatusExt::from_raw(9),
+            &log,
+            Timestamp::now(),
+        );
+        assert_eq!(
+            killed["state"]["terminated"]["exitCode"].as_i64(),
+            Some(137)
+        );
+        let done = exited_status(
+            &container,
+            ExitStatusExt::from_raw(0),
+            &log,
+            Timestamp::now(),
+        );
+        assert_eq!(done["state"]["terminated"]["message"].as_str(), Some(""));
+    }
 
     #[test]
     fn arguments_expand_as_the_kubelet_expands_them() {

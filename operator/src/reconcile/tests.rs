@@ -1,4 +1,7 @@
-use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, Pod,
+    PodCondition, PodStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 use npufleet_crds::{
@@ -884,21 +887,16 @@ fn a_waiting_group_names_the_schedulers_reason_and_stalls_after_its_deadline() {
     assert_eq!(p.recheck_after, None);
 }
 
-#[test]
-fn an_image_that_cannot_be_pulled_is_the_waiting_reason() {
-    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus};
+/// The Ready condition's message while the one pod of a one-replica service waits with
+/// its container in `state`, after `last` if it ran before.
+fn ready_message_while_waiting(state: ContainerState, last: Option<ContainerState>) -> String {
     let isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
     let created = plan(&isvc, &Observed::default(), &Settings::default(), &now()).create_pods;
     let mut pods = pending(created, 5);
     pods[0].status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
         name: "worker".into(),
-        state: Some(ContainerState {
-            waiting: Some(ContainerStateWaiting {
-                reason: Some("ImagePullBackOff".into()),
-                message: Some("Back-off pulling image \"registry.example/worker:9\"".into()),
-            }),
-            ..Default::default()
-        }),
+        state: Some(state),
+        last_state: last,
         ..Default::default()
     }]);
     let observed = Observed {
@@ -906,13 +904,92 @@ fn an_image_that_cannot_be_pulled_is_the_waiting_reason() {
         ..Default::default()
     };
     let p = plan(&isvc, &observed, &Settings::default(), &now());
-    let ready = condition(&p.status, status::READY);
+    condition(&p.status, status::READY).message.clone()
+}
+
+fn waiting(reason: &str, message: &str) -> ContainerState {
+    ContainerState {
+        waiting: Some(ContainerStateWaiting {
+            reason: Some(reason.into()),
+            message: Some(message.into()),
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn an_image_that_cannot_be_pulled_is_the_waiting_reason() {
+    let message = ready_message_while_waiting(
+        waiting(
+            "ImagePullBackOff",
+            "Back-off pulling image \"registry.example/worker:9\"",
+        ),
+        None,
+    );
     assert!(
-        ready
-            .message
-            .contains("pod llm-0-0 container worker ImagePullBackOff: Back-off pulling image"),
+        message.contains("pod llm-0-0 container worker ImagePullBackOff: Back-off pulling image"),
+        "{message}"
+    );
+}
+
+/// The container status a kubelet reports for a worker that exited with clap's error for a
+/// bad value, under `FallbackToLogsOnError`: the log's tail is the termination message.
+fn exited_on_a_bad_flag() -> ContainerStateTerminated {
+    ContainerStateTerminated {
+        exit_code: 2,
+        reason: Some("Error".into()),
+        message: Some(
+            "{\"level\":\"INFO\",\"message\":\"loading the model\"}\nerror: invalid value 'abc' for '--long-prefill-token-threshold <TOKENS>': invalid digit found in string\n\nFor more information, try '--help'.\n"
+                .into(),
+        ),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_container_in_crash_loop_back_off_names_its_last_exit() {
+    let last = ContainerState {
+        terminated: Some(exited_on_a_bad_flag()),
+        ..Default::default()
+    };
+    let message = ready_message_while_waiting(
+        waiting(
+            "CrashLoopBackOff",
+            "back-off 40s restarting failed container=worker",
+        ),
+        Some(last),
+    );
+    assert!(
+        message.contains(
+            "CrashLoopBackOff: back-off 40s restarting failed container=worker; last exit with code 2 (Error): error: invalid value 'abc' for '--long-prefill-token-threshold <TOKENS>': invalid digit found in string For more information, try '--help'."
+        ),
+        "{message}"
+    );
+    assert!(!message.contains("loading the model"), "{message}");
+}
+
+#[test]
+fn a_failed_rank_names_its_containers_exit() {
+    let isvc = service(AcceleratorType::Ascend910, Platform::Cce, 2, 4, 1);
+    let mut pods = running(&isvc, true);
+    let status = pods[1].status.as_mut().unwrap();
+    status.phase = Some("Failed".into());
+    status.container_statuses = Some(vec![ContainerStatus {
+        name: "worker".into(),
+        state: Some(ContainerState {
+            terminated: Some(exited_on_a_bad_flag()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }]);
+    let p = plan_with_pods(&isvc, pods);
+    let degraded = condition(&p.status, status::DEGRADED);
+    assert!(
+        degraded.message.contains(
+            "pod llm-0-1 failed (Failed); container worker exited with code 2 (Error): error: invalid value 'abc'"
+        ),
         "{}",
-        ready.message
+        degraded.message
     );
 }
 

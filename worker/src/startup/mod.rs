@@ -111,7 +111,7 @@ pub struct EngineArgs {
     /// Most positions of one prompt in one engine step, so that a request arriving during a
     /// long prompt's prefill waits for a chunk of it rather than all of it; 0 gives one
     /// prompt the whole step.
-    #[arg(long, env = "NPUFLEET_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = npufleet_contract::scheduling::LONG_PREFILL_TOKEN_THRESHOLD)]
+    #[arg(long, env = env::LONG_PREFILL_TOKEN_THRESHOLD, default_value_t = npufleet_contract::scheduling::LONG_PREFILL_TOKEN_THRESHOLD)]
     pub long_prefill_token_threshold: usize,
     /// Positions per KV-cache block.
     #[arg(long, env = "NPUFLEET_BLOCK_SIZE", default_value_t = 16)]
