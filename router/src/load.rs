@@ -128,6 +128,7 @@ async fn scrape_replica(
             Ok(load) => state.set_report(Report {
                 load: ReportedLoad::new(load.waiting, load.running, load.kv_cache_usage),
                 draining: false,
+                prompt_chunk: None,
                 received: Instant::now(),
             }),
             Err(error) => tracing::debug!(%url, error = format!("{error:#}"), "scraping load"),
@@ -255,6 +256,7 @@ fn to_report(report: &LoadReport) -> Report {
     Report {
         load: ReportedLoad::new(report.waiting, report.running, report.kv_cache_usage),
         draining,
+        prompt_chunk: (report.prompt_chunk_tokens > 0).then_some(report.prompt_chunk_tokens),
         received: Instant::now(),
     }
 }

@@ -24,6 +24,8 @@ pub struct Report {
     pub load: ReportedLoad,
     /// The worker said it is shutting down: it refuses new requests.
     pub draining: bool,
+    /// Most prompt positions one request computes in a step, where the worker says.
+    pub prompt_chunk: Option<u32>,
     pub received: Instant,
 }
 
@@ -292,7 +294,8 @@ impl Pool {
                 continue;
             }
             let uncached = uncached_tokens(prompt_tokens, found.blocks, &state);
-            let ahead = state.prefills().ahead(now, &timings, uncached);
+            let chunk = report.and_then(|r| r.prompt_chunk);
+            let ahead = state.prefills().ahead(now, &timings, uncached, chunk);
             let own_ms = timings.expected_ms(uncached);
             let candidate = Candidate {
                 id: endpoint.pod.clone(),
@@ -506,6 +509,7 @@ mod tests {
         pool.replica(model.endpoints[1].ip).set_report(Report {
             load: ReportedLoad::new(0, 0, 0.0),
             draining: true,
+            prompt_chunk: None,
             received: Instant::now(),
         });
         assert!(
@@ -528,6 +532,7 @@ mod tests {
         let busy = |running| Report {
             load: ReportedLoad::new(0, running, 0.0),
             draining: false,
+            prompt_chunk: None,
             received: Instant::now(),
         };
         let mine = pool
@@ -556,6 +561,7 @@ mod tests {
         let report = |running, kv| Report {
             load: ReportedLoad::new(0, running, kv),
             draining: false,
+            prompt_chunk: None,
             received: Instant::now(),
         };
         let mut leases: Vec<Lease> = (0..4)
@@ -647,6 +653,7 @@ mod tests {
         pool.replica(model.endpoints[0].ip).set_report(Report {
             load: ReportedLoad::new(0, 0, 0.0),
             draining: true,
+            prompt_chunk: None,
             received: long_ago,
         });
         let leases: Vec<_> = (0..2)

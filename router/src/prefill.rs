@@ -77,16 +77,22 @@ impl Prefills {
     /// one ahead of it is expected to finish, so one waiting behind another still counts
     /// whole. The new prompt's wait follows the worker's order, the shortest first
     /// ([`LONGER_PROMPT_RATIO`]): it waits for the prompts not much longer than itself, and
-    /// for a chunk of a longer one begun ([`LONG_PREFILL_TOKEN_THRESHOLD`], the workers'
-    /// default), not the rest of it.
-    pub fn ahead(&self, now: Instant, times: &PrefillTimes, tokens: u32) -> Ahead {
+    /// for a chunk of a longer one begun (`chunk`, the positions the replica computes of one
+    /// prompt in a step as it reports them; else the workers' default,
+    /// [`LONG_PREFILL_TOKEN_THRESHOLD`]), not the rest of it.
+    pub fn ahead(
+        &self,
+        now: Instant,
+        times: &PrefillTimes,
+        tokens: u32,
+        chunk: Option<u32>,
+    ) -> Ahead {
         let mut prompts = 0.0;
         let mut wait_ms = Some(0.0);
         // When the prompt ahead is expected to finish, in ms from now.
         let mut ahead_done = f64::NEG_INFINITY;
-        let chunk_ms = u32::try_from(LONG_PREFILL_TOKEN_THRESHOLD)
-            .ok()
-            .and_then(|chunk| times.expected_ms(chunk));
+        let chunk = chunk.unwrap_or(LONG_PREFILL_TOKEN_THRESHOLD as u32);
+        let chunk_ms = times.expected_ms(chunk);
         let passed =
             |open: &Open| u64::from(open.tokens) > LONGER_PROMPT_RATIO as u64 * u64::from(tokens);
         for open in self.open.values() {
@@ -274,7 +280,7 @@ mod tests {
         let (mut prefills, mut times) = (Prefills::default(), PrefillTimes::default());
         let t0 = Instant::now();
         let id = prefills.start(180, t0);
-        let unknown = prefills.ahead(t0 + ms(150), &times, 180);
+        let unknown = prefills.ahead(t0 + ms(150), &times, 180, None);
         assert_eq!(unknown.prompts, 1.0, "whole until the fit knows");
         assert_eq!(unknown.wait_ms, None);
         prefills.abandon(id);
@@ -282,7 +288,7 @@ mod tests {
         let now = t0 + ms(10_000);
         // 200 ms expected: a quarter done, then three quarters, then overdue.
         prefills.start(180, now - ms(50));
-        let share = |at| prefills.ahead(at, &times, 180).prompts;
+        let share = |at| prefills.ahead(at, &times, 180, None).prompts;
         assert!((share(now) - 0.75).abs() < 0.01);
         assert!((share(now + ms(100)) - 0.25).abs() < 0.01);
         assert_eq!(share(now + ms(500)), OVERDUE_SHARE);
@@ -298,16 +304,16 @@ mod tests {
         // not begun.
         prefills.start(180, now - ms(100));
         prefills.start(180, now - ms(50));
-        let ahead = prefills.ahead(now, &times, 180);
+        let ahead = prefills.ahead(now, &times, 180, None);
         assert!((ahead.prompts - 1.5).abs() < 0.01, "{ahead:?}");
         assert!((ahead.wait_ms.unwrap() - 300.0).abs() < 0.5, "{ahead:?}");
         // A prompt less than half as long waits for the first only: the worker takes it
         // before the second. The load counts both alike.
-        let short = prefills.ahead(now, &times, 20);
+        let short = prefills.ahead(now, &times, 20, None);
         assert!((short.wait_ms.unwrap() - 100.0).abs() < 0.5, "{short:?}");
         assert_eq!(short.prompts, ahead.prompts);
         // The first overdue: it still counts its least, and the second has not begun.
-        let later = prefills.ahead(now + ms(300), &times, 180);
+        let later = prefills.ahead(now + ms(300), &times, 180, None);
         assert!(
             (later.prompts - (OVERDUE_SHARE + 1.0)).abs() < 0.01,
             "{later:?}"
@@ -323,11 +329,17 @@ mod tests {
         let now = t0 + ms(10_000);
         // 420 ms expected, 370 ms left; a chunk of the workers' default takes 148 ms.
         prefills.start(400, now - ms(50));
-        let short = prefills.ahead(now, &times, 20);
+        let short = prefills.ahead(now, &times, 20, None);
         let chunk = 20.0 + LONG_PREFILL_TOKEN_THRESHOLD as f64;
         assert!((short.wait_ms.unwrap() - chunk).abs() < 0.5, "{short:?}");
-        let alike = prefills.ahead(now, &times, 300);
+        let alike = prefills.ahead(now, &times, 300, None);
         assert!((alike.wait_ms.unwrap() - 370.0).abs() < 0.5, "{alike:?}");
+        // A replica that reports its chunk: a worker run with a threshold of 64 positions.
+        let reported = prefills.ahead(now, &times, 20, Some(64));
+        assert!(
+            (reported.wait_ms.unwrap() - 84.0).abs() < 0.5,
+            "{reported:?}"
+        );
     }
 
     #[test]

@@ -252,6 +252,9 @@ pub struct LoadSnapshot {
     pub kv_blocks_total: usize,
     /// Positions per KV-cache block.
     pub block_size: usize,
+    /// Most prompt positions one request computes in a step: a new prompt waits for at most
+    /// this much of a longer one begun before it.
+    pub prompt_chunk_tokens: usize,
     /// Counters since start.
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,

@@ -216,7 +216,15 @@ async fn bad_requests_get_the_right_status() {
 
 #[tokio::test]
 async fn health_and_load_follow_the_engine() {
-    let worker = Worker::start(&["--max-batch-size", "7", "--queue-limit", "9"]).await;
+    let worker = Worker::start(&[
+        "--max-batch-size",
+        "7",
+        "--queue-limit",
+        "9",
+        "--long-prefill-token-threshold",
+        "48",
+    ])
+    .await;
     let channel = tonic::transport::Channel::from_shared(worker.grpc.clone())
         .unwrap()
         .connect()
@@ -266,6 +274,7 @@ async fn health_and_load_follow_the_engine() {
     let report = load.get_load(GetLoadRequest {}).await.unwrap().into_inner();
     assert_eq!(report.state(), WorkerState::Ready);
     assert_eq!(report.max_batch_size, 7);
+    assert_eq!(report.prompt_chunk_tokens, 48);
     assert_eq!(report.queue_limit, 9);
     assert_eq!(report.model_name, MODEL_NAME);
     assert_eq!((report.warmup_done, report.warmup_total), (2, 2));

@@ -421,6 +421,14 @@ impl EngineCore {
         }
     }
 
+    /// Most positions of one prompt in one step: the threshold, or the step's whole budget.
+    fn prompt_chunk(&self) -> usize {
+        match self.cfg.long_prefill_token_threshold {
+            0 => self.cfg.max_num_batched_tokens,
+            threshold => threshold.min(self.cfg.max_num_batched_tokens),
+        }
+    }
+
     fn publish(&mut self, state: &mut SharedState) {
         self.shared.kv_events.publish(self.blocks.take_events());
         let total = self.blocks.num_blocks();
@@ -432,6 +440,7 @@ impl EngineCore {
             kv_cache_usage: self.blocks.num_in_use() as f64 / total as f64,
             kv_blocks_total: total,
             block_size: self.cfg.block_size,
+            prompt_chunk_tokens: self.prompt_chunk(),
             ..self.counters
         };
     }
@@ -537,10 +546,7 @@ impl EngineCore {
         let mut admitting = self.counters.preemptions_total == preemptions;
         // The shortest prompt whose last positions this step computes.
         let mut finishing: Option<usize> = None;
-        let chunk = match self.cfg.long_prefill_token_threshold {
-            0 => usize::MAX,
-            threshold => threshold,
-        };
+        let chunk = self.prompt_chunk();
         for prompt in self.prompts_by_length(floor, budget, state) {
             if budget == 0 {
                 break;

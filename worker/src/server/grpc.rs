@@ -363,6 +363,7 @@ pub fn load_report(shared: &Shared) -> LoadReport {
         running: saturate(load.running),
         queue_limit: saturate(load.queue_limit),
         max_batch_size: saturate(load.max_batch_size),
+        prompt_chunk_tokens: saturate(load.prompt_chunk_tokens),
         kv_cache_usage: load.kv_cache_usage,
         warmup_done,
         warmup_total,
