@@ -194,6 +194,16 @@ fn ready(seen: &Observation) -> Verdict {
     verdict(false, "ReplicasNotReady", message)
 }
 
+/// `message`, then why a pod waits where one does: a surging rollout stays Ready, so only
+/// Progressing can say that its new group cannot be scheduled or started.
+fn with_waiting(mut message: String, seen: &Observation) -> String {
+    if let Some(waiting) = &seen.waiting {
+        message.push_str("; waiting: ");
+        message.push_str(waiting);
+    }
+    truncate(&message, MAX_CONDITION_MESSAGE)
+}
+
 fn available(seen: &Observation, max_unavailable: i32) -> Verdict {
     let min_available = (seen.desired_groups - max_unavailable).max(0);
     let ready = seen.ready_groups;
@@ -231,13 +241,13 @@ fn progressing(seen: &Observation) -> Verdict {
         verdict(true, "CreatingGroups", message)
     } else if seen.outdated_groups > 0 {
         let message = format!("{} replica groups run an older spec", seen.outdated_groups);
-        verdict(true, "RollingGroups", message)
+        verdict(true, "RollingGroups", with_waiting(message, seen))
     } else {
         let message = format!(
             "{} of {desired} replica groups ready, {} exist",
             seen.ready_groups, seen.existing_groups
         );
-        verdict(true, "ReconcilingGroups", message)
+        verdict(true, "ReconcilingGroups", with_waiting(message, seen))
     }
 }
 
@@ -353,6 +363,18 @@ mod tests {
                 "RollingGroups",
                 "1 replica groups run an older spec".into()
             )
+        );
+        // A surge group that cannot be placed: Ready holds, Progressing says why.
+        let surge_waits = Observation {
+            waiting: Some(
+                "pod llm-2-0 Unschedulable: 0/1 nodes are available: 1 Insufficient cpu.".into(),
+            ),
+            ..rolling
+        };
+        assert!(ready(&surge_waits).0);
+        assert_eq!(
+            progressing(&surge_waits).2,
+            "1 replica groups run an older spec; waiting: pod llm-2-0 Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
         );
     }
 
