@@ -211,15 +211,34 @@ fn evicted_from_lost_node(pod: &Pod) -> bool {
             })
 }
 
-/// The replica group numbers to run, given the groups with live pods (mapped to whether the
-/// autoscaler marked them for removal). Scaling down drops marked groups first, so the
-/// least-loaded groups go, then the highest-numbered; scaling up takes the lowest free numbers.
-pub fn kept_groups(existing: &BTreeMap<i32, bool>, desired: i32) -> BTreeSet<i32> {
+/// What decides which groups go first when there are more than wanted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Standing {
+    /// The built-in autoscaler chose it for removal, as the least loaded.
+    pub marked: bool,
+    /// Built from an older spec.
+    pub stale: bool,
+    /// Every pod of it serves.
+    pub serving: bool,
+}
+
+/// The replica group numbers to run, given the groups with live pods. Scaling down drops
+/// the groups the autoscaler marked first (the least loaded), then those of an older spec,
+/// then those not serving, then the highest-numbered; scaling up takes the lowest free
+/// numbers.
+pub fn kept_groups(existing: &BTreeMap<i32, Standing>, desired: i32) -> BTreeSet<i32> {
     let desired = usize::try_from(desired).unwrap_or(0);
     let mut kept: BTreeSet<i32> = existing.keys().copied().collect();
     if kept.len() > desired {
-        let mut removal_order: Vec<(&i32, &bool)> = existing.iter().collect();
-        removal_order.sort_by_key(|&(&group, &marked)| (!marked, std::cmp::Reverse(group)));
+        let mut removal_order: Vec<(&i32, &Standing)> = existing.iter().collect();
+        removal_order.sort_by_key(|&(&group, standing)| {
+            (
+                !standing.marked,
+                !standing.stale,
+                standing.serving,
+                std::cmp::Reverse(group),
+            )
+        });
         let surplus = kept.len() - desired;
         for (group, _) in removal_order.into_iter().take(surplus) {
             kept.remove(group);
@@ -253,7 +272,13 @@ pub fn plan(isvc: &InferenceService, observed: &Observed, settings: &Settings, n
     let count = count(isvc, settings);
     let groups = fleet::groups(&observed.pods);
     let hash = resources::template_hash(isvc, settings);
-    let membership = membership(&groups, count.desired, isvc.spec.rollout.max_surge, &hash);
+    let membership = membership(
+        &groups,
+        count.desired,
+        count.ranks,
+        isvc.spec.rollout.max_surge,
+        &hash,
+    );
     let inputs = Inputs {
         isvc,
         observed,
@@ -352,15 +377,23 @@ pub struct Membership {
 pub fn membership(
     groups: &BTreeMap<i32, ReplicaGroup>,
     desired: i32,
+    ranks: i32,
     max_surge: i32,
     hash: &str,
 ) -> Membership {
-    let existing: BTreeMap<i32, bool> = groups
+    let existing: BTreeMap<i32, Standing> = groups
         .iter()
         .filter(|(_, group)| !group.live.is_empty())
-        .map(|(&g, group)| (g, group.is_marked()))
+        .map(|(&g, group)| {
+            let standing = Standing {
+                marked: group.is_marked(),
+                stale: is_stale(group, hash),
+                serving: group.is_ready(ranks),
+            };
+            (g, standing)
+        })
         .collect();
-    let stale_groups = groups.values().filter(|g| is_stale(g, hash)).count();
+    let stale_groups = existing.values().filter(|s| s.stale).count();
     let surge = usize::try_from(max_surge).unwrap_or(0).min(stale_groups);
     let surge = i32::try_from(surge).unwrap_or(i32::MAX);
     let kept = kept_groups(&existing, desired.saturating_add(surge));
@@ -446,8 +479,8 @@ struct Rolling<'a> {
     failures: Vec<String>,
     /// Some group is being made, repaired or is not ready yet.
     in_transition: bool,
-    /// Serving groups running an outdated spec.
-    outdated: Vec<i32>,
+    /// Groups running an outdated spec, and whether each serves.
+    outdated: Vec<(i32, bool)>,
 }
 
 /// How a kept group's pods stand.
@@ -667,14 +700,15 @@ impl<'a> Rolling<'a> {
     /// A group with all its ranks: counted when it serves, else timed against the progress
     /// deadline; queued for replacement when it runs an outdated spec.
     fn watch(&mut self, g: i32, group: &ReplicaGroup) {
-        if group.is_ready(self.inputs.count.ranks) {
+        let serving = group.is_ready(self.inputs.count.ranks);
+        if serving {
             self.seen.ready_groups += 1;
         } else {
             self.in_transition = true;
             self.wait_for_ready(g, group);
         }
         if is_stale(group, self.inputs.hash) {
-            self.outdated.push(g);
+            self.outdated.push((g, serving));
         }
     }
 
@@ -732,7 +766,7 @@ impl<'a> Rolling<'a> {
             .push(resources::rank_table_config_map(isvc, g, &table));
     }
 
-    /// Rolls one outdated group, when nothing else is in transition, and counts what was seen.
+    /// Rolls one outdated group, and counts what was seen.
     fn finish(mut self, groups: &BTreeMap<i32, ReplicaGroup>) -> Rollout {
         // Every change reaches the reconcile through a watch, but a pod the cluster is moving
         // on (terminating, or on a node and not ready) is looked at again soon regardless:
@@ -744,10 +778,16 @@ impl<'a> Rolling<'a> {
             recheck_within(&mut self.changes.recheck_after, Duration::ZERO);
         }
         self.seen.outdated_groups = i32::try_from(self.outdated.len()).unwrap_or(i32::MAX);
-        // Roll one group at a time, and only while every other group (surge groups included)
-        // is serving: with a surge group ready, taking an outdated one out leaves `desired`
-        // serving.
-        if let (false, Some(&g)) = (self.in_transition, self.outdated.first()) {
+        // An outdated group that does not serve (crash-looping on the spec it was made with)
+        // holds no capacity: it is replaced at once, or it would hold up the rollout that
+        // fixes it. One that serves goes only while every other group (surge groups
+        // included) serves: with a surge group ready, taking it out leaves `desired` serving.
+        let next = match self.outdated.iter().find(|&&(_, serving)| !serving) {
+            Some(&(g, _)) => Some(g),
+            None if !self.in_transition => self.outdated.first().map(|&(g, _)| g),
+            None => None,
+        };
+        if let Some(g) = next {
             if let Some(group) = groups.get(&g) {
                 self.delete_group(group);
             }

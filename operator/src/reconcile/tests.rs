@@ -277,7 +277,19 @@ fn scaling_follows_spec_replicas_without_writing_it() {
 
 #[test]
 fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
-    let groups = |pairs: &[(i32, bool)]| pairs.iter().copied().collect();
+    let groups = |pairs: &[(i32, bool)]| {
+        pairs
+            .iter()
+            .map(|&(g, marked)| {
+                let standing = super::Standing {
+                    marked,
+                    serving: true,
+                    ..Default::default()
+                };
+                (g, standing)
+            })
+            .collect()
+    };
     let unmarked = groups(&[(0, false), (1, false), (2, false), (3, false)]);
     assert_eq!(
         kept_groups(&unmarked, 2).into_iter().collect::<Vec<_>>(),
@@ -303,6 +315,26 @@ fn scale_down_removes_marked_groups_first_and_scale_up_fills_the_lowest_gaps() {
     );
     assert!(kept_groups(&gaps, 0).is_empty());
     assert!(kept_groups(&gaps, -1).is_empty());
+    // Unmarked, a group of an older spec goes first, then one that does not serve.
+    let standing = |stale, serving| super::Standing {
+        marked: false,
+        stale,
+        serving,
+    };
+    let mixed = std::collections::BTreeMap::from([
+        (0, standing(false, true)),
+        (1, standing(true, true)),
+        (2, standing(false, false)),
+        (3, standing(false, true)),
+    ]);
+    assert_eq!(
+        kept_groups(&mixed, 3).into_iter().collect::<Vec<_>>(),
+        [0, 2, 3]
+    );
+    assert_eq!(
+        kept_groups(&mixed, 2).into_iter().collect::<Vec<_>>(),
+        [0, 3]
+    );
 
     // Through the plan: the marked group's pods are the ones deleted.
     let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 3);
@@ -395,6 +427,40 @@ fn a_changed_spec_surges_a_group_before_replacing_one() {
     assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
     assert_eq!(p.status.ready_replicas, 1);
     assert_eq!(condition(&p.status, status::READY).status, "True");
+    assert_eq!(
+        condition(&p.status, status::PROGRESSING).reason,
+        "Converged"
+    );
+}
+
+#[test]
+fn a_spec_put_back_while_its_surge_group_crash_loops_removes_that_group_at_once() {
+    let mut isvc = service(AcceleratorType::Cpu, Platform::Mindcluster, 1, 1, 1);
+    let pods = running(&isvc, true);
+    let good = isvc.spec.clone();
+    isvc.spec.engine.max_batch_size = 64;
+    let observe = |pods: &[Pod]| Observed {
+        pods: pods.to_vec(),
+        ..Default::default()
+    };
+    let p = plan(&isvc, &observe(&pods), &Settings::default(), &now());
+    // The surge group never serves: its worker exits on the new spec.
+    let crashing: Vec<Pod> = p
+        .create_pods
+        .into_iter()
+        .map(|pod| with_status(pod, "Running", false, 1))
+        .collect();
+    let both: Vec<Pod> = pods.iter().cloned().chain(crashing).collect();
+    let p = plan(&isvc, &observe(&both), &Settings::default(), &now());
+    assert!(p.delete_pods.is_empty(), "the serving group stays");
+    // The spec put back: the serving group is current again, and the crash-looping one,
+    // now outdated, is deleted without waiting for it to serve.
+    isvc.spec = good;
+    let p = plan(&isvc, &observe(&both), &Settings::default(), &now());
+    assert_eq!(p.delete_pods, ["llm-1-0"]);
+    assert!(p.create_pods.is_empty(), "{:?}", names(&p.create_pods));
+    let p = plan(&isvc, &observe(&pods), &Settings::default(), &now());
+    assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
     assert_eq!(
         condition(&p.status, status::PROGRESSING).reason,
         "Converged"
@@ -1501,21 +1567,24 @@ fn the_membership_stage_keeps_surge_groups_only_while_groups_are_outdated() {
     let current = crate::fleet::groups(&pods);
     let kept = |m: Membership| (m.kept.into_iter().collect::<Vec<_>>(), m.scaled_down);
     assert_eq!(
-        kept(membership(&current, 2, 1, &hash)),
+        kept(membership(&current, 2, 1, 1, &hash)),
         (vec![0, 1], vec![])
     );
-    assert_eq!(kept(membership(&current, 1, 1, &hash)), (vec![0], vec![1]));
+    assert_eq!(
+        kept(membership(&current, 1, 1, 1, &hash)),
+        (vec![0], vec![1])
+    );
     pods[1]
         .labels_mut()
         .insert(labels::TEMPLATE_HASH.into(), "older".into());
     let outdated = crate::fleet::groups(&pods);
     assert_eq!(
-        kept(membership(&outdated, 2, 1, &hash)),
+        kept(membership(&outdated, 2, 1, 1, &hash)),
         (vec![0, 1, 2], vec![]),
         "one group is made ahead of replacing the outdated one"
     );
     assert_eq!(
-        kept(membership(&outdated, 2, 0, &hash)),
+        kept(membership(&outdated, 2, 1, 0, &hash)),
         (vec![0, 1], vec![])
     );
 }
