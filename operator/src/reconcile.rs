@@ -783,15 +783,24 @@ impl<'a> Rolling<'a> {
         // fixes it. One that serves goes only while every other group (surge groups
         // included) serves: with a surge group ready, taking it out leaves `desired` serving.
         let next = match self.outdated.iter().find(|&&(_, serving)| !serving) {
-            Some(&(g, _)) => Some(g),
-            None if !self.in_transition => self.outdated.first().map(|&(g, _)| g),
+            Some(&next) => Some(next),
+            None if !self.in_transition => self.outdated.first().copied(),
             None => None,
         };
-        if let Some(g) = next {
+        if let Some((g, serving)) = next {
             if let Some(group) = groups.get(&g) {
                 self.delete_group(group);
             }
-            self.note_replacing(g);
+            if serving {
+                self.note_replacing(g);
+            } else {
+                // A surge group is not made again once nothing is outdated: "deleting" holds
+                // either way.
+                let message =
+                    format!("deleting replica group {g}: it runs an older spec and does not serve");
+                let pod = self.first_pod(g);
+                self.note(false, "RollingGroup", message, pod);
+            }
         }
         let existing = groups.values().filter(|g| !g.live.is_empty()).count();
         self.seen.existing_groups = i32::try_from(existing).unwrap_or(i32::MAX);

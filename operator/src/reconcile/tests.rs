@@ -459,6 +459,12 @@ fn a_spec_put_back_while_its_surge_group_crash_loops_removes_that_group_at_once(
     let p = plan(&isvc, &observe(&both), &Settings::default(), &now());
     assert_eq!(p.delete_pods, ["llm-1-0"]);
     assert!(p.create_pods.is_empty(), "{:?}", names(&p.create_pods));
+    assert!(
+        p.notes.iter().any(|n| n.reason == "RollingGroup"
+            && n.message == "deleting replica group 1: it runs an older spec and does not serve"),
+        "{:?}",
+        p.notes
+    );
     let p = plan(&isvc, &observe(&pods), &Settings::default(), &now());
     assert!(p.delete_pods.is_empty() && p.create_pods.is_empty());
     assert_eq!(
