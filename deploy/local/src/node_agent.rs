@@ -964,14 +964,19 @@ fn conditions(ready: bool, now: Timestamp) -> serde_json::Value {
 }
 
 fn container_status(container: &Container, ready: bool, now: Timestamp) -> serde_json::Value {
+    with_state(container, ready, json!({"running": {"startedAt": now}}))
+}
+
+/// A container's status in `state`; its process runs (or ran) once, never restarted.
+fn with_state(container: &Container, ready: bool, state: serde_json::Value) -> serde_json::Value {
     json!({
         "name": container.name,
         "image": container.image.clone().unwrap_or_default(),
         "imageID": "",
         "ready": ready,
-        "started": true,
+        "started": state.get("running").is_some(),
         "restartCount": 0,
-        "state": {"running": {"startedAt": now}},
+        "state": state,
     })
 }
 
@@ -998,20 +1003,13 @@ fn exited_status(
     } else {
         ("Error", &log_tail[start..])
     };
-    json!({
-        "name": container.name,
-        "image": container.image.clone().unwrap_or_default(),
-        "imageID": "",
-        "ready": false,
-        "started": false,
-        "restartCount": 0,
-        "state": {"terminated": {
-            "exitCode": code,
-            "reason": reason,
-            "message": message,
-            "finishedAt": now,
-        }},
-    })
+    let terminated = json!({"terminated": {
+        "exitCode": code,
+        "reason": reason,
+        "message": message,
+        "finishedAt": now,
+    }});
+    with_state(container, false, terminated)
 }
 
 #[cfg(test)]

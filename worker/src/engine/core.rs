@@ -473,8 +473,9 @@ impl EngineCore {
     /// first token after a chunk of the document and a step of its own size, not after the
     /// whole document. A prompt of a higher priority than some running sequence runs
     /// without those: a step takes longer with every sequence in it, and the prompt's first
-    /// token should not wait on lower priorities' decodes. Beside a higher priority's decodes, a lower priority's
-    /// prompt advances [`OUTRANKED_PROMPT_CHUNK`] positions a step.
+    /// token should not wait on lower priorities' decodes. Beside a higher priority's
+    /// decodes, a lower priority's prompt advances [`OUTRANKED_PROMPT_CHUNK`] positions a
+    /// step.
     fn schedule(&mut self, state: &mut SharedState) -> Vec<Scheduled> {
         let Some(urgent) = self.urgent_priority(state) else {
             return self.schedule_from(i32::MIN, state);
@@ -531,14 +532,8 @@ impl EngineCore {
                 .running
                 .get(&order)
                 .is_some_and(|sequence| sequence.tokens.len() - sequence.num_computed == 1);
-            if decoding && self.reserve(order, 1, &mut plan, &mut budget, state) {
-                let start = self.running[&order].num_computed;
-                plan.push(Scheduled {
-                    order,
-                    start,
-                    len: 1,
-                });
-                budget -= 1;
+            if decoding {
+                self.advance(order, 1, &mut plan, &mut budget, state);
             }
         }
         // Freshly preempted sequences are at the queue's front; admitting now would only
@@ -566,18 +561,9 @@ impl EngineCore {
                 }
             } else if self.running.contains_key(&prompt.order) {
                 let before = self.counters.preemptions_total;
-                let reserved = self.reserve(prompt.order, len, &mut plan, &mut budget, state);
-                if reserved {
-                    let start = self.running[&prompt.order].num_computed;
-                    plan.push(Scheduled {
-                        order: prompt.order,
-                        start,
-                        len,
-                    });
-                    budget -= len;
-                }
+                let advanced = self.advance(prompt.order, len, &mut plan, &mut budget, state);
                 admitting &= self.counters.preemptions_total == before;
-                reserved
+                advanced
             } else {
                 false
             };
@@ -710,6 +696,25 @@ impl EngineCore {
             self.running.insert(order, sequence);
             return true;
         }
+    }
+
+    /// Plans the running sequence `order`'s next `len` positions in this step, when
+    /// [`EngineCore::reserve`] finds them blocks.
+    fn advance(
+        &mut self,
+        order: u64,
+        len: usize,
+        plan: &mut Vec<Scheduled>,
+        budget: &mut usize,
+        state: &mut SharedState,
+    ) -> bool {
+        if !self.reserve(order, len, plan, budget, state) {
+            return false;
+        }
+        let start = self.running[&order].num_computed;
+        plan.push(Scheduled { order, start, len });
+        *budget -= len;
+        true
     }
 
     /// Makes sure the running sequence `order` has blocks for `len` more positions,
